@@ -1,0 +1,132 @@
+"""The ``gpushare`` command: one subcommand per component.
+
+Each subcommand lives in its own small ``cmd`` module exposing ``add_arguments(parser)`` and
+``run(args) -> int``. Those modules import only argparse at the top and pull in their component inside
+``run``, so ``gpushare --help`` stays fast and one component's dependencies never break another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from gpushare.contract import ENV_NODE_NAME, ContractError, MemoryUnit, parse_unit
+from gpushare.inventory import DEFAULT_IGNORED_XIDS, InventoryError, parse_ignored_xids
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "device-plugin": ("deviceplugin.cmd", "serve aliyun.com/gpu-mem and aliyun.com/gpu-count to kubelet"),
+    "cri-shim": ("crishim.cmd", "proxy CRI between kubelet and containerd, enforcing card assignments"),
+    "advertiser": ("advertiser.cmd", "publish this node's card inventory as a node annotation"),
+    "extender": ("extender.cmd", "serve the kube-scheduler extender (filter, prioritize, bind, preempt)"),
+    "node": ("gpushare.node", "run advertiser, device plugin and CRI shim in one process"),
+    "sandbox": ("gpushare.sandbox.cmd", "run a whole simulated cluster on this machine"),
+    "inspect": ("gpushare.inspect", "show per-card GPU allocation across the cluster"),
+    "apiserver": ("gpushare.sandbox.apiserver_cmd", "serve the Kubernetes API stand-in"),
+}
+
+DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+
+
+class UsageError(Exception):
+    """A flag value that can't be used; printed as one line, exit code 2."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """The flags every node-side component shares."""
+
+    node_name: str
+    kubeconfig: str | None
+    gpus: str
+    device_plugin_dir: Path
+    memory_unit: MemoryUnit
+    ignored_xids: frozenset[int]
+
+
+def add_node_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--node-name", default=os.environ.get(ENV_NODE_NAME), help="default: $NODE_NAME")
+    parser.add_argument("--kubeconfig", default=None, help="default: in-cluster config, then ~/.kube/config")
+    parser.add_argument("--gpus", default="nvml", help="'nvml' (default) or 'sim:COUNTxMODEL:MiB,...'")
+    parser.add_argument("--device-plugin-dir", default=DEFAULT_DEVICE_PLUGIN_DIR)
+    parser.add_argument("--memory-unit", default="GiB", help="GiB (default), MiB or <N>MiB")
+    parser.add_argument(
+        "--ignore-xids",
+        default=",".join(str(x) for x in sorted(DEFAULT_IGNORED_XIDS)),
+        help="XIDs that don't mark a card unhealthy (application errors)",
+    )
+
+
+def node_settings(args: argparse.Namespace) -> NodeSettings:
+    if not args.node_name:
+        raise UsageError("--node-name is required (or set $NODE_NAME)")
+    try:
+        unit = parse_unit(args.memory_unit)
+        ignored = parse_ignored_xids(args.ignore_xids)
+    except (ContractError, InventoryError) as exc:
+        raise UsageError(str(exc)) from None
+    return NodeSettings(
+        node_name=args.node_name,
+        kubeconfig=args.kubeconfig,
+        gpus=args.gpus,
+        device_plugin_dir=Path(args.device_plugin_dir),
+        memory_unit=unit,
+        ignored_xids=ignored,
+    )
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpushare", description="Share GPUs between Kubernetes pods by memory.")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(module=module)
+        if _available(module):
+            _load(module).add_arguments(sub_parser)
+    return parser
+
+
+def _available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _load(module: str) -> ModuleType:
+    return importlib.import_module(module)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    if not _available(args.module):
+        print(f"gpushare {args.command}: not available in this build", file=sys.stderr)
+        return 2
+    try:
+        return int(_load(args.module).run(args))
+    except (UsageError, InventoryError) as exc:
+        print(f"gpushare {args.command}: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, UsageError) else 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def kubectl_main() -> int:
+    """``kubectl gpushare [-d] [NODE]``: the inspect subcommand as a kubectl plugin."""
+    return main(["inspect", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

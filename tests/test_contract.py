@@ -1,0 +1,167 @@
+"""The contract: request semantics and every annotation parse/format pair."""
+
+import json
+
+import pytest
+
+from gpushare import contract as c
+from gpushare.cards import Card
+from gpushare.inventory import simulated_cards
+
+
+def pod(containers, init=(), annotations=None, name="p", uid="u1"):
+    def ctr(name, mem=None, count=None):
+        limits = {}
+        if mem is not None:
+            limits[c.RESOURCE_MEM] = mem
+        if count is not None:
+            limits[c.RESOURCE_COUNT] = count
+        return {"name": name, "resources": {"limits": limits}}
+
+    return {
+        "metadata": {"name": name, "namespace": "ns", "uid": uid, "annotations": annotations or {}},
+        "spec": {"containers": [ctr(*x) for x in containers], "initContainers": [ctr(*x) for x in init]},
+    }
+
+
+def test_request_semantics_mem_count_and_both() -> None:
+    req = c.parse_pod_request(pod([("a", "8"), ("b", None, "2"), ("d", "12", "3"), ("e",)], init=[("i", 4)]))
+    by = {x.name: x for x in req.containers}
+    assert [x.name for x in req.containers] == ["i", "a", "b", "d", "e"]  # init containers first
+    assert by["i"].init and not by["a"].init
+    assert (by["a"].cards, by["a"].units_per_card, by["a"].exclusive) == (1, 8, False)
+    assert (by["b"].cards, by["b"].units_per_card, by["b"].exclusive) == (2, 0, True)
+    assert (by["d"].cards, by["d"].units_per_card, by["d"].exclusive) == (3, 4, False)
+    assert not by["e"].wants_gpu
+    assert [x.name for x in req.gpu_containers] == ["i", "a", "b", "d"]
+    assert req.total_mem == 4 + 8 + 12
+
+
+def test_indivisible_request_is_rejected_naming_container() -> None:
+    with pytest.raises(c.RequestError, match=r"pod ns/p container d: .*gpu-mem=10 is not divisible by .*gpu-count=3"):
+        c.parse_pod_request(pod([("d", "10", "3")]))
+
+
+@pytest.mark.parametrize("bad", ["1.5", "-1", "8Gi", "", True])
+def test_non_integer_quantities_are_rejected(bad) -> None:
+    with pytest.raises(c.RequestError, match="container a"):
+        c.parse_pod_request(pod([("a", bad)]))
+
+
+def test_units() -> None:
+    assert c.parse_unit("GiB").units_of(81920) == 80
+    assert c.parse_unit("MiB").units_of(15360) == 15360
+    u = c.parse_unit("256MiB")
+    assert (u.mib, u.units_of(15360), c.format_unit(u)) == (256, 60, "256MiB")
+    for bad in ("KiB", "0MiB", "GB", "12"):
+        with pytest.raises(c.ContractError, match="memory unit"):
+            c.parse_unit(bad)
+
+
+UUID_A = "GPU-5778203f-3d9e-535e-b0bc-024184b555e8"
+UUID_B = "GPU-d9c3948d-1519-5c73-a571-8613affee367"
+
+
+def test_allocation_round_trip() -> None:
+    alloc = {"b": (c.CardSlice(1, UUID_B, 4), c.CardSlice(0, UUID_A, 4)), "a": (c.CardSlice(0, UUID_A, 8),)}
+    assert c.parse_allocation(c.format_allocation(alloc)) == alloc
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[]", "expected an object"),
+        ('{"a": []}', "no card list"),
+        ('{"a": [{"index": "x", "uuid": "GPU-1", "units": 1}]}', "card index 'x'"),
+        ('{"a": [{"index": -1, "uuid": "GPU-1", "units": 1}]}', "card index -1"),
+        ('{"a": [{"index": 0, "uuid": "nvidia0", "units": 1}]}', "not a GPU UUID"),
+        ('{"a": [{"index": 0, "uuid": "GPU-1", "units": 0}]}', "units 0"),
+        (
+            '{"a": [{"index": 0, "uuid": "GPU-1", "units": 1}, {"index": 0, "uuid": "GPU-1", "units": 1}]}',
+            "twice",
+        ),
+    ],
+)
+def test_bad_allocation_annotations_name_pod_and_field(text, message) -> None:
+    with pytest.raises(c.AnnotationError, match=message) as err:
+        c.parse_allocation(text, "ns/p")
+    assert "pod ns/p" in str(err.value) and c.ANN_ALLOCATION in str(err.value)
+
+
+def test_pod_allocation_prefers_ours_and_falls_back_to_original_keys() -> None:
+    ours = c.format_allocation({"a": (c.CardSlice(1, UUID_B, 8),)})
+    p = pod([("a", "8")], annotations={c.ANN_ALLOCATION: ours, c.ANN_MEM_IDX: "0"})
+    assert c.pod_allocation(p, c.parse_pod_request(p)) == {"a": (c.CardSlice(1, UUID_B, 8),)}
+
+    orig = pod([("a", "8"), ("b", "2")], annotations={c.ANN_MEM_IDX: "1"})
+    got = c.pod_allocation(orig, c.parse_pod_request(orig), {1: UUID_B})
+    assert got == {"a": (c.CardSlice(1, UUID_B, 8),), "b": (c.CardSlice(1, UUID_B, 2),)}
+
+    assert c.pod_allocation(pod([("a", "8")]), c.parse_pod_request(pod([("a", "8")]))) is None
+    with pytest.raises(c.AnnotationError, match="ALIYUN_COM_GPU_MEM_IDX: 'x' is not an integer"):
+        bad = pod([("a", "8")], annotations={c.ANN_MEM_IDX: "x"})
+        c.pod_allocation(bad, c.parse_pod_request(bad))
+
+
+def test_allocation_naming_a_container_without_gpu_is_rejected() -> None:
+    p = pod(
+        [("a", "8"), ("sidecar",)],
+        annotations={
+            c.ANN_ALLOCATION: c.format_allocation(
+                {"a": (c.CardSlice(0, UUID_A, 8),), "sidecar": (c.CardSlice(1, UUID_B, 8),)}
+            )
+        },
+    )
+    with pytest.raises(c.AnnotationError, match="sidecar"):
+        c.pod_allocation(p, c.parse_pod_request(p))
+
+
+def test_validate_allocation_shape() -> None:
+    req = c.parse_pod_request(pod([("d", "12", "3")]))
+    with pytest.raises(c.AnnotationError, match="requests 3 card"):
+        c.validate_allocation(req, {"d": (c.CardSlice(0, UUID_A, 4),)})
+    with pytest.raises(c.AnnotationError, match="requests 4 unit"):
+        c.validate_allocation(
+            req, {"d": (c.CardSlice(0, UUID_A, 4), c.CardSlice(1, UUID_B, 4), c.CardSlice(2, "GPU-c", 5))}
+        )
+    with pytest.raises(c.AnnotationError, match="assigns it no card"):
+        c.validate_allocation(req, {})
+
+
+def test_assume_time_and_index_parsing() -> None:
+    assert c.parse_assume_time(c.format_assume_time(1700000000123456789)) == 1700000000123456789
+    with pytest.raises(c.AnnotationError, match="ASSUME_TIME"):
+        c.parse_assume_time("yesterday", "ns/p")
+    with pytest.raises(c.AnnotationError, match="is negative"):
+        c.parse_card_index("-2", "ns/p")
+
+
+def test_assigned_env_for_two_cards() -> None:
+    env = c.assigned_env((c.CardSlice(0, UUID_A, 4), c.CardSlice(1, UUID_B, 4)), 8, {UUID_A: 80, UUID_B: 80})
+    assert env == {
+        c.ENV_VISIBLE_DEVICES: f"{UUID_A},{UUID_B}",
+        c.ENV_MEM_IDX: "0,1",
+        c.ENV_MEM_POD: "8",
+        c.ENV_MEM_CONTAINER: "8",
+        c.ENV_MEM_DEV: "80",
+    }
+
+
+def test_inventory_round_trip_and_errors() -> None:
+    cards = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
+    text = c.format_inventory(cards, c.GIB)
+    inv = c.parse_inventory(text, "n1")
+    assert inv.cards == tuple(cards) and inv.unit == c.GIB
+    assert [card["units"] for card in json.loads(text)["cards"]] == [80, 80, 15]
+    with pytest.raises(c.AnnotationError, match=r"node n1 .*version"):
+        c.parse_inventory('{"version": 99}', "n1")
+    broken = json.loads(text)
+    del broken["cards"][0]["uuid"]
+    with pytest.raises(c.AnnotationError, match="missing or has a bad field"):
+        c.parse_inventory(json.dumps(broken), "n1")
+
+
+def test_model_label_is_a_valid_label_value() -> None:
+    cards = [Card(0, UUID_A, "NVIDIA A100 80GB PCIe", 81920, 0), Card(1, UUID_B, "T4", 15360, 1)]
+    assert c.format_model_label(cards) == "NVIDIA-A100-80GB-PCIe_T4"
