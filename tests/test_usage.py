@@ -1,0 +1,60 @@
+"""Per-card usage from pod annotations: what every component uses to refuse over-commitment."""
+
+from gpushare import contract as c
+from gpushare.inventory import simulated_cards
+from gpushare.usage import node_usage, overcommitted, resolve_allocation
+
+CARDS = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
+A0, A1, T4 = CARDS
+
+
+def pod(name, mem, annotations, phase="Pending", count=None):
+    limits = {c.RESOURCE_MEM: str(mem)}
+    if count:
+        limits[c.RESOURCE_COUNT] = str(count)
+    return {
+        "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "annotations": annotations},
+        "spec": {"nodeName": "n1", "containers": [{"name": "main", "resources": {"limits": limits}}]},
+        "status": {"phase": phase},
+    }
+
+
+def ours(*slices):
+    return {c.ANN_ALLOCATION: c.format_allocation({"main": tuple(slices)})}
+
+
+def test_usage_counts_ours_original_and_ignores_finished() -> None:
+    pods = [
+        pod("a", 8, ours(c.CardSlice(0, A0.uuid, 8))),
+        pod("b", 4, {c.ANN_MEM_IDX: "0"}),  # written by the original extender
+        pod("c", 10, ours(c.CardSlice(2, T4.uuid, 10)), phase="Succeeded"),
+        pod("d", 20, ours(c.CardSlice(0, A0.uuid, 10), c.CardSlice(1, A1.uuid, 10)), count=2),
+        pod("e", 2, {}),  # not scheduled by us yet
+    ]
+    used, counted, bad = node_usage(pods, CARDS)
+    assert used == {A0.uuid: 22, A1.uuid: 10, T4.uuid: 0}
+    assert [p.key for p in counted] == ["ns/a", "ns/b", "ns/d"]
+    assert bad == []
+
+
+def test_bad_annotations_are_reported_not_counted_as_free() -> None:
+    pods = [pod("x", 4, {c.ANN_MEM_IDX: "7"}), pod("y", 4, {c.ANN_ALLOCATION: "{garbage"})]
+    used, counted, bad = node_usage(pods, CARDS)
+    assert counted == [] and set(used.values()) == {0}
+    assert [b.key for b in bad] == ["ns/x", "ns/y"]
+    assert "card index 7 is not on this node" in bad[0].reason
+    assert "not valid JSON" in bad[1].reason
+
+
+def test_overcommit_check_names_the_card() -> None:
+    used = {A0.uuid: 76, A1.uuid: 0, T4.uuid: 0}
+    by_uuid = {card.uuid: card for card in CARDS}
+    assert overcommitted([c.CardSlice(0, A0.uuid, 4)], used, by_uuid, c.GIB) is None
+    reason = overcommitted([c.CardSlice(0, A0.uuid, 5)], used, by_uuid, c.GIB)
+    assert reason == f"card 0 ({A0.uuid}) would be over-committed: 76 + 5 > 80 GiB unit(s)"
+    assert "GPU-ffff is not on this node" in overcommitted([c.CardSlice(0, "GPU-ffff", 1)], used, by_uuid, c.GIB)
+
+
+def test_original_index_resolves_through_the_node_inventory() -> None:
+    got = resolve_allocation(pod("b", 4, {c.ANN_MEM_IDX: "2"}), CARDS)
+    assert got == {"main": (c.CardSlice(2, T4.uuid, 4),)}
