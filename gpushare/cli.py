@@ -116,11 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(_load(args.module).run(args))
-    except (UsageError, InventoryError) as exc:
+    except (UsageError, InventoryError, _kube_error()) as exc:
         print(f"gpushare {args.command}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
     except KeyboardInterrupt:
         return 130
+
+
+def _kube_error() -> type[Exception]:
+    """Imported only when an error is being handled: the kubernetes client is slow to import."""
+    from gpushare.kube import KubeError
+
+    return KubeError
 
 
 def kubectl_main() -> int:

@@ -375,20 +375,24 @@ def format_bool(value: bool) -> str:
     return "true" if value else "false"
 
 
-def parse_assigned_containers(text: str | None, pod: str = "?") -> frozenset[str]:
+def parse_assigned_containers(text: str | None, pod: str = "?") -> dict[str, frozenset[str]]:
+    """Which resources the device plugin has served to each container (JSON name -> [resource])."""
     if not text:
-        return frozenset()
+        return {}
+    where = f"pod {pod} annotation {ANN_ASSIGNED_CONTAINERS}"
     try:
         raw = json.loads(text)
     except ValueError:
-        raise AnnotationError(f"pod {pod} annotation {ANN_ASSIGNED_CONTAINERS}: not valid JSON") from None
-    if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
-        raise AnnotationError(f"pod {pod} annotation {ANN_ASSIGNED_CONTAINERS}: expected a list of names")
-    return frozenset(raw)
+        raise AnnotationError(f"{where}: not valid JSON") from None
+    if not isinstance(raw, dict) or not all(
+        isinstance(v, list) and all(r in RESOURCES for r in v) for v in raw.values()
+    ):
+        raise AnnotationError(f"{where}: expected an object of container name -> list of gpushare resources")
+    return {name: frozenset(served) for name, served in raw.items()}
 
 
-def format_assigned_containers(names: frozenset[str] | set[str]) -> str:
-    return json.dumps(sorted(names), separators=(",", ":"))
+def format_assigned_containers(served: Mapping[str, frozenset[str]]) -> str:
+    return json.dumps({name: sorted(res) for name, res in sorted(served.items())}, separators=(",", ":"))
 
 
 def annotations_of(pod: Mapping[str, Any]) -> Mapping[str, str]:

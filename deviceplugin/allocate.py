@@ -1,0 +1,155 @@
+"""The Allocate decision: check the scheduler's assignment against this node, then build the answer.
+
+Pure: takes the pods on the node and the node's cards, returns what to tell kubelet and what to record
+on the pod, or raises :class:`Refusal`. Whoever wrote the annotations, nothing here trusts them: the
+card must exist on this node, be healthy, and the units held on it by all live pods must fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from deviceplugin.matching import Match, fully_served, match_container
+from gpushare.cards import Card
+from gpushare.contract import (
+    ANN_ALLOCATION,
+    ANN_ASSIGNED_CONTAINERS,
+    ANN_MEM_ASSIGNED,
+    ANN_MEM_IDX,
+    CTR_ANN_CARDS,
+    CTR_ANN_CONTAINER,
+    CTR_ANN_POD,
+    CTR_ANN_POD_UID,
+    CardSlice,
+    ContractError,
+    MemoryUnit,
+    assigned_env,
+    format_assigned_containers,
+    format_bool,
+    validate_allocation,
+)
+from gpushare.usage import node_usage, resolve_allocation
+
+
+class Refusal(Exception):
+    """Allocate must fail. ``reason`` is a short label for metrics; ``invalid_input`` marks bad annotations."""
+
+    def __init__(self, reason: str, message: str, *, invalid_input: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.invalid_input = invalid_input
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    pod: Mapping[str, Any]
+    container: str
+    slices: tuple[CardSlice, ...]
+    envs: dict[str, str]
+    annotations: dict[str, str]
+    #: the annotation patch recording this container as served
+    pod_patch: dict[str, Any]
+
+
+def describe(slices: Sequence[CardSlice]) -> str:
+    return ", ".join(f"card {s.index} ({s.uuid})" for s in slices)
+
+
+def check_cards(
+    match: Match,
+    slices: tuple[CardSlice, ...],
+    pods: Sequence[Mapping[str, Any]],
+    cards: Sequence[Card],
+    unit: MemoryUnit,
+) -> None:
+    where = f"pod {match.request.key} container {match.container.name}"
+    by_uuid = {c.uuid: c for c in cards}
+    for s in slices:
+        card = by_uuid.get(s.uuid)
+        if card is None:
+            raise Refusal("unknown-card", f"{where}: assigned card {s.index} ({s.uuid}) is not on this node")
+        if card.index != s.index:
+            raise Refusal(
+                "unknown-card",
+                f"{where}: assigned card {s.uuid} is index {card.index} here, not {s.index} as annotated",
+            )
+        if not card.healthy:
+            raise Refusal("unhealthy-card", f"{where}: assigned card {s.index} ({s.uuid}) is unhealthy")
+        if match.container.exclusive and s.units != unit.units_of(card.memory_mib):
+            raise Refusal(
+                "bad-annotation",
+                f"{where}: requests card {s.index} whole but is assigned {s.units} of its "
+                f"{unit.units_of(card.memory_mib)} unit(s)",
+                invalid_input=True,
+            )
+    used, _, _ = node_usage(pods, cards)
+    for s in slices:
+        card = by_uuid[s.uuid]
+        capacity = unit.units_of(card.memory_mib)
+        if used[s.uuid] > capacity:
+            raise Refusal(
+                "overcommit",
+                f"{where}: card {s.index} ({s.uuid}) would be over-committed: live pods on this node hold "
+                f"{used[s.uuid]} of its {capacity} {unit.name} unit(s)",
+            )
+
+
+def decide(
+    pods: Sequence[Mapping[str, Any]], node: str, resource: str, units: int, cards: Sequence[Card], unit: MemoryUnit
+) -> Decision:
+    try:
+        match = match_container(pods, node, resource, units)
+    except ContractError as exc:
+        raise Refusal("bad-annotation", f"{resource} x{units}: {exc}", invalid_input=True) from None
+    if match is None:
+        raise Refusal(
+            "no-pending-pod",
+            f"{resource} x{units}: no pending pod on node {node} has an unserved container whose {resource} "
+            f"limit is {units} (was it scheduled by the gpushare extender?)",
+        )
+    key, name = match.request.key, match.container.name
+    try:
+        allocation = resolve_allocation(match.pod, cards)
+        if allocation is None:
+            raise ContractError(f"pod {key} has neither {ANN_ALLOCATION} nor {ANN_MEM_IDX}: no card assigned")
+        validate_allocation(match.request, allocation)
+    except ContractError as exc:
+        raise Refusal("bad-annotation", f"pod {key} container {name}: {exc}", invalid_input=True) from None
+    slices = allocation[name]
+    check_cards(match, slices, pods, cards, unit)
+
+    served = {**match.served, name: match.served.get(name, frozenset()) | {resource}}
+    annotations: dict[str, str] = {ANN_ASSIGNED_CONTAINERS: format_assigned_containers(served)}
+    if fully_served(match.request, served):
+        annotations[ANN_MEM_ASSIGNED] = format_bool(True)
+    card_units = {c.uuid: unit.units_of(c.memory_mib) for c in cards}
+    meta = match.pod.get("metadata") or {}
+    return Decision(
+        pod=match.pod,
+        container=name,
+        slices=slices,
+        envs=assigned_env(slices, match.request.total_mem, card_units),
+        annotations={
+            CTR_ANN_POD_UID: meta.get("uid", ""),
+            CTR_ANN_POD: key,
+            CTR_ANN_CONTAINER: name,
+            CTR_ANN_CARDS: ",".join(s.uuid for s in slices),
+        },
+        pod_patch={"metadata": {"annotations": annotations}},
+    )
+
+
+def preferred_cards(
+    pods: Sequence[Mapping[str, Any]], node: str, resource: str, size: int, cards: Sequence[Card]
+) -> tuple[str, ...]:
+    """The card UUIDs the scheduler chose for the container the next Allocate would match, if any."""
+    try:
+        match = match_container(pods, node, resource, size)
+        allocation = resolve_allocation(match.pod, cards) if match else None
+    except ContractError:
+        return ()
+    if match is None or allocation is None or match.container.name not in allocation:
+        return ()
+    return tuple(s.uuid for s in allocation[match.container.name])

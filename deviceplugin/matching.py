@@ -1,0 +1,97 @@
+"""Which pending container an Allocate call is for.
+
+Allocate carries only a device count, no pod. Like the original gpushare plugin we take the pending
+pod on this node with the earliest assume time, but we match per container (init containers first)
+and per resource, and break ties by creation time and then UID so that the answer never depends on
+the order the API or a dict happens to list things in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpushare.contract import (
+    ANN_ALLOCATION,
+    ANN_ASSIGNED_CONTAINERS,
+    ANN_MEM_ASSIGNED,
+    ANN_MEM_ASSUME_TIME,
+    ANN_MEM_IDX,
+    RESOURCE_COUNT,
+    RESOURCE_MEM,
+    ContainerRequest,
+    PodRequest,
+    annotations_of,
+    parse_assigned_containers,
+    parse_assume_time,
+    parse_bool,
+    parse_pod_request,
+    pod_key,
+)
+
+#: annotations that show a gpushare scheduler (ours or the original) has placed the pod
+SCHEDULED_MARKERS = (ANN_ALLOCATION, ANN_MEM_IDX, ANN_MEM_ASSUME_TIME)
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    pod: Mapping[str, Any]
+    request: PodRequest
+    container: ContainerRequest
+    served: dict[str, frozenset[str]]
+
+
+def container_units(container: ContainerRequest, resource: str) -> int:
+    return container.mem if resource == RESOURCE_MEM else container.count
+
+
+def _awaiting_allocation(pod: Mapping[str, Any], node: str) -> bool:
+    meta = pod.get("metadata") or {}
+    ann = annotations_of(pod)
+    return (
+        (pod.get("spec") or {}).get("nodeName") == node
+        and (pod.get("status") or {}).get("phase", "Pending") == "Pending"
+        and not meta.get("deletionTimestamp")
+        and any(k in ann for k in SCHEDULED_MARKERS)
+        and not parse_bool(ann.get(ANN_MEM_ASSIGNED))
+    )
+
+
+def _order(pod: Mapping[str, Any]) -> tuple[int, str, str]:
+    meta = pod.get("metadata") or {}
+    assume = annotations_of(pod).get(ANN_MEM_ASSUME_TIME)
+    # A pod without an assume time was placed by something else; serve it after the ones that have one.
+    assume_ns = parse_assume_time(assume, pod_key(pod)) if assume is not None else 2**63
+    return assume_ns, meta.get("creationTimestamp") or "", meta.get("uid") or ""
+
+
+def match_container(pods: Iterable[Mapping[str, Any]], node: str, resource: str, units: int) -> Match | None:
+    """The first unserved container asking for exactly ``units`` of ``resource``, or None.
+
+    Raises ContractError when the pod that would match carries malformed annotations: guessing past
+    it could hand its card to someone else.
+    """
+    candidates = []
+    for pod in pods:
+        if not _awaiting_allocation(pod, node):
+            continue
+        request = parse_pod_request(pod)
+        if not any(container_units(c, resource) == units for c in request.gpu_containers):
+            continue
+        candidates.append((_order(pod), pod, request))
+    for _, pod, request in sorted(candidates, key=lambda item: item[0]):
+        served = parse_assigned_containers(annotations_of(pod).get(ANN_ASSIGNED_CONTAINERS), request.key)
+        for container in request.gpu_containers:
+            if container_units(container, resource) == units and resource not in served.get(container.name, ()):
+                return Match(pod, request, container, served)
+    return None
+
+
+def requested_resources(container: ContainerRequest) -> frozenset[str]:
+    return frozenset(r for r in (RESOURCE_MEM, RESOURCE_COUNT) if container_units(container, r))
+
+
+def fully_served(request: PodRequest, served: Mapping[str, frozenset[str]]) -> bool:
+    """Every GPU container has had an Allocate for every gpushare resource it requests."""
+    return all(requested_resources(c) <= served.get(c.name, frozenset()) for c in request.gpu_containers)

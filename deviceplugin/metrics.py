@@ -1,0 +1,29 @@
+"""Prometheus metrics of the device plugin."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from gpushare.cards import Card
+from gpushare.contract import MemoryUnit
+
+ALLOCATE_LATENCY = Histogram(
+    "gpushare_allocate_seconds",
+    "Time to answer one Allocate container request, API patch included",
+    ["resource"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+ALLOCATE_FAILURES = Counter("gpushare_allocate_failures_total", "Allocate requests refused", ["resource", "reason"])
+CARD_ALLOCATED = Gauge("gpushare_card_allocated_units", "Units of the card held by live pods", ["node", "card", "uuid"])
+CARD_TOTAL = Gauge("gpushare_card_total_units", "Units of the card", ["node", "card", "uuid"])
+CARD_HEALTHY = Gauge("gpushare_card_healthy", "1 when the card is healthy", ["node", "card", "uuid"])
+
+
+def publish_card_usage(node: str, cards: Sequence[Card], used: Mapping[str, int], unit: MemoryUnit) -> None:
+    for card in cards:
+        labels = {"node": node, "card": str(card.index), "uuid": card.uuid}
+        CARD_ALLOCATED.labels(**labels).set(used.get(card.uuid, 0))
+        CARD_TOTAL.labels(**labels).set(unit.units_of(card.memory_mib))
+        CARD_HEALTHY.labels(**labels).set(1 if card.healthy else 0)

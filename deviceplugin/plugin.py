@@ -1,0 +1,160 @@
+"""The device plugin's lifecycle: serve both resources, register with kubelet, and do it again
+whenever kubelet restarts.
+
+Kubelet deletes every socket in its device-plugins directory when it restarts and creates a new
+``kubelet.sock``. A watchdog notices either (our socket gone, or kubelet.sock replaced) and
+re-serves and re-registers, well within kubelet's grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from deviceplugin.allocator import Allocator
+from deviceplugin.devices import check_message_size
+from deviceplugin.server import DeviceState, ResourceService
+from gpushare.cards import Card
+from gpushare.contract import RESOURCE_COUNT, RESOURCE_MEM, MemoryUnit
+from gpushare.inventory import GpuBackend, HealthEvent
+from gpushare.pb import deviceplugin_pb2 as pb
+from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+SOCKETS = {RESOURCE_MEM: "gpushare-gpu-mem.sock", RESOURCE_COUNT: "gpushare-gpu-count.sock"}
+WATCH_INTERVAL = 0.2
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+@dataclass
+class _Served:
+    resource: str
+    service: ResourceService
+    server: grpc.Server
+    socket: Path
+
+
+class DevicePlugin:
+    def __init__(self, directory: Path, backend: GpuBackend, allocator: Allocator, unit: MemoryUnit) -> None:
+        self._dir = Path(directory)
+        self._backend = backend
+        self._allocator = allocator
+        self._unit = unit
+        self.state = DeviceState(backend.cards)
+        self._served: list[_Served] = []
+        self._kubelet_inode: int | None = None
+        self._stop = threading.Event()
+        self._registered = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.registrations = 0
+        backend.subscribe(self._on_health)
+
+    # --- public --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Validate, serve, and keep registered (in the background) until :meth:`stop`."""
+        check_message_size(self._backend.cards(), self._unit)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._run, name="device-plugin", daemon=True)
+        self._thread.start()
+
+    def wait_registered(self, timeout: float) -> bool:
+        return self._registered.wait(timeout)
+
+    @property
+    def registered(self) -> bool:
+        return self._registered.is_set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._shutdown()
+        self.state.close()
+
+    def cards(self) -> Sequence[Card]:
+        return self._backend.cards()
+
+    # --- internals -------------------------------------------------------------------------------------
+
+    def _on_health(self, event: HealthEvent) -> None:
+        self.state.bump()
+        self._allocator.publish_usage()
+
+    def _serve(self) -> None:
+        for resource, name in SOCKETS.items():
+            path = self._dir / name
+            path.unlink(missing_ok=True)
+            service = ResourceService(resource, self.state, self._allocator, self._unit)
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"dp-{name}"))
+            pb_grpc.add_DevicePluginServicer_to_server(service, server)
+            server.add_insecure_port(f"unix://{path}")
+            server.start()
+            os.chmod(path, 0o600)
+            self._served.append(_Served(resource, service, server, path))
+
+    def _shutdown(self) -> None:
+        served, self._served = self._served, []
+        for s in served:
+            s.service.stop()
+            s.server.stop(grace=0.5)
+            s.socket.unlink(missing_ok=True)
+        self._registered.clear()
+
+    def _register(self) -> None:
+        kubelet = self._dir / KUBELET_SOCKET
+        with grpc.insecure_channel(f"unix://{kubelet}") as channel:
+            stub = pb_grpc.RegistrationStub(channel)
+            for s in self._served:
+                stub.Register(
+                    pb.RegisterRequest(
+                        version=API_VERSION,
+                        endpoint=s.socket.name,
+                        resource_name=s.resource,
+                        options=pb.DevicePluginOptions(get_preferred_allocation_available=True),
+                    ),
+                    timeout=5,
+                )
+                log.info("registered %s with kubelet at %s (endpoint %s)", s.resource, kubelet, s.socket.name)
+        self._kubelet_inode = _inode(kubelet)
+        self.registrations += 1
+        self._registered.set()
+
+    def _needs_restart(self) -> bool:
+        if not self._served or not self._registered.is_set():
+            return True
+        if any(not s.socket.exists() for s in self._served):
+            log.warning("our sockets in %s vanished (kubelet restarted?); serving again", self._dir)
+            return True
+        if _inode(self._dir / KUBELET_SOCKET) != self._kubelet_inode:
+            log.warning("kubelet.sock in %s was re-created; registering again", self._dir)
+            return True
+        return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if (self._dir / KUBELET_SOCKET).exists() and self._needs_restart():
+                try:
+                    self._shutdown()
+                    self._serve()
+                    self._register()
+                except grpc.RpcError as exc:
+                    log.warning("registration with kubelet failed (%s); retrying", exc.details() or exc.code())
+                    self._registered.clear()
+            self._stop.wait(WATCH_INTERVAL)

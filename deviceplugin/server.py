@@ -1,0 +1,117 @@
+"""The DevicePlugin gRPC service for one resource. Thin: decisions live in allocate/allocator."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+
+from deviceplugin.allocate import Refusal
+from deviceplugin.allocator import Allocator, Unavailable
+from deviceplugin.devices import device_list
+from deviceplugin.preferred import preferred_ids
+from gpushare.cards import Card
+from gpushare.contract import MemoryUnit
+from gpushare.pb import deviceplugin_pb2 as pb
+from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DeviceState:
+    """The node's cards plus a change counter that ListAndWatch streams wait on."""
+
+    def __init__(self, cards: Callable[[], Sequence[Card]]) -> None:
+        self._cards = cards
+        self._changed = threading.Condition()
+        self._version = 0
+        self._closed = False
+
+    def cards(self) -> Sequence[Card]:
+        return self._cards()
+
+    def bump(self) -> None:
+        with self._changed:
+            self._version += 1
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def wait_change(self, seen: int, timeout: float) -> tuple[int, bool]:
+        """Block until the version moves past ``seen``; returns (version, closed)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version != seen or self._closed, timeout)
+            return self._version, self._closed
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+
+class ResourceService(pb_grpc.DevicePluginServicer):
+    def __init__(self, resource: str, state: DeviceState, allocator: Allocator, unit: MemoryUnit) -> None:
+        self.resource = resource
+        self._state = state
+        self._allocator = allocator
+        self._unit = unit
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
+        version = self._state.version
+        yield device_list(self.resource, self._state.cards(), self._unit)
+        while context.is_active() and not self._stopping.is_set():
+            new_version, closed = self._state.wait_change(version, timeout=0.5)
+            if closed:
+                return
+            if new_version != version:
+                version = new_version
+                log.info("%s: device health changed, re-sending the device list", self.resource)
+                yield device_list(self.resource, self._state.cards(), self._unit)
+
+    def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        responses = []
+        for req in request.container_requests:
+            chosen = self._allocator.preferred(self.resource, req.allocation_size)
+            ids = preferred_ids(
+                self.resource,
+                list(req.available_deviceIDs),
+                list(req.must_include_deviceIDs),
+                req.allocation_size,
+                chosen,
+                self._state.cards(),
+            )
+            responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
+        return pb.PreferredAllocationResponse(container_responses=responses)
+
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+        responses = []
+        for req in request.container_requests:
+            try:
+                decision = self._allocator.allocate(self.resource, len(req.devices_ids))
+            except Refusal as refusal:
+                code = (
+                    grpc.StatusCode.INVALID_ARGUMENT if refusal.invalid_input else grpc.StatusCode.FAILED_PRECONDITION
+                )
+                context.abort(code, str(refusal))
+            except Unavailable as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            responses.append(pb.ContainerAllocateResponse(envs=decision.envs, annotations=decision.annotations))
+        return pb.AllocateResponse(container_responses=responses)
+
+    def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()

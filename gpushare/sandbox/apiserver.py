@@ -1,0 +1,430 @@
+"""A minimal Kubernetes API server: the subset of the core/v1 REST API this project uses.
+
+It serves pods (with the ``status`` and ``binding`` subresources), nodes (with ``status``) and events
+over plain HTTP on loopback, with resourceVersions, 409 conflicts, 404/422 Status replies, field and
+label selectors and resumable watches, so that the official ``kubernetes`` client works against it
+unchanged. The sandbox and the test-suite run on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import yaml
+
+from gpushare.sandbox.patching import SUPPORTED, PatchError, apply_patch
+from gpushare.sandbox.selectors import Predicate, SelectorError, parse_field_selector, parse_label_selector
+from gpushare.sandbox.store import Key, Store, StoreError, invalid
+
+log = logging.getLogger(__name__)
+
+KINDS = {"pods": "Pod", "nodes": "Node", "events": "Event"}
+NAMESPACED = {"pods", "events"}
+
+_ROUTE = re.compile(
+    r"^/api/v1(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>pods|nodes|events)(?:/(?P<name>[^/]+)(?:/(?P<sub>status|binding))?)?/?$"
+)
+_NAMESPACE = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/?$")
+
+
+def status_body(code: int, reason: str, message: str, kind: str = "", name: str = "") -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Success" if code < 400 else "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+    if kind or name:
+        body["details"] = {"name": name, "kind": kind}
+    return body
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.api.track(self.connection)
+
+    def finish(self) -> None:
+        with contextlib.suppress(OSError):
+            super().finish()
+        self.server.api.untrack(self.connection)
+
+    # --- plumbing --------------------------------------------------------------------------------------
+
+    def _send(self, code: int, body: Mapping[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _fail(self, err: StoreError) -> None:
+        self._send(err.code, status_body(err.code, err.reason, err.message, err.kind, err.name))
+
+    def _body(self) -> Any:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            return json.loads(raw or b"null")
+        except ValueError as exc:
+            raise StoreError(400, "BadRequest", f"request body is not valid JSON: {exc}") from None
+
+    def _dispatch(self, method: str) -> None:
+        url = urlparse(self.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        try:
+            if method == "GET" and url.path in ("/api", "/api/"):
+                self._send(200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []})
+                return
+            if method == "GET" and (m := _NAMESPACE.match(url.path)):
+                ns = {
+                    "kind": "Namespace",
+                    "apiVersion": "v1",
+                    "metadata": {"name": m["ns"]},
+                    "status": {"phase": "Active"},
+                }
+                self._send(200, ns)
+                return
+            route = _ROUTE.match(url.path)
+            if not route:
+                raise StoreError(404, "NotFound", f"the server could not find the requested resource ({url.path})")
+            self.server.api.handle(self, method, route.groupdict(), query)
+        except StoreError as err:
+            self._fail(err)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_PATCH(self) -> None:
+        self._dispatch("PATCH")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    api: ApiServer
+
+
+class ApiServer:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port
+        self.store = Store()
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._generation = 0  # bumped on pause so open watches end
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        server = _Server((self.host, self.port), _Handler)
+        server.api = self
+        self.port = server.server_address[1]
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, name="apiserver", daemon=True)
+        self._thread.start()
+        log.info("API server stand-in listening on %s", self.url)
+
+    def stop(self) -> None:
+        """Stop serving; open connections (watches included) are cut, as in an outage."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        with self.store.changed:
+            self._generation += 1
+            self.store.changed.notify_all()
+        server.shutdown()
+        server.server_close()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def pause(self) -> None:
+        """Simulate an outage: refuse connections until :meth:`resume`. State is kept."""
+        self.stop()
+
+    def resume(self) -> None:
+        self.start()
+
+    def track(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._connections.add(conn)
+
+    def untrack(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(conn)
+
+    def kubeconfig(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "sandbox", "cluster": {"server": self.url}}],
+            "users": [{"name": "sandbox", "user": {}}],
+            "contexts": [{"name": "sandbox", "context": {"cluster": "sandbox", "user": "sandbox"}}],
+            "current-context": "sandbox",
+        }
+
+    def write_kubeconfig(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(yaml.safe_dump(self.kubeconfig()))
+        return path
+
+    # --- requests ------------------------------------------------------------------------------------------
+
+    def handle(self, h: _Handler, method: str, route: Mapping[str, str | None], query: Mapping[str, str]) -> None:
+        res, ns, name, sub = route["res"] or "", route["ns"], route["name"], route["sub"]
+        if res in NAMESPACED and name and not ns:
+            raise StoreError(404, "NotFound", f"{res} must be addressed within a namespace")
+        if res not in NAMESPACED and ns:
+            raise StoreError(404, "NotFound", f"{res} are not namespaced")
+        if name is None:
+            if method == "GET":
+                self._list_or_watch(h, res, ns, query)
+            elif method == "POST" and (ns or res not in NAMESPACED):
+                self._create(h, res, ns or "", h._body())
+            else:
+                raise StoreError(405, "MethodNotAllowed", f"{method} is not supported on the {res} collection")
+            return
+        key: Key = (ns or "", name)
+        if sub == "binding":
+            if method != "POST" or res != "pods":
+                raise StoreError(405, "MethodNotAllowed", "binding accepts POST on pods only")
+            self._bind(h, key, h._body())
+        elif method == "GET":
+            h._send(200, self._out(res, self.store.get(res, key)))
+        elif method == "DELETE":
+            h._send(200, self._out(res, self.store.delete(res, key)))
+        elif method == "PUT":
+            self._replace(h, res, key, h._body(), status_only=sub == "status")
+        elif method == "PATCH":
+            self._patch(h, res, key, status_only=sub == "status")
+        else:
+            raise StoreError(405, "MethodNotAllowed", f"{method} is not supported here")
+
+    @staticmethod
+    def _out(res: str, obj: dict[str, Any]) -> dict[str, Any]:
+        obj.setdefault("kind", KINDS[res])
+        obj.setdefault("apiVersion", "v1")
+        return obj
+
+    @staticmethod
+    def _selectors(res: str, ns: str | None, query: Mapping[str, str]) -> Predicate:
+        try:
+            fields = parse_field_selector(query.get("fieldSelector"))
+            labels = parse_label_selector(query.get("labelSelector"))
+        except SelectorError as exc:
+            raise StoreError(400, "BadRequest", str(exc)) from None
+        return lambda obj: fields(obj) and labels(obj)
+
+    def _list_or_watch(self, h: _Handler, res: str, ns: str | None, query: Mapping[str, str]) -> None:
+        match = self._selectors(res, ns, query)
+        if query.get("watch") in ("true", "1"):
+            self._watch(h, res, ns, match, query)
+            return
+        items, rv = self.store.list(res, ns, match)
+        h._send(
+            200,
+            {
+                "kind": f"{KINDS[res]}List",
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": str(rv)},
+                "items": [self._out(res, obj) for obj in items],
+            },
+        )
+
+    def _create(self, h: _Handler, res: str, ns: str, obj: Any) -> None:
+        if not isinstance(obj, dict):
+            raise invalid(KINDS[res], "", "body must be an object")
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name"):
+            if not meta.get("generateName"):
+                raise invalid(KINDS[res], "", "metadata.name: Required value: name or generateName is required")
+            meta["name"] = meta["generateName"] + secrets.token_hex(3)
+        if res in NAMESPACED and meta.setdefault("namespace", ns) != ns:
+            raise StoreError(400, "BadRequest", "the namespace of the object does not match the request")
+        if res == "pods":
+            obj.setdefault("status", {}).setdefault("phase", "Pending")
+            obj.setdefault("spec", {})
+        meta.pop("resourceVersion", None)
+        created = self.store.create(res, (ns if res in NAMESPACED else "", meta["name"]), obj)
+        h._send(201, self._out(res, created))
+
+    def _replace(self, h: _Handler, res: str, key: Key, body: Any, status_only: bool) -> None:
+        if not isinstance(body, dict):
+            raise invalid(KINDS[res], key[1], "body must be an object")
+
+        def change(current: dict[str, Any]) -> dict[str, Any]:
+            if status_only:
+                current["status"] = body.get("status", {})
+                current["metadata"]["resourceVersion"] = (body.get("metadata") or {}).get("resourceVersion")
+                return current
+            return body
+
+        h._send(200, self._out(res, self.store.update(res, key, change)))
+
+    def _patch(self, h: _Handler, res: str, key: Key, status_only: bool) -> None:
+        content_type = (h.headers.get("Content-Type") or "").split(";")[0].strip()
+        if content_type not in SUPPORTED:
+            raise StoreError(415, "UnsupportedMediaType", f"the patch content type {content_type!r} is not supported")
+        patch = h._body()
+
+        def change(current: dict[str, Any]) -> dict[str, Any]:
+            rv_before = current["metadata"].pop("resourceVersion", None)
+            try:
+                patched = apply_patch(content_type, current, patch)
+            except PatchError as exc:
+                raise invalid(KINDS[res], key[1], str(exc)) from None
+            if not isinstance(patched, dict):
+                raise invalid(KINDS[res], key[1], "the patch must leave an object")
+            patched.setdefault("metadata", {})
+            if status_only:
+                current["status"] = patched.get("status", {})
+                current["metadata"]["resourceVersion"] = patched["metadata"].get("resourceVersion")
+                patched = current
+            # A patch that names a resourceVersion is a precondition; one that doesn't is not.
+            patched["metadata"].setdefault("resourceVersion", rv_before)
+            return patched
+
+        h._send(200, self._out(res, self.store.update(res, key, change)))
+
+    def _bind(self, h: _Handler, key: Key, body: Any) -> None:
+        target = (body or {}).get("target") or {} if isinstance(body, dict) else {}
+        node = target.get("name")
+        if not node:
+            raise invalid("Binding", key[1], "target.name: Required value")
+
+        def change(pod: dict[str, Any]) -> dict[str, Any]:
+            bound = (pod.get("spec") or {}).get("nodeName")
+            if bound:
+                raise StoreError(
+                    409, "Conflict", f'pod {key[1]} is already assigned to node "{bound}"', "pods/binding", key[1]
+                )
+            uid = ((body.get("metadata") or {}).get("uid")) if isinstance(body, dict) else None
+            if uid and uid != pod["metadata"].get("uid"):
+                raise StoreError(409, "Conflict", f"pod {key[1]}: uid precondition failed", "pods/binding", key[1])
+            pod.setdefault("spec", {})["nodeName"] = node
+            conditions = pod.setdefault("status", {}).setdefault("conditions", [])
+            conditions[:] = [c for c in conditions if c.get("type") != "PodScheduled"]
+            conditions.append({"type": "PodScheduled", "status": "True"})
+            return pod
+
+        self.store.update("pods", key, change)
+        h._send(201, status_body(201, "", "", "pods/binding", key[1]))
+
+    # --- watch ------------------------------------------------------------------------------------------
+
+    def _watch(self, h: _Handler, res: str, ns: str | None, match: Predicate, query: Mapping[str, str]) -> None:
+        timeout = float(query.get("timeoutSeconds") or 1800)
+        deadline = time.monotonic() + timeout
+        generation = self._generation
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+
+        def send(type_: str, obj: Mapping[str, Any]) -> None:
+            line = json.dumps({"type": type_, "object": obj}).encode() + b"\n"
+            h.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            h.wfile.flush()
+
+        def in_scope(obj: Mapping[str, Any] | None) -> bool:
+            if obj is None:
+                return False
+            return (ns is None or (obj.get("metadata") or {}).get("namespace") == ns) and match(obj)
+
+        requested = query.get("resourceVersion") or "0"
+        try:
+            if requested == "0":
+                items, start = self.store.list(res, ns, match)
+                for obj in items:
+                    send("ADDED", self._out(res, obj))
+            else:
+                try:
+                    start = int(requested)
+                except ValueError:
+                    raise StoreError(400, "BadRequest", f"resourceVersion {requested!r} is not valid") from None
+            while time.monotonic() < deadline and generation == self._generation:
+                with self.store.changed:
+                    events = self.store.events_since(start)
+                    if events == []:
+                        self.store.changed.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                        continue
+                if events is None:
+                    gone = status_body(
+                        410, "Expired", f"too old resource version: {start} ({self.store.resource_version})"
+                    )
+                    send("ERROR", gone)
+                    break
+                for event in events:
+                    start = event.rv
+                    if event.kind != res:
+                        continue
+                    was, now = in_scope(event.old), in_scope(event.new)
+                    if event.type == "DELETED" and was:
+                        send("DELETED", self._out(res, dict(event.new)))
+                    elif now and not was:
+                        send("ADDED", self._out(res, dict(event.new)))
+                    elif now and was:
+                        send("MODIFIED", self._out(res, dict(event.new)))
+                    elif was and not now:
+                        send("DELETED", self._out(res, dict(event.new)))
+            h.wfile.write(b"0\r\n\r\n")
+            h.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            h.close_connection = True
+
+
+def run(port: int, kubeconfig_out: str | None) -> int:
+    """Serve until interrupted (``gpushare apiserver``)."""
+    server = ApiServer(port=port)
+    server.start()
+    if kubeconfig_out:
+        server.write_kubeconfig(kubeconfig_out)
+        print(f"kubeconfig for {server.url} written to {kubeconfig_out}", flush=True)
+    print(f"API server stand-in serving on {server.url}; Ctrl-C to stop", flush=True)
+    try:
+        threading.Event().wait()
+    finally:
+        server.stop()
+    return 0

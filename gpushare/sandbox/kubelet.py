@@ -1,0 +1,265 @@
+"""A kubelet emulator: kubelet's side of the device plugin protocol, for the sandbox and the tests.
+
+It serves ``Registration`` on ``kubelet.sock``, rejects registrations kubelet would reject, follows each
+plugin's ListAndWatch stream, and admits pods the way kubelet does: per container (init containers
+first), per resource, one Allocate call with as many free healthy device IDs as the limit, after
+asking GetPreferredAllocation when the plugin offers it. Results are checkpointed: an admitted
+container is never allocated again. :meth:`restart` reproduces what a kubelet restart does to the
+device-plugins directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Mapping
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gpushare.contract import RESOURCE_COUNT, RESOURCE_MEM, parse_pod_request, pod_key
+from gpushare.pb import deviceplugin_pb2 as pb
+from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = ("v1beta1",)
+KUBELET_SOCKET = "kubelet.sock"
+_EXTENDED_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def registration_error(request: pb.RegisterRequest) -> str | None:
+    """Why kubelet would reject this registration, or None."""
+    if request.version not in SUPPORTED_VERSIONS:
+        return f"unsupported device plugin API version {request.version!r}"
+    name = request.resource_name
+    if not _EXTENDED_NAME.match(name):
+        return f"resource name {name!r} is not an extended resource name (<domain>/<name>)"
+    domain = name.split("/", 1)[0]
+    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
+        return f"resource name {name!r} is in the reserved kubernetes.io domain"
+    if "/" in request.endpoint:
+        return f"endpoint {request.endpoint!r} must be a socket file name, not a path"
+    return None
+
+
+@dataclass
+class ContainerResult:
+    envs: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    devices: list[pb.DeviceSpec] = field(default_factory=list)
+    #: device IDs kubelet handed to Allocate, per resource
+    device_ids: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class Admission:
+    pod: str
+    admitted: bool
+    #: kubelet's UnexpectedAdmissionError message when not admitted
+    error: str = ""
+    containers: dict[str, ContainerResult] = field(default_factory=dict)
+
+
+@dataclass
+class _Plugin:
+    resource: str
+    endpoint: str
+    channel: grpc.Channel
+    stub: pb_grpc.DevicePluginStub
+    options: pb.DevicePluginOptions
+    devices: dict[str, str] = field(default_factory=dict)  # ID -> health
+    #: ListAndWatch messages received so far
+    updates: int = 0
+
+
+class _Registration(pb_grpc.RegistrationServicer):
+    def __init__(self, kubelet: KubeletEmulator) -> None:
+        self._kubelet = kubelet
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
+        error = registration_error(request)
+        if error:
+            log.warning("kubelet: rejected registration of %s: %s", request.resource_name, error)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        self._kubelet._connect(request)
+        return pb.Empty()
+
+
+class KubeletEmulator:
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self._server: grpc.Server | None = None
+        self._plugins: dict[str, _Plugin] = {}
+        self._changed = threading.Condition()
+        #: (pod uid, container, resource) -> device IDs, like kubelet's checkpoint
+        self._checkpoint: dict[tuple[str, str, str], list[str]] = {}
+        self._results: dict[str, Admission] = {}
+        self._admit_lock = threading.Lock()
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        socket = self.dir / KUBELET_SOCKET
+        socket.unlink(missing_ok=True)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kubelet"))
+        pb_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        server.add_insecure_port(f"unix://{socket}")
+        server.start()
+        self._server = server
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=0.2)
+            self._server = None
+        with self._changed:
+            plugins, self._plugins = list(self._plugins.values()), {}
+            self._changed.notify_all()
+        for plugin in plugins:
+            plugin.channel.close()
+
+    def restart(self) -> None:
+        """What a kubelet restart does: forget the plugins, delete every socket, create a new kubelet.sock."""
+        self.stop()
+        for sock in self.dir.glob("*.sock"):
+            sock.unlink(missing_ok=True)
+        self.start()
+
+    # --- plugins ------------------------------------------------------------------------------------------
+
+    def _connect(self, request: pb.RegisterRequest) -> None:
+        channel = grpc.insecure_channel(f"unix://{self.dir / request.endpoint}")
+        stub = pb_grpc.DevicePluginStub(channel)
+        options = stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
+        plugin = _Plugin(request.resource_name, request.endpoint, channel, stub, options)
+        with self._changed:
+            old = self._plugins.get(request.resource_name)
+            self._plugins[request.resource_name] = plugin
+            self._changed.notify_all()
+        if old is not None:
+            old.channel.close()
+        stream = stub.ListAndWatch(pb.Empty())
+        threading.Thread(target=self._follow, args=(plugin, stream), name=f"lw-{plugin.resource}", daemon=True).start()
+        log.info("kubelet: registered %s at %s", request.resource_name, request.endpoint)
+
+    def _follow(self, plugin: _Plugin, stream: Any) -> None:
+        try:
+            for response in stream:
+                with self._changed:
+                    plugin.devices = {d.ID: d.health for d in response.devices}
+                    plugin.updates += 1
+                    self._changed.notify_all()
+        except grpc.RpcError as exc:
+            log.info("kubelet: ListAndWatch of %s ended: %s", plugin.resource, exc.code())
+
+    def wait_for(self, predicate: Any, timeout: float) -> bool:
+        """Wait until ``predicate(self)`` holds; re-checked after every registration and device update."""
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(self), timeout)
+
+    def registered(self, resource: str) -> bool:
+        return resource in self._plugins
+
+    def updates(self, resource: str) -> int:
+        plugin = self._plugins.get(resource)
+        return plugin.updates if plugin else 0
+
+    def devices(self, resource: str) -> dict[str, str]:
+        plugin = self._plugins.get(resource)
+        return dict(plugin.devices) if plugin else {}
+
+    def capacity(self, resource: str) -> int:
+        return len(self.devices(resource))
+
+    def allocatable(self, resource: str) -> int:
+        return sum(1 for health in self.devices(resource).values() if health == "Healthy")
+
+    def plugin_options(self, resource: str) -> pb.DevicePluginOptions | None:
+        plugin = self._plugins.get(resource)
+        return plugin.options if plugin else None
+
+    # --- admission ------------------------------------------------------------------------------------------
+
+    def _in_use(self, resource: str) -> set[str]:
+        return {d for (_, _, r), ids in self._checkpoint.items() if r == resource for d in ids}
+
+    def _pick(self, plugin: _Plugin, container: str, size: int) -> list[str]:
+        in_use = self._in_use(plugin.resource)
+        free = sorted(d for d, health in plugin.devices.items() if health == "Healthy" and d not in in_use)
+        if len(free) < size:
+            raise AdmissionError(
+                f"container {container}: requested {size} {plugin.resource}, only {len(free)} healthy and unallocated"
+            )
+        if plugin.options.get_preferred_allocation_available:
+            reply = plugin.stub.GetPreferredAllocation(
+                pb.PreferredAllocationRequest(
+                    container_requests=[
+                        pb.ContainerPreferredAllocationRequest(available_deviceIDs=free, allocation_size=size)
+                    ]
+                ),
+                timeout=10,
+            )
+            preferred = list(reply.container_responses[0].deviceIDs) if reply.container_responses else []
+            if len(preferred) == size and set(preferred) <= set(free):
+                return preferred
+        return free[:size]
+
+    def admit(self, pod: Mapping[str, Any]) -> Admission:
+        """Admit a bound pod: Allocate for every container and resource, init containers first."""
+        key = pod_key(pod)
+        uid = (pod.get("metadata") or {}).get("uid", "")
+        with self._admit_lock:
+            result = Admission(pod=key, admitted=True)
+            try:
+                for container in parse_pod_request(pod).gpu_containers:
+                    outcome = result.containers.setdefault(container.name, ContainerResult())
+                    for resource, size in ((RESOURCE_MEM, container.mem), (RESOURCE_COUNT, container.count)):
+                        if size:
+                            self._allocate(uid, container.name, resource, size, outcome)
+            except AdmissionError as exc:
+                result = Admission(pod=key, admitted=False, error=f"UnexpectedAdmissionError: pod {key}: {exc}")
+                log.warning("kubelet: %s", result.error)
+            self._results[uid] = result
+            return result
+
+    def _allocate(self, uid: str, container: str, resource: str, size: int, outcome: ContainerResult) -> None:
+        checkpoint_key = (uid, container, resource)
+        plugin = self._plugins.get(resource)
+        if plugin is None:
+            raise AdmissionError(f"container {container}: no device plugin registered for {resource}")
+        if checkpoint_key in self._checkpoint and uid in self._results:
+            previous = self._results[uid].containers.get(container)
+            if previous is not None:
+                outcome.envs.update(previous.envs)
+                outcome.annotations.update(previous.annotations)
+                outcome.device_ids[resource] = self._checkpoint[checkpoint_key]
+                return
+        ids = self._pick(plugin, container, size)
+        try:
+            reply = plugin.stub.Allocate(
+                pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=10
+            )
+        except grpc.RpcError as exc:
+            raise AdmissionError(f"container {container}: Allocate {resource} failed: {exc.details()}") from None
+        response = reply.container_responses[0]
+        self._checkpoint[checkpoint_key] = ids
+        outcome.envs.update(response.envs)
+        outcome.annotations.update(response.annotations)
+        outcome.devices.extend(response.devices)
+        outcome.device_ids[resource] = ids
+
+    def release(self, pod_uid: str) -> None:
+        """The pod finished: its devices are free again."""
+        with self._admit_lock:
+            for key in [k for k in self._checkpoint if k[0] == pod_uid]:
+                del self._checkpoint[key]
+            self._results.pop(pod_uid, None)
+
+
+class AdmissionError(Exception):
+    """The pod can't be admitted; kubelet reports it as UnexpectedAdmissionError."""

@@ -1,0 +1,130 @@
+"""The three patch formats the Kubernetes API accepts, over plain JSON values.
+
+Strategic merge patch is served as a JSON merge patch: for the maps this project patches
+(annotations, labels, status fields) the two behave the same. List merging by key is not needed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+MERGE = "application/merge-patch+json"
+STRATEGIC = "application/strategic-merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+SUPPORTED = (MERGE, STRATEGIC, JSON_PATCH)
+
+
+class PatchError(ValueError):
+    """A patch that can't be applied (422), or whose ``test`` operation failed."""
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386: objects merge recursively, ``null`` deletes, anything else replaces."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def _pointer(path: str) -> list[str]:
+    if path == "":
+        return []
+    if not path.startswith("/"):
+        raise PatchError(f"JSON pointer {path!r} must start with '/'")
+    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
+
+
+def _parent(doc: Any, parts: list[str], path: str) -> tuple[Any, str]:
+    node = doc
+    for part in parts[:-1]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise PatchError(f"path {path!r} does not exist")
+    return node, parts[-1]
+
+
+def _get(doc: Any, path: str) -> Any:
+    parts = _pointer(path)
+    if not parts:
+        return doc
+    parent, last = _parent(doc, parts, path)
+    if isinstance(parent, dict) and last in parent:
+        return parent[last]
+    if isinstance(parent, list) and last.isdigit() and int(last) < len(parent):
+        return parent[int(last)]
+    raise PatchError(f"path {path!r} does not exist")
+
+
+def _remove(doc: Any, path: str) -> Any:
+    parent, last = _parent(doc, _pointer(path), path)
+    if isinstance(parent, dict) and last in parent:
+        return parent.pop(last)
+    if isinstance(parent, list) and last.isdigit() and int(last) < len(parent):
+        return parent.pop(int(last))
+    raise PatchError(f"path {path!r} does not exist")
+
+
+def _add(doc: Any, path: str, value: Any, replace: bool) -> Any:
+    parts = _pointer(path)
+    if not parts:
+        return copy.deepcopy(value)
+    parent, last = _parent(doc, parts, path)
+    if isinstance(parent, dict):
+        if replace and last not in parent:
+            raise PatchError(f"path {path!r} does not exist")
+        parent[last] = copy.deepcopy(value)
+    elif isinstance(parent, list):
+        if last == "-" and not replace:
+            parent.append(copy.deepcopy(value))
+        elif last.isdigit() and int(last) <= len(parent) - replace:
+            if replace:
+                parent[int(last)] = copy.deepcopy(value)
+            else:
+                parent.insert(int(last), copy.deepcopy(value))
+        else:
+            raise PatchError(f"path {path!r} is out of range")
+    else:
+        raise PatchError(f"path {path!r} does not exist")
+    return doc
+
+
+def json_patch(target: Any, operations: Any) -> Any:
+    """RFC 6902 (add, remove, replace, move, copy, test)."""
+    if not isinstance(operations, list):
+        raise PatchError("a JSON patch must be a list of operations")
+    doc = copy.deepcopy(target)
+    for op in operations:
+        if not isinstance(op, dict) or "op" not in op or "path" not in op:
+            raise PatchError(f"malformed JSON patch operation {op!r}")
+        kind, path = op["op"], op["path"]
+        if kind == "test":
+            if _get(doc, path) != op.get("value"):
+                raise PatchError(f"test operation failed at {path!r}")
+        elif kind == "remove":
+            _remove(doc, path)
+        elif kind in ("add", "replace"):
+            doc = _add(doc, path, op.get("value"), replace=kind == "replace")
+        elif kind in ("move", "copy"):
+            source = op.get("from", "")
+            value = _remove(doc, source) if kind == "move" else copy.deepcopy(_get(doc, source))
+            doc = _add(doc, path, value, replace=False)
+        else:
+            raise PatchError(f"unknown JSON patch operation {kind!r}")
+    return doc
+
+
+def apply_patch(content_type: str, target: Any, patch: Any) -> Any:
+    if content_type == JSON_PATCH:
+        return json_patch(target, patch)
+    if not isinstance(patch, dict):
+        raise PatchError("a merge patch must be a JSON object")
+    return merge_patch(target, patch)

@@ -1,0 +1,89 @@
+"""Field and label selectors as the Kubernetes API server understands them (the subset we serve)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+Predicate = Callable[[Mapping[str, Any]], bool]
+
+FIELD_PATHS: dict[str, tuple[str, ...]] = {
+    "metadata.name": ("metadata", "name"),
+    "metadata.namespace": ("metadata", "namespace"),
+    "spec.nodeName": ("spec", "nodeName"),
+    "status.phase": ("status", "phase"),
+}
+
+
+class SelectorError(ValueError):
+    """A selector the API server would reject with 400."""
+
+
+def _field(obj: Mapping[str, Any], path: tuple[str, ...]) -> str:
+    value: Any = obj
+    for part in path:
+        value = (value or {}).get(part) if isinstance(value, Mapping) else None
+    return "" if value is None else str(value)
+
+
+def parse_field_selector(text: str | None) -> Predicate:
+    if not text:
+        return lambda _obj: True
+    terms = []
+    for raw in text.split(","):
+        m = re.fullmatch(r"\s*([A-Za-z.]+)\s*(==|!=|=)\s*([^,]*?)\s*", raw)
+        if not m:
+            raise SelectorError(f"invalid field selector term {raw!r}")
+        key, op, value = m.groups()
+        if key not in FIELD_PATHS:
+            raise SelectorError(f'field label not supported: "{key}"')
+        terms.append((FIELD_PATHS[key], op == "!=", value))
+    return lambda obj: all((_field(obj, path) == value) != negate for path, negate, value in terms)
+
+
+_LABEL_TERM = re.compile(
+    r"\s*(?:(?P<not>!)\s*(?P<nkey>[\w./-]+)"
+    r"|(?P<skey>[\w./-]+)\s+(?P<setop>in|notin)\s+\((?P<values>[^)]*)\)"
+    r"|(?P<ekey>[\w./-]+)\s*(?P<op>==|!=|=)\s*(?P<value>[\w./-]*)"
+    r"|(?P<key>[\w./-]+))\s*"
+)
+
+
+def _split_label_terms(text: str) -> list[str]:
+    """Split on commas that are not inside an ``in (...)`` value list."""
+    terms, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            terms.append(current)
+            current = ""
+        else:
+            current += ch
+    terms.append(current)
+    return terms
+
+
+def parse_label_selector(text: str | None) -> Predicate:
+    if not text:
+        return lambda _obj: True
+    checks: list[Callable[[Mapping[str, str]], bool]] = []
+    for raw in _split_label_terms(text):
+        m = _LABEL_TERM.fullmatch(raw)
+        if not m:
+            raise SelectorError(f"invalid label selector term {raw!r}")
+        if m["nkey"]:
+            checks.append(lambda labels, k=m["nkey"]: k not in labels)
+        elif m["skey"]:
+            values = {v.strip() for v in m["values"].split(",") if v.strip()}
+            inside = m["setop"] == "in"
+            checks.append(
+                lambda labels, k=m["skey"], vs=values, inside=inside: (k in labels and labels[k] in vs) == inside
+            )
+        elif m["ekey"]:
+            negate = m["op"] == "!="
+            checks.append(lambda labels, k=m["ekey"], v=m["value"], n=negate: (labels.get(k) == v) != n)
+        else:
+            checks.append(lambda labels, k=m["key"]: k in labels)
+    return lambda obj: all(check((obj.get("metadata") or {}).get("labels") or {}) for check in checks)

@@ -1,0 +1,59 @@
+"""Build pods the way the gpushare extender leaves them, for tests."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from gpushare import contract as c
+from gpushare.cards import Card
+
+_assume = itertools.count(1_700_000_000_000_000_000, 1_000)
+
+
+def container(name: str, mem: int = 0, count: int = 0, env: dict[str, str] | None = None) -> dict[str, Any]:
+    limits = {}
+    if mem:
+        limits[c.RESOURCE_MEM] = str(mem)
+    if count:
+        limits[c.RESOURCE_COUNT] = str(count)
+    spec: dict[str, Any] = {"name": name, "image": "busybox", "resources": {"limits": limits}}
+    if env:
+        spec["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    return spec
+
+
+def slices(cards: Sequence[Card], units: int) -> tuple[c.CardSlice, ...]:
+    return tuple(c.CardSlice(card.index, card.uuid, units) for card in cards)
+
+
+def gpu_pod(
+    name: str,
+    containers: Sequence[dict[str, Any]],
+    *,
+    node: str | None = "n1",
+    allocation: dict[str, tuple[c.CardSlice, ...]] | None = None,
+    original_index: int | None = None,
+    assume_ns: int | None = None,
+    init: Sequence[dict[str, Any]] = (),
+    extra_annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A pod as the extender binds it: our allocation and/or the original keys, ASSIGNED=false."""
+    annotations: dict[str, str] = {}
+    if allocation is not None or original_index is not None:
+        annotations[c.ANN_MEM_ASSIGNED] = "false"
+        annotations[c.ANN_MEM_ASSUME_TIME] = str(assume_ns if assume_ns is not None else next(_assume))
+    if allocation is not None:
+        annotations[c.ANN_ALLOCATION] = c.format_allocation(allocation)
+        first = next(iter(allocation.values()))[0]
+        annotations[c.ANN_MEM_IDX] = str(first.index)
+    if original_index is not None:
+        annotations[c.ANN_MEM_IDX] = str(original_index)
+    annotations.update(extra_annotations or {})
+    spec: dict[str, Any] = {"containers": list(containers)}
+    if init:
+        spec["initContainers"] = list(init)
+    if node:
+        spec["nodeName"] = node
+    return {"metadata": {"name": name, "namespace": "default", "annotations": annotations}, "spec": spec}
