@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import random
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -320,9 +321,12 @@ class WatchCache:
 
     def stop(self) -> None:
         self._stop.set()
-        response = self._response
-        if response is not None:
-            response.close()
+        # Closing the response from here would block on the reader's lock; shutting the socket down
+        # makes the blocked read return at once instead.
+        sock = getattr(getattr(self._response, "connection", None), "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         if self._thread is not None:
             self._thread.join(timeout=5)
 

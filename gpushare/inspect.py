@@ -1,0 +1,36 @@
+"""``gpushare inspect [-d] [NODE]``: per-card GPU allocation, read from any cluster's API server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-d", "--details", action="store_true", help="list every pod with its units on each card")
+    parser.add_argument("node", nargs="?", default=None, metavar="NODE", help="show only this node")
+    parser.add_argument(
+        "--kubeconfig", default=None, help="default: in-cluster config, then $KUBECONFIG or ~/.kube/config"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpushare import inspectview, kube
+
+    try:
+        api = kube.load_api(args.kubeconfig)
+        if args.node:
+            nodes = [kube.get_node(api, args.node)]
+            pods = kube.list_pods(api, field_selector=f"spec.nodeName={args.node}")
+        else:
+            nodes = kube.list_nodes(api)
+            pods = kube.list_pods(api)
+    except kube.KubeError as exc:
+        print(f"gpushare inspect: {exc}", file=sys.stderr)
+        return 1
+    cluster = inspectview.build_cluster(nodes, pods)
+    if args.node and not cluster.nodes:
+        print(f"gpushare inspect: node {args.node} has no gpushare GPUs", file=sys.stderr)
+        return 1
+    print(inspectview.render_details(cluster) if args.details else inspectview.render_summary(cluster))
+    return 0

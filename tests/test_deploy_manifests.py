@@ -1,0 +1,238 @@
+"""Every manifest in deploy/ is valid for Kubernetes 1.30, grants only what each component needs, and
+wires the pieces together (service accounts, ports, probes, mounts, the scheduler's extender entry)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from gpushare import contract as c
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+KUBERNETES_VERSION = "1.30"
+SCHEDULER_CONFIG = DEPLOY / "scheduler-config.yaml"
+#: not a Kubernetes API object: kubernetes-validate has no schema for it, so it is checked by hand below
+SCHEDULER_CONFIG_KIND = "KubeSchedulerConfiguration"
+
+MANIFESTS = sorted([*DEPLOY.glob("*.yaml"), *DEPLOY.glob("examples/*.yaml")])
+
+NODE_AGENT_GRANTS = {
+    ("", "pods", "get"),
+    ("", "pods", "list"),
+    ("", "pods", "watch"),
+    ("", "pods", "patch"),
+    ("", "nodes", "get"),
+    ("", "nodes", "patch"),
+    ("", "events", "create"),
+}
+EXTENDER_GRANTS = {
+    ("", "pods", "get"),
+    ("", "pods", "list"),
+    ("", "pods", "watch"),
+    ("", "pods", "patch"),
+    ("", "pods/binding", "create"),
+    ("", "nodes", "get"),
+    ("", "nodes", "list"),
+    ("", "nodes", "watch"),
+    ("", "events", "create"),
+}
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def all_objects() -> list[dict[str, Any]]:
+    return [d for path in MANIFESTS for d in documents(path) if d.get("kind") != SCHEDULER_CONFIG_KIND]
+
+
+def one(kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in all_objects() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected exactly one {kind} {name} in deploy/, found {len(found)}"
+    return found[0]
+
+
+def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    return workload["spec"]["template"]["spec"]
+
+
+def test_manifests_are_found() -> None:
+    names = {p.relative_to(DEPLOY).as_posix() for p in MANIFESTS}
+    assert {"namespace.yaml", "rbac.yaml", "node-agent.yaml", "extender.yaml"} <= names
+    assert len([n for n in names if n.startswith("examples/")]) >= 6
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.relative_to(DEPLOY).as_posix())
+def test_manifest_is_valid_for_kubernetes(path: Path) -> None:
+    docs = documents(path)
+    assert docs, f"{path} holds no object"
+    for doc in docs:
+        if doc.get("kind") == SCHEDULER_CONFIG_KIND:
+            continue
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{path.name}: {doc['kind']} {doc['metadata'].get('name')}: {exc.message} at {list(exc.path)}")
+
+
+def test_the_validator_rejects_an_unknown_field() -> None:
+    """Strict mode is what catches a misspelt field; make sure it is in force."""
+    pod = documents(DEPLOY / "examples" / "shared-1.yaml")[0]
+    pod["spec"]["containers"][0]["resource"] = pod["spec"]["containers"][0].pop("resources")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pod, KUBERNETES_VERSION, strict=True)
+
+
+# --- RBAC ------------------------------------------------------------------------------------------
+
+
+def grants_of(service_account: str, namespace: str) -> set[tuple[str, str, str]]:
+    objects = all_objects()
+    roles = {d["metadata"]["name"]: d for d in objects if d["kind"] in ("ClusterRole", "Role")}
+    granted: set[tuple[str, str, str]] = set()
+    for binding in (d for d in objects if d["kind"] in ("ClusterRoleBinding", "RoleBinding")):
+        subjects = binding.get("subjects") or []
+        if not any(
+            s["kind"] == "ServiceAccount" and s["name"] == service_account and s.get("namespace") == namespace
+            for s in subjects
+        ):
+            continue
+        role = roles[binding["roleRef"]["name"]]
+        for rule in role["rules"]:
+            assert not rule.get("resourceNames") and not rule.get("nonResourceURLs")
+            granted |= {
+                (group, resource, verb)
+                for group in rule["apiGroups"]
+                for resource in rule["resources"]
+                for verb in rule["verbs"]
+            }
+    return granted
+
+
+def test_rbac_is_least_privilege() -> None:
+    namespace = one("Namespace", "gpushare-system")["metadata"]["name"]
+    assert grants_of("gpushare-node-agent", namespace) == NODE_AGENT_GRANTS
+    assert grants_of("gpushare-extender", namespace) == EXTENDER_GRANTS
+    for role in (d for d in all_objects() if d["kind"] in ("ClusterRole", "Role")):
+        for rule in role["rules"]:
+            assert "*" not in [*rule["apiGroups"], *rule["resources"], *rule["verbs"]], role["metadata"]["name"]
+
+
+def test_workloads_run_as_their_own_service_accounts() -> None:
+    accounts = {
+        (d["metadata"]["namespace"], d["metadata"]["name"]) for d in all_objects() if d["kind"] == "ServiceAccount"
+    }
+    for kind, name in (("DaemonSet", "gpushare-node-agent"), ("Deployment", "gpushare-extender")):
+        workload = one(kind, name)
+        assert (workload["metadata"]["namespace"], pod_spec(workload)["serviceAccountName"]) in accounts
+
+
+# --- workloads --------------------------------------------------------------------------------------
+
+
+def probe_paths(container: dict[str, Any]) -> set[str]:
+    return {container[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe") if p in container}
+
+
+def test_node_agent_daemonset() -> None:
+    ds = one("DaemonSet", "gpushare-node-agent")
+    spec = pod_spec(ds)
+    assert spec["nodeSelector"], "the node agent must only run on GPU nodes"
+    (container,) = spec["containers"]
+    assert container["command"][:2] == ["gpushare", "node"]
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    mounted = {host_paths[m["name"]]: m["mountPath"] for m in container["volumeMounts"] if m["name"] in host_paths}
+    assert mounted["/var/lib/kubelet/device-plugins"] == "/var/lib/kubelet/device-plugins"
+    assert mounted["/run/containerd"] == "/run/containerd"
+    runtime = next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--runtime="))
+    assert urlparse(runtime).path.startswith(mounted["/run/containerd"] + "/")
+    env = {e["name"]: e for e in container["env"]}
+    assert env[c.ENV_NODE_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert probe_paths(container) == {"/healthz", "/readyz"}
+    assert container["resources"]["requests"].keys() >= {"cpu", "memory"}
+
+
+def test_extender_deployment_and_service() -> None:
+    deployment = one("Deployment", "gpushare-extender")
+    assert deployment["spec"]["replicas"] == 2
+    (container,) = pod_spec(deployment)["containers"]
+    assert container["command"][:2] == ["gpushare", "extender"]
+    assert probe_paths(container) == {"/healthz", "/readyz"}
+    assert container["resources"]["requests"].keys() >= {"cpu", "memory"}
+    port_arg = next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--port="))
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == int(port_arg)
+
+    service = one("Service", "gpushare-extender")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports) | set(ports.values())
+
+
+def test_dockerfile_copies_only_what_exists() -> None:
+    lines = (DEPLOY / "Dockerfile").read_text().splitlines()
+    assert next(line for line in lines if line.startswith("FROM")) == "FROM python:3.11-slim"
+    sources = [part for line in lines if line.startswith("COPY ") for part in line.split()[1:-1]]
+    assert sources and all((DEPLOY.parent / s).exists() for s in sources), sources
+    assert any("pip install" in line and " ." in line for line in lines)
+
+
+# --- examples ---------------------------------------------------------------------------------------
+
+
+def example_pods() -> dict[str, dict[str, Any]]:
+    pods = [d for path in sorted(DEPLOY.glob("examples/*.yaml")) for d in documents(path)]
+    assert all(p["kind"] == "Pod" for p in pods)
+    return {p["metadata"]["name"]: p for p in pods}
+
+
+def test_examples_cover_every_case() -> None:
+    requests = {name: c.parse_pod_request(p) for name, p in example_pods().items()}
+    single = [r for r in requests.values() if len(r.gpu_containers) == 1 and r.gpu_containers[0].cards == 1]
+    assert len([r for r in single if r.total_mem <= 16]) >= 2, "two shared single-card pods"
+    assert any(len(r.gpu_containers) >= 2 for r in requests.values()), "a multi-container pod"
+    assert any(ctr.count == 2 and ctr.mem > 0 for r in requests.values() for ctr in r.gpu_containers), (
+        "a pod on two cards, sharing them"
+    )
+    assert any(r.total_mem > 256 for r in requests.values()), "a pod larger than any card made (GiB)"
+    sneaky = [
+        p
+        for name, p in example_pods().items()
+        if not requests[name].gpu_containers
+        and any(
+            e.get("name") == c.ENV_VISIBLE_DEVICES and e.get("value") == "all"
+            for ctr in p["spec"]["containers"]
+            for e in ctr.get("env") or []
+        )
+    ]
+    assert sneaky, "a pod that requests no GPU but sets the visible-devices variable to all"
+
+
+# --- scheduler configuration ------------------------------------------------------------------------
+
+
+def test_scheduler_config_has_the_extender_entry() -> None:
+    if not SCHEDULER_CONFIG.exists():
+        pytest.skip("deploy/scheduler-config.yaml is not in this tree")
+    (config,) = documents(SCHEDULER_CONFIG)
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert config["kind"] == SCHEDULER_CONFIG_KIND
+    (extender,) = [e for e in config["extenders"] if c.RESOURCE_MEM in {r["name"] for r in e["managedResources"]}]
+    for verb in ("filterVerb", "prioritizeVerb", "bindVerb", "preemptVerb"):
+        assert isinstance(extender.get(verb), str) and extender[verb], verb
+    assert {r["name"] for r in extender["managedResources"]} == set(c.RESOURCES)
+    assert all(isinstance(r.get("ignoredByScheduler", False), bool) for r in extender["managedResources"])
+    assert extender["nodeCacheCapable"] is True
+    assert extender["ignorable"] is False
+    assert isinstance(extender.get("weight", 1), int) and extender.get("weight", 1) > 0
+
+    service = one("Service", "gpushare-extender")
+    reachable = {p["port"] for p in service["spec"]["ports"]} | {
+        p["nodePort"] for p in service["spec"]["ports"] if "nodePort" in p
+    }
+    assert urlparse(extender["urlPrefix"]).port in reachable, "urlPrefix must reach the extender's Service"

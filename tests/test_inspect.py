@@ -1,0 +1,189 @@
+"""``gpushare inspect``: the tables a user reads, for mixed cards and units, and through the API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from gpushare import contract as c
+from gpushare.cli import main
+from gpushare.inspectview import build_cluster, render_details, render_summary
+from gpushare.inventory import simulated_cards
+
+# node "big": an 80 GiB card and an unhealthy 15 GiB card, in GiB
+BIG = list(simulated_cards("big", "1xA100-80GB:81920,1xT4:15360"))
+BIG[1] = BIG[1].with_health(False)
+# node "small": two 16 GiB cards counted in 512 MiB units (32 each)
+SMALL = simulated_cards("small", "2xV100-16GB:16384")
+HALF_GIB = c.MemoryUnit(512)
+
+
+def node(name: str, ip: str, cards: Any = None, unit: c.MemoryUnit = c.GIB, capacity: dict | None = None) -> dict:
+    annotations = {c.NODE_ANN_INVENTORY: c.format_inventory(cards, unit)} if cards is not None else {}
+    return {
+        "metadata": {"name": name, "annotations": annotations},
+        "status": {
+            "addresses": [{"type": "Hostname", "address": name}, {"type": "InternalIP", "address": ip}],
+            "capacity": capacity or {},
+        },
+    }
+
+
+def pod(
+    name: str,
+    node_name: str | None,
+    containers: dict[str, dict[str, str]],
+    annotations: dict | None = None,
+    phase: str = "Pending",
+) -> dict:
+    return {
+        "metadata": {"name": name, "namespace": "team", "uid": f"uid-{name}", "annotations": annotations or {}},
+        "spec": {
+            **({"nodeName": node_name} if node_name else {}),
+            "containers": [{"name": n, "resources": {"limits": limits}} for n, limits in containers.items()],
+        },
+        "status": {"phase": phase},
+    }
+
+
+def mem(units: int, count: int | None = None) -> dict[str, str]:
+    return {c.RESOURCE_MEM: str(units), **({c.RESOURCE_COUNT: str(count)} if count else {})}
+
+
+def placed(**containers: list[tuple[Any, int]]) -> dict[str, str]:
+    allocation = {
+        name: tuple(c.CardSlice(card.index, card.uuid, units) for card, units in slices)
+        for name, slices in containers.items()
+    }
+    return {c.ANN_ALLOCATION: c.format_allocation(allocation)}
+
+
+def cluster_objects() -> tuple[list[dict], list[dict]]:
+    nodes = [
+        node("big", "10.0.0.1", BIG),
+        node("small", "10.0.0.2", SMALL, HALF_GIB),
+        node("cpu-only", "10.0.0.3"),
+    ]
+    pods = [
+        pod("shared-a", "big", {"main": mem(8)}, placed(main=[(BIG[0], 8)])),
+        pod("shared-b", "big", {"main": mem(4)}, {c.ANN_MEM_IDX: "1"}),  # placed by the original extender
+        pod(
+            "two-containers",
+            "big",
+            {"app": mem(6), "sidecar": mem(2)},
+            placed(app=[(BIG[0], 6)], sidecar=[(BIG[1], 2)]),
+        ),
+        pod("waiting", "big", {"main": mem(5)}),  # bound, no card recorded
+        pod("done", "big", {"main": mem(70)}, placed(main=[(BIG[0], 70)]), phase="Succeeded"),
+        pod("two-cards", "small", {"main": mem(20, 2)}, placed(main=[(SMALL[0], 10), (SMALL[1], 10)])),
+        pod("broken", "small", {"main": mem(4)}, {c.ANN_ALLOCATION: "{not json"}),
+        pod("unscheduled", None, {"main": mem(500)}),
+        pod("web", "cpu-only", {"main": {}}),
+    ]
+    return nodes, pods
+
+
+def rows(text: str) -> dict[str, list[str]]:
+    """Table rows keyed by their first cell, split on the two-space column gap."""
+    return {
+        line.split()[0]: [cell.strip() for cell in line.split("  ") if cell.strip()]
+        for line in text.splitlines()
+        if line.strip()
+    }
+
+
+def test_summary_shows_each_card_in_its_nodes_unit() -> None:
+    nodes, pods = cluster_objects()
+    text = render_summary(build_cluster(nodes, pods))
+    table = rows(text)
+    assert table["NAME"] == [
+        "NAME",
+        "IPADDRESS",
+        "UNIT",
+        "GPU0(Allocated/Total)",
+        "GPU1(Allocated/Total)",
+        "PENDING(Allocated)",
+        "GPU Memory(Allocated/Total)",
+    ]
+    assert table["big"] == ["big", "10.0.0.1", "GiB", "14/80", "6/15 (unhealthy)", "5 (1 pod)", "20/95 (21%)"]
+    assert table["small"] == ["small", "10.0.0.2", "512MiB", "10/32", "10/32", "20/64 (31%)"]
+    assert "cpu-only" not in table
+    # the units differ between nodes, so the cluster total is converted to MiB: 20 GiB + 20 x 512 MiB
+    assert "Allocated/Total GPU memory in cluster: 30720/130048 MiB (23%)" in text
+    assert "warning: node small: pod team/broken annotation gpushare.io/allocation: not valid JSON" in text
+    assert "1 pod(s) requesting GPUs are not bound to a node yet" in text
+
+
+def test_details_list_each_pod_per_card() -> None:
+    nodes, pods = cluster_objects()
+    text = render_details(build_cluster(nodes, pods))
+    big, small = text.split("NAME:       small")
+    big_rows = rows(big)
+    assert big_rows["NAME"] == ["NAME", "NAMESPACE", "GPU0(Allocated)", "GPU1(Allocated)", "PENDING(Allocated)"]
+    assert big_rows["shared-a"] == ["shared-a", "team", "8", "0", "0"]
+    assert big_rows["shared-b"] == ["shared-b", "team", "0", "4", "0"]
+    assert big_rows["two-containers"] == ["two-containers", "team", "6", "2", "0"]
+    assert big_rows["waiting"] == ["waiting", "team", "0", "0", "5"]
+    assert "done" not in big_rows
+    assert "Allocated:  20 GiB (21%)" in big and "Total:      95 GiB" in big
+    small_rows = rows(small)
+    assert small_rows["two-cards"] == ["two-cards", "team", "10", "10"]
+    assert "Allocated:  20 x 512MiB (31%)" in small and "Total:      64 x 512MiB" in small
+
+
+def test_same_unit_everywhere_keeps_the_cluster_total_in_that_unit() -> None:
+    nodes = [node("a", "10.0.0.1", BIG), node("b", "10.0.0.2", SMALL)]
+    pods = [pod("p", "b", {"main": mem(16)}, placed(main=[(SMALL[1], 16)]))]
+    text = render_summary(build_cluster(nodes, pods))
+    assert rows(text)["b"] == ["b", "10.0.0.2", "GiB", "0/16", "16/16", "16/32 (50%)"]
+    assert rows(text)["a"][3:5] == ["0/80", "0/15 (unhealthy)"]
+    assert "Allocated/Total GPU memory in cluster: 16/127 GiB (12%)" in text
+
+
+def test_node_without_inventory_falls_back_to_capacity_and_says_so() -> None:
+    legacy = node("legacy", "10.0.0.9", capacity={c.RESOURCE_MEM: "30", c.RESOURCE_COUNT: "2"})
+    pods = [pod("old", "legacy", {"main": mem(12)}, {c.ANN_MEM_IDX: "1"})]
+    text = render_summary(build_cluster([legacy], pods))
+    assert rows(text)["legacy"] == ["legacy", "10.0.0.9", "GiB", "0/15", "12/15", "12/30 (40%)"]
+    assert "note: node legacy: no gpushare.io/inventory annotation; 2 card(s) inferred from status.capacity" in text
+
+
+def test_overcommitted_card_is_flagged() -> None:
+    pods = [
+        pod("x", "b", {"main": mem(12)}, placed(main=[(SMALL[0], 12)])),
+        pod("y", "b", {"main": mem(8)}, placed(main=[(SMALL[0], 8)])),
+    ]
+    text = render_summary(build_cluster([node("b", "10.0.0.2", SMALL)], pods))
+    assert rows(text)["b"][3] == "20/16 (over-committed)"
+
+
+def test_empty_cluster_says_so() -> None:
+    assert render_summary(build_cluster([node("cpu", "10.0.0.1")], [])).startswith("no node has gpushare GPUs")
+
+
+def test_inspect_through_the_api(
+    core_v1: client.CoreV1Api, kubeconfig: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nodes, pods = cluster_objects()
+    for n in nodes:
+        core_v1.create_node(n)
+    for p in pods:
+        core_v1.create_namespaced_pod("team", p)
+
+    assert main(["inspect", "--kubeconfig", str(kubeconfig)]) == 0
+    out = capsys.readouterr().out
+    assert rows(out)["big"][3:5] == ["14/80", "6/15 (unhealthy)"]
+    assert "Allocated/Total GPU memory in cluster: 30720/130048 MiB (23%)" in out
+
+    assert main(["inspect", "-d", "small", "--kubeconfig", str(kubeconfig)]) == 0
+    out = capsys.readouterr().out
+    assert "NAME:       small" in out and "NAME:       big" not in out
+    assert rows(out)["two-cards"] == ["two-cards", "team", "10", "10"]
+
+    assert main(["inspect", "nowhere", "--kubeconfig", str(kubeconfig)]) == 1
+    assert "node nowhere: not found" in capsys.readouterr().err
+    assert main(["inspect", "cpu-only", "--kubeconfig", str(kubeconfig)]) == 1
+    assert "node cpu-only has no gpushare GPUs" in capsys.readouterr().err
