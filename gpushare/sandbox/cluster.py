@@ -1,0 +1,434 @@
+"""``gpushare sandbox``: the whole system on one machine, with simulated cards and no cluster.
+
+Everything but the cards is real: the API stand-in speaks the Kubernetes REST API, the extender is
+called over HTTP with kube-scheduler's JSON, the device plugins serve kubelet's gRPC protocol over unix
+sockets, and, when containerd can run here, every container is created through the node's CRI shim
+and its environment is read back from the running process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from gpushare import contract as c
+from gpushare.cli import NodeSettings
+from gpushare.inspectview import build_cluster, render_details, render_table
+from gpushare.inventory import SimulatedBackend
+from gpushare.kube import bind_pod, create_event, get_pod, list_nodes, list_pods, load_api, patch_pod
+from gpushare.sandbox.apiserver import ApiServer
+from gpushare.sandbox.kubelet import Admission, KubeletEmulator
+from gpushare.sandbox.scheduler import ExtenderCallError, ExtenderClient, schedule_one
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NODES = ("node-a=2xA100-80GB:81920,1xT4:15360", "node-b=1xA100-40GB:40960,2xA10:24576")
+EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
+GPU_ENV = (c.ENV_VISIBLE_DEVICES, c.ENV_MEM_IDX, c.ENV_MEM_POD, c.ENV_MEM_CONTAINER, c.ENV_MEM_DEV)
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not come up; the message says which part failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    name: str
+    gpus: str
+
+
+def parse_node(text: str) -> NodeSpec:
+    name, sep, gpus = text.partition("=")
+    if not sep or not name or not gpus:
+        raise SandboxError(f"--node {text!r} is not NAME=COUNTxMODEL:MiB[,...]")
+    return NodeSpec(name, gpus)
+
+
+class Progress:
+    """One line per start-up step on stderr, with its duration."""
+
+    def __init__(self, total: int, stream: Any = sys.stderr) -> None:
+        self._total = total
+        self._done = 0
+        self._stream = stream
+        self._started = time.monotonic()
+
+    @contextlib.contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        self._done += 1
+        prefix = f"[{self._done}/{self._total}] {what}"
+        self._stream.write(f"{prefix} ...")
+        self._stream.flush()
+        began = time.monotonic()
+        try:
+            yield
+        except BaseException:
+            self._stream.write(" failed\n")
+            raise
+        self._stream.write(f" done ({time.monotonic() - began:.1f}s)\n")
+        self._stream.flush()
+
+
+@dataclass
+class PodOutcome:
+    name: str
+    node: str = ""
+    state: str = "Pending"
+    reason: str = ""
+    cards: str = ""
+    #: container -> its GPU env, and where it was read from
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
+    env_source: str = ""
+
+
+@dataclass
+class SimNode:
+    spec: NodeSpec
+    backend: SimulatedBackend
+    kubelet: KubeletEmulator
+    stop: list[Callable[[], None]] = field(default_factory=list)
+    cri_address: str | None = None
+
+
+class Sandbox:
+    def __init__(self, nodes: Sequence[NodeSpec], policy: str, containers: bool, workdir: Path) -> None:
+        self.nodes_spec = list(nodes)
+        self.policy = policy
+        self.want_containers = containers
+        self.workdir = workdir
+        self.apiserver = ApiServer()
+        self.kubeconfig = workdir / "kubeconfig"
+        self.api: Any = None
+        self.nodes: dict[str, SimNode] = {}
+        self.extender_url = ""
+        self.containerd: Any = None
+        self.container_note = ""
+        self._cleanup: list[Callable[[], None]] = []
+
+    # --- start-up ---------------------------------------------------------------------------------------
+
+    def start(self, progress: Progress) -> None:
+        with progress.step("API server stand-in"):
+            self.apiserver.start()
+            self.apiserver.write_kubeconfig(self.kubeconfig)
+            self._cleanup.append(self.apiserver.stop)
+            self.api = load_api(str(self.kubeconfig))
+        with progress.step("containerd for real containers"):
+            self._start_containerd()
+        with progress.step(f"{len(self.nodes_spec)} simulated node(s): advertiser, device plugin, CRI shim, kubelet"):
+            for spec in self.nodes_spec:
+                self._start_node(spec)
+        with progress.step("scheduler extender"):
+            self._start_extender()
+
+    def _start_containerd(self) -> None:
+        from gpushare.sandbox.containerd import (
+            TEST_IMAGE,
+            Containerd,
+            build_busybox_image,
+            containerd_available,
+        )
+
+        reason = containerd_available() if self.want_containers else "disabled with --no-containers"
+        if reason:
+            self.container_note = f"no real containers ({reason}): env shown is what kubelet would pass"
+            return
+        base = Path(tempfile.mkdtemp(prefix="gs-ctrd", dir="/tmp"))  # unix socket paths must stay short
+        daemon = Containerd(base)
+        daemon.start()
+        self._cleanup.append(daemon.close)
+        daemon.import_image(build_busybox_image(base / "busybox.tar"))
+        self.containerd = daemon
+        self.test_image = TEST_IMAGE
+        self.container_note = "env read with ExecSync from the running container process"
+
+    def _start_node(self, spec: NodeSpec) -> None:
+        from deviceplugin.runtime import start_device_plugin
+
+        self.apiserver_create_node(spec)
+        directory = Path(tempfile.mkdtemp(prefix=f"gs-{spec.name[:8]}-", dir="/tmp"))
+        backend = SimulatedBackend(spec.name, spec.gpus)
+        settings = NodeSettings(spec.name, str(self.kubeconfig), f"sim:{spec.gpus}", directory, c.GIB, frozenset())
+        self._run_cli("advertiser", "--once", *self._node_flags(settings))
+        kubelet = KubeletEmulator(directory)
+        kubelet.start()
+        node = SimNode(spec, backend, kubelet)
+        node.stop.append(kubelet.stop)
+        plugin = start_device_plugin(settings, backend, self.api)
+        node.stop.insert(0, plugin.stop)
+        if not kubelet.wait_for(
+            lambda k: (
+                k.registered(c.RESOURCE_MEM) and k.registered(c.RESOURCE_COUNT) and k.capacity(c.RESOURCE_MEM) > 0
+            ),
+            10,
+        ):
+            raise SandboxError(f"node {spec.name}: the device plugin did not register with the kubelet emulator")
+        self._publish_capacity(spec.name, kubelet)
+        if self.containerd is not None:
+            from crishim.rewrite import RewriteOptions
+            from crishim.runtime import ShimSettings, start_cri_shim
+
+            shim_socket = directory / "cri-shim.sock"
+            shim_settings = ShimSettings(
+                listen=f"unix://{shim_socket}",
+                runtime=self.containerd.address,
+                allow_api_fetch=True,
+                options=RewriteOptions(),
+            )
+            shim = start_cri_shim(settings, shim_settings, backend, self.api)
+            node.stop.insert(0, shim.stop)
+            node.cri_address = f"unix://{shim_socket}"
+        self.nodes[spec.name] = node
+
+    def _node_flags(self, settings: NodeSettings) -> list[str]:
+        return ["--node-name", settings.node_name, "--kubeconfig", str(self.kubeconfig), "--gpus", settings.gpus]
+
+    def _run_cli(self, *args: str) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "gpushare.cli", "--log-level", "WARNING", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if proc.returncode != 0:
+            raise SandboxError(f"gpushare {args[0]} failed: {proc.stderr.strip().splitlines()[-1:]}")
+
+    def apiserver_create_node(self, spec: NodeSpec) -> None:
+        from kubernetes import client
+
+        client.CoreV1Api(self.api).create_node(
+            {
+                "metadata": {"name": spec.name, "labels": {"gpushare": "true", "kubernetes.io/hostname": spec.name}},
+                "status": {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"}]},
+            }
+        )
+
+    def _publish_capacity(self, node: str, kubelet: KubeletEmulator) -> None:
+        """What kubelet reports for extended resources: capacity = devices, allocatable = healthy ones."""
+        from kubernetes import client
+
+        status = {
+            "capacity": {r: str(kubelet.capacity(r)) for r in c.RESOURCES},
+            "allocatable": {r: str(kubelet.allocatable(r)) for r in c.RESOURCES},
+        }
+        client.CoreV1Api(self.api).patch_node_status(node, {"status": status})
+
+    def _start_extender(self) -> None:
+        """The extender runs as its own process, exactly as deployed."""
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        log_file = (self.workdir / "extender.log").open("w")
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpushare.cli",
+                "extender",
+                "--port",
+                str(port),
+                "--kubeconfig",
+                str(self.kubeconfig),
+                "--policy",
+                self.policy,
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+        self._cleanup.append(lambda: (proc.terminate(), proc.wait(10), log_file.close()))
+        self.extender_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while not _ready(f"{self.extender_url}/readyz"):
+            if proc.poll() is not None:
+                raise SandboxError(f"the extender exited: see {self.workdir / 'extender.log'}")
+            if time.monotonic() > deadline:
+                raise SandboxError("the extender did not become ready within 20s")
+            time.sleep(0.1)
+
+    # --- running pods -----------------------------------------------------------------------------------
+
+    def submit(self, manifests: Sequence[Mapping[str, Any]]) -> list[PodOutcome]:
+        from kubernetes import client
+
+        core = client.CoreV1Api(self.api)
+        outcomes = []
+        for manifest in manifests:
+            created = core.create_namespaced_pod(manifest["metadata"].get("namespace", "default"), dict(manifest))
+            outcomes.append(self._run(get_pod(self.api, created.metadata.namespace, created.metadata.name)))
+        return outcomes
+
+    def _run(self, pod: dict[str, Any]) -> PodOutcome:
+        meta = pod["metadata"]
+        outcome = PodOutcome(name=meta["name"])
+        node = self._schedule(pod, outcome)
+        if node is None:
+            return outcome
+        outcome.node = node
+        pod = get_pod(self.api, meta["namespace"], meta["name"])
+        sim = self.nodes[node]
+        admission = sim.kubelet.admit(pod)
+        if not admission.admitted:
+            outcome.state, outcome.reason = "Failed", admission.error
+            patch_pod(
+                self.api,
+                meta["namespace"],
+                meta["name"],
+                {"status": {"phase": "Failed", "reason": "UnexpectedAdmissionError", "message": admission.error}},
+            )
+            return outcome
+        outcome.cards = _cards_of(get_pod(self.api, meta["namespace"], meta["name"]), sim.backend)
+        self._start_containers(pod, admission, sim, outcome)
+        return outcome
+
+    def _schedule(self, pod: dict[str, Any], outcome: PodOutcome) -> str | None:
+        node_names = sorted(self.nodes)
+        meta = pod["metadata"]
+        if not c.requests_gpu(pod):
+            # kube-scheduler calls the extender only for pods that request its managed resources
+            node = node_names[0]
+            bind_pod(self.api, meta["namespace"], meta["name"], meta.get("uid"), node)
+            return node
+        try:
+            result = schedule_one(ExtenderClient(self.extender_url), pod, node_names)
+        except ExtenderCallError as exc:
+            outcome.reason = str(exc)
+            return None
+        if result.node is None:
+            outcome.reason = result.reason
+            create_event(
+                self.api,
+                pod,
+                reason="FailedScheduling",
+                message=result.reason,
+                type_="Warning",
+                component="gpushare-sandbox-scheduler",
+            )
+            return None
+        return result.node
+
+    def _start_containers(self, pod: dict[str, Any], admission: Admission, sim: SimNode, outcome: PodOutcome) -> None:
+        from gpushare.sandbox.cri_kubelet import CriRuntime, container_config
+
+        meta = pod["metadata"]
+        if sim.cri_address is None:
+            for spec in pod["spec"]["containers"]:
+                config = container_config(pod, spec, admission.containers.get(spec["name"]), "")
+                outcome.env[spec["name"]] = {kv.key: kv.value for kv in config.envs}
+            outcome.state, outcome.env_source = "Admitted", "kubelet"
+            return
+        cri = CriRuntime(sim.cri_address)
+        try:
+            outcome.env = cri.run_pod(pod, admission.containers, self.test_image)
+            outcome.state, outcome.env_source = "Running", "container"
+            patch_pod(self.api, meta["namespace"], meta["name"], {"status": {"phase": "Running"}})
+        except grpc.RpcError as exc:
+            outcome.state, outcome.reason = "CreateContainerError", exc.details() or str(exc.code())
+        finally:
+            cri.close()
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            for stop in node.stop:
+                with contextlib.suppress(Exception):
+                    stop()
+        for cleanup in reversed(self._cleanup):
+            with contextlib.suppress(Exception):
+                cleanup()
+
+    # --- reporting -------------------------------------------------------------------------------------
+
+    def inspect(self) -> str:
+        return render_details(build_cluster(list_nodes(self.api), list_pods(self.api)))
+
+
+def _ready(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=1) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def _cards_of(pod: Mapping[str, Any], backend: SimulatedBackend) -> str:
+    from gpushare.usage import resolve_allocation
+
+    allocation = resolve_allocation(pod, backend.cards()) or {}
+    return "; ".join(
+        f"{name}: " + ",".join(f"card {s.index} ({s.units} GiB)" for s in slices)
+        for name, slices in sorted(allocation.items())
+    )
+
+
+def load_examples(directory: Path = EXAMPLES) -> list[dict[str, Any]]:
+    manifests = [yaml.safe_load(p.read_text()) for p in sorted(directory.glob("*.yaml"))]
+    return [m for m in manifests if m and m.get("kind") == "Pod"]
+
+
+def render_pods(outcomes: Sequence[PodOutcome]) -> str:
+    rows = [["POD", "NODE", "CARDS", "STATE", "REASON"]]
+    rows += [[o.name, o.node or "-", o.cards or "-", o.state, o.reason or "-"] for o in outcomes]
+    return render_table(rows)
+
+
+def render_env(outcomes: Sequence[PodOutcome]) -> str:
+    rows = [["POD", "CONTAINER", *GPU_ENV]]
+    for o in outcomes:
+        for container, env in sorted(o.env.items()):
+            rows.append([o.name, container, *(_short(env.get(k, "-")) for k in GPU_ENV)])
+    return render_table(rows)
+
+
+def _short(value: str) -> str:
+    """Card UUIDs are long; the first block is enough to tell them apart in a table."""
+    return ",".join(v[:12] if v.startswith("GPU-") else v for v in value.split(","))
+
+
+def run(nodes: Sequence[str], policy: str, containers: bool, keep_running: bool, out: Any = sys.stdout) -> int:
+    specs = [parse_node(n) for n in nodes or DEFAULT_NODES]
+    workdir = Path(tempfile.mkdtemp(prefix="gpushare-sandbox-"))
+    sandbox = Sandbox(specs, policy, containers, workdir)
+    progress = Progress(total=5)
+    started = time.monotonic()
+    try:
+        sandbox.start(progress)
+        with progress.step(
+            f"scheduling and starting the example pods from {EXAMPLES.relative_to(EXAMPLES.parents[1])}"
+        ):
+            outcomes = sandbox.submit(load_examples())
+        print(f"\nPods (policy {policy}; {time.monotonic() - started:.1f}s from start)\n", file=out)
+        print(render_pods(outcomes), file=out)
+        print("\nPer-card allocation (gpushare inspect -d)\n", file=out)
+        print(sandbox.inspect(), file=out)
+        print(f"\nGPU environment of each container ({sandbox.container_note})\n", file=out)
+        print(render_env(outcomes), file=out)
+        if keep_running:
+            print(
+                f"\nRunning. Try: gpushare inspect --kubeconfig {sandbox.kubeconfig}\n"
+                f"         curl {sandbox.extender_url}/metrics\nCtrl-C to stop.",
+                file=out,
+                flush=True,
+            )
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
+    except SandboxError as exc:
+        print(f"gpushare sandbox: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        sandbox.stop()
+    return 0

@@ -1,0 +1,24 @@
+"""``gpushare sandbox``: a whole simulated cluster on this machine."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
+        help="a simulated node, e.g. node-a=2xA100-80GB:81920,1xT4:15360 (repeatable; default: 2 mixed nodes)",
+    )
+    parser.add_argument("--policy", default="", help="placement policy for the extender (default: its default)")
+    parser.add_argument("--no-containers", action="store_true", help="don't start real containers even if possible")
+    parser.add_argument("--keep-running", action="store_true", help="stay up for gpushare inspect and /metrics")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpushare.sandbox.cluster import run as run_sandbox
+
+    return run_sandbox(args.node, args.policy, not args.no_containers, args.keep_running)
