@@ -257,20 +257,36 @@ def _container_request(pod: str, spec: Mapping[str, Any], init: bool) -> Contain
     return ContainerRequest(name=name, init=init, mem=mem, count=count)
 
 
+_REQUEST_MEMO: dict[tuple[str, str], PodRequest] = {}
+_REQUEST_MEMO_SIZE = 16384
+
+
 def parse_pod_request(pod: Mapping[str, Any]) -> PodRequest:
-    """The GPU request of every container (init containers first, in spec order)."""
+    """The GPU request of every container (init containers first, in spec order).
+
+    Results are memoised by (uid, resourceVersion): an object from the API can't change without a new
+    resourceVersion, and Allocate re-reads every pod on the node on each call.
+    """
     meta = pod.get("metadata") or {}
+    memo_key = (meta.get("uid") or "", meta.get("resourceVersion") or "")
+    if all(memo_key) and (hit := _REQUEST_MEMO.get(memo_key)) is not None:
+        return hit
     spec = pod.get("spec") or {}
     key = pod_key(pod)
     containers = tuple(_container_request(key, c, True) for c in spec.get("initContainers") or []) + tuple(
         _container_request(key, c, False) for c in spec.get("containers") or []
     )
-    return PodRequest(
+    request = PodRequest(
         namespace=meta.get("namespace", "default"),
         name=meta.get("name", ""),
         uid=meta.get("uid", ""),
         containers=containers,
     )
+    if all(memo_key):
+        if len(_REQUEST_MEMO) >= _REQUEST_MEMO_SIZE:
+            _REQUEST_MEMO.clear()
+        _REQUEST_MEMO[memo_key] = request
+    return request
 
 
 def requests_gpu(pod: Mapping[str, Any]) -> bool:

@@ -30,3 +30,22 @@ def test_device_plugin_wire_names() -> None:
         "cdi_devices": 5,
     }
     assert pb.DESCRIPTOR.services_by_name["DevicePlugin"].methods_by_name["ListAndWatch"].server_streaming
+
+
+def test_cri_wire_names() -> None:
+    from gpushare.pb import cri_pb2 as pb
+
+    assert pb.DESCRIPTOR.package == "runtime.v1"
+    numbers = {n: f.number for n, f in pb.ContainerConfig.DESCRIPTOR.fields_by_name.items()}
+    assert numbers["envs"] == 6 and numbers["devices"] == 8 and numbers["annotations"] == 10
+    assert numbers["CDI_devices"] == 17 and numbers["stop_signal"] == 18
+    request = {n: f.number for n, f in pb.CreateContainerRequest.DESCRIPTOR.fields_by_name.items()}
+    assert request == {"pod_sandbox_id": 1, "config": 2, "sandbox_config": 3}
+    sandbox = {n: f.number for n, f in pb.PodSandboxConfig.DESCRIPTOR.fields_by_name.items()}
+    assert sandbox["labels"] == 6 and sandbox["annotations"] == 7
+    runtime = pb.DESCRIPTOR.services_by_name["RuntimeService"].methods_by_name
+    assert runtime["GetContainerEvents"].server_streaming
+    assert runtime["CreateContainer"].input_type.name == "CreateContainerRequest"
+    assert {"UpdatePodSandboxResources", "ListPodSandboxMetrics", "CheckpointContainer"} <= set(runtime)
+    images = pb.DESCRIPTOR.services_by_name["ImageService"].methods_by_name
+    assert set(images) == {"ListImages", "ImageStatus", "PullImage", "RemoveImage", "ImageFsInfo"}

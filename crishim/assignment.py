@@ -1,0 +1,279 @@
+"""Which cards a container being created must get: read from the pod annotations kubelet passes in
+``sandbox_config``, or, when those are missing or stale, from the pod itself through the API server.
+
+The pure part (:func:`target_of`, :func:`plugin_view`, :func:`from_annotations`, :func:`from_pod`)
+works on plain values. :class:`Resolver` adds the node's pod cache: the API fallback and the
+over-commit check against every live pod on the node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gpushare.cards import Card
+from gpushare.contract import (
+    ANN_ALLOCATION,
+    ANN_MEM_IDX,
+    ANN_MEM_POD,
+    CRI_LABEL_CONTAINER_NAME,
+    CRI_LABEL_POD_NAME,
+    CRI_LABEL_POD_NAMESPACE,
+    CRI_LABEL_POD_UID,
+    CTR_ANN_CARDS,
+    CTR_ANN_CONTAINER,
+    CTR_ANN_POD_UID,
+    ENV_MEM_CONTAINER,
+    ENV_VISIBLE_DEVICES,
+    CardSlice,
+    ContractError,
+    MemoryUnit,
+    parse_allocation,
+    parse_card_index,
+    parse_pod_request,
+)
+from gpushare.kube import KubeError, KubeNotFound, get_pod
+from gpushare.pb import cri_pb2
+from gpushare.usage import node_usage, overcommitted, resolve_allocation
+
+log = logging.getLogger(__name__)
+
+SOURCE_ANNOTATIONS = "pod annotations"
+SOURCE_API = "API server"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The pod and container a CreateContainer call is for."""
+
+    namespace: str
+    pod: str
+    uid: str
+    container: str
+
+    @property
+    def pod_key(self) -> str:
+        return f"{self.namespace}/{self.pod}"
+
+    def __str__(self) -> str:
+        return f"pod {self.pod_key} container {self.container}"
+
+
+@dataclass(frozen=True, slots=True)
+class PluginView:
+    """What the device plugin's Allocate answer put into the container."""
+
+    served: bool
+    cards: tuple[str, ...]
+    pod_uid: str
+    units: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """The container must not start. ``reason`` is a short metric label."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """The verdict on one container: no GPU, these cards, or a refusal."""
+
+    target: Target
+    wants_gpu: bool
+    slices: tuple[CardSlice, ...] = ()
+    pod_mem: int = 0
+    #: every slice the pod holds on this node, for the over-commit check
+    pod_slices: tuple[CardSlice, ...] = ()
+    source: str = SOURCE_ANNOTATIONS
+    refusal: Refusal | None = None
+
+
+def refuse(target: Target, reason: str, why: str) -> Assignment:
+    return Assignment(target=target, wants_gpu=True, refusal=Refusal(reason, f"{target}: {why}"))
+
+
+def target_of(request: cri_pb2.CreateContainerRequest) -> Target:
+    """Kubelet names the pod in the sandbox metadata and labels, the container in its metadata."""
+    sandbox, config = request.sandbox_config, request.config
+    labels = sandbox.labels
+    return Target(
+        namespace=sandbox.metadata.namespace or labels.get(CRI_LABEL_POD_NAMESPACE, ""),
+        pod=sandbox.metadata.name or labels.get(CRI_LABEL_POD_NAME, ""),
+        uid=sandbox.metadata.uid or labels.get(CRI_LABEL_POD_UID, ""),
+        container=config.metadata.name or config.labels.get(CRI_LABEL_CONTAINER_NAME, ""),
+    )
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def plugin_view(config: cri_pb2.ContainerConfig) -> PluginView:
+    """Our device plugin marks the containers it served with annotations (which a pod spec can't set);
+    the original plugin leaves only its env, so that counts too."""
+    env = {kv.key: kv.value for kv in config.envs}
+    annotations = config.annotations
+    try:
+        units: int | None = int(env[ENV_MEM_CONTAINER])
+    except (KeyError, ValueError):
+        units = None
+    served = CTR_ANN_CARDS in annotations or CTR_ANN_CONTAINER in annotations or units is not None
+    cards = _split(annotations.get(CTR_ANN_CARDS, "")) or (_split(env.get(ENV_VISIBLE_DEVICES, "")) if served else ())
+    return PluginView(served=served, cards=cards, pod_uid=annotations.get(CTR_ANN_POD_UID, ""), units=units)
+
+
+def from_annotations(
+    target: Target, annotations: Mapping[str, str], plugin: PluginView, cards: Sequence[Card]
+) -> Assignment | None:
+    """The assignment recorded in the sandbox's pod annotations; None when they don't settle it (no
+    assignment for a container the plugin served, unreadable or naming a card this node lacks)."""
+    if ANN_ALLOCATION in annotations:
+        try:
+            allocation = parse_allocation(annotations[ANN_ALLOCATION], target.pod_key)
+        except ContractError:
+            return None
+        slices = allocation.get(target.container)
+        if slices is None:
+            return None if plugin.served else Assignment(target=target, wants_gpu=False)
+        pod_slices = tuple(s for group in allocation.values() for s in group)
+        default_mem = sum(s.units for s in pod_slices)
+    elif ANN_MEM_IDX in annotations:
+        if not plugin.served:
+            return Assignment(target=target, wants_gpu=False)
+        if plugin.units is None:
+            return None
+        try:
+            index = parse_card_index(annotations[ANN_MEM_IDX], target.pod_key)
+        except ContractError:
+            return None
+        card = next((c for c in cards if c.index == index), None)
+        if card is None:
+            return None
+        slices = (CardSlice(index=index, uuid=card.uuid, units=plugin.units),)
+        pod_slices = ()  # the other containers' amounts aren't in the annotations
+        default_mem = plugin.units
+    else:
+        return None if plugin.served else Assignment(target=target, wants_gpu=False)
+    known = {c.uuid for c in cards}
+    if any(s.uuid not in known for s in slices):
+        return None
+    return Assignment(
+        target=target,
+        wants_gpu=True,
+        slices=slices,
+        pod_mem=_int_or(annotations.get(ANN_MEM_POD), default_mem),
+        pod_slices=pod_slices,
+        source=SOURCE_ANNOTATIONS,
+    )
+
+
+def _int_or(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text is not None else default
+    except ValueError:
+        return default
+
+
+def from_pod(target: Target, pod: Mapping[str, Any], cards: Sequence[Card]) -> Assignment:
+    """The assignment from the pod object itself: its spec says whether the container wants a GPU."""
+    try:
+        request = parse_pod_request(pod)
+        container = request.container(target.container)
+        if container is None:
+            return refuse(target, "bad-annotation", "the pod from the API server has no such container")
+        if not container.wants_gpu:
+            return Assignment(target=target, wants_gpu=False, source=SOURCE_API)
+        allocation = resolve_allocation(pod, cards)
+    except ContractError as exc:
+        return refuse(target, "bad-annotation", str(exc))
+    if not allocation or target.container not in allocation:
+        return refuse(target, "no-assignment", f"requests a GPU but the pod has no card assignment ({ANN_ALLOCATION})")
+    return Assignment(
+        target=target,
+        wants_gpu=True,
+        slices=allocation[target.container],
+        pod_mem=request.total_mem,
+        pod_slices=tuple(s for group in allocation.values() for s in group),
+        source=SOURCE_API,
+    )
+
+
+class PodLookup(Protocol):
+    """The node's pods as the API server knows them."""
+
+    def pod(self, namespace: str, name: str, uid: str) -> Mapping[str, Any] | None:
+        """The pod with this uid (any uid when empty), or None when there is none; raises KubeError when
+        the API server can't be asked."""
+
+    def node_pods(self) -> Sequence[Mapping[str, Any]] | None:
+        """Every pod bound to this node, or None while that list isn't known."""
+
+
+class Resolver:
+    """Resolve a CreateContainer call's assignment, asking the API only when allowed and needed."""
+
+    def __init__(self, unit: MemoryUnit, pods: PodLookup | None) -> None:
+        self._unit = unit
+        self._pods = pods
+
+    def resolve(self, request: cri_pb2.CreateContainerRequest, cards: Sequence[Card]) -> Assignment:
+        target = target_of(request)
+        plugin = plugin_view(request.config)
+        found = from_annotations(target, request.sandbox_config.annotations, plugin, cards)
+        if found is None:
+            if self._pods is None:
+                return refuse(
+                    target,
+                    "no-assignment",
+                    "requests a GPU but the pod annotations in sandbox_config hold no valid card assignment "
+                    "for it, and API lookups are disabled (--no-api-fetch)",
+                )
+            try:
+                pod = self._pods.pod(target.namespace, target.pod, target.uid)
+            except KubeError as exc:
+                return refuse(target, "api-unavailable", f"no card assignment in sandbox_config and {exc}")
+            if pod is None:
+                return refuse(target, "no-assignment", "no card assignment in sandbox_config and the pod is gone")
+            found = from_pod(target, pod, cards)
+        if found.refusal is None and found.wants_gpu:
+            return self._check_capacity(found, cards)
+        return found
+
+    def _check_capacity(self, found: Assignment, cards: Sequence[Card]) -> Assignment:
+        pods = self._pods.node_pods() if self._pods is not None else None
+        if pods is None:
+            return found
+        used, _, _ = node_usage(pods, cards, exclude_uid=found.target.uid or None)
+        why = overcommitted(found.pod_slices or found.slices, used, {c.uuid: c for c in cards}, self._unit)
+        return found if why is None else refuse(found.target, "overcommit", why)
+
+
+class CachedPods:
+    """A :class:`PodLookup` over the node's watch cache, falling back to a direct GET while the cache
+    hasn't synced or doesn't hold the pod yet (kubelet can be faster than our watch)."""
+
+    def __init__(self, api: Any, cache: Any) -> None:
+        self._api = api
+        self._cache = cache
+
+    def pod(self, namespace: str, name: str, uid: str) -> Mapping[str, Any] | None:
+        cached = self._cache.get(name, namespace) if self._cache.synced else None
+        if cached is not None and _uid_matches(cached, uid):
+            return cached
+        try:
+            pod = get_pod(self._api, namespace, name)
+        except KubeNotFound:
+            return None
+        return pod if _uid_matches(pod, uid) else None
+
+    def node_pods(self) -> Sequence[Mapping[str, Any]] | None:
+        return self._cache.items() if self._cache.synced and self._cache.connected else None
+
+
+def _uid_matches(pod: Mapping[str, Any], uid: str) -> bool:
+    return not uid or (pod.get("metadata") or {}).get("uid") == uid

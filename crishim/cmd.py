@@ -1,0 +1,72 @@
+"""``gpushare cri-shim``: sit between kubelet and the container runtime, enforcing card assignments."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpushare.cli import add_node_flags
+
+DEFAULT_LISTEN = "unix:///run/gpushare/cri.sock"
+DEFAULT_RUNTIME = "unix:///run/containerd/containerd.sock"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_node_flags(parser)
+    parser.add_argument("--listen", default=DEFAULT_LISTEN, help="the socket kubelet connects to (mode 0600)")
+    parser.add_argument("--runtime", default=DEFAULT_RUNTIME, help="the real runtime's CRI socket")
+    api = parser.add_mutually_exclusive_group()
+    api.add_argument(
+        "--allow-api-fetch",
+        dest="allow_api_fetch",
+        action="store_true",
+        default=True,
+        help="read a pod from the API server when sandbox_config lacks its card assignment, and check cards "
+        "for over-commit against the node's pods (default)",
+    )
+    api.add_argument(
+        "--no-api-fetch",
+        dest="allow_api_fetch",
+        action="store_false",
+        help="trust sandbox_config alone; containers without an assignment there are refused",
+    )
+    parser.add_argument(
+        "--rewrite-devices",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also correct the /dev/nvidia* device nodes (for runtimes without the NVIDIA hook)",
+    )
+    parser.add_argument(
+        "--cdi", action=argparse.BooleanOptionalAction, default=False, help="also correct CDI device names"
+    )
+    parser.add_argument(
+        "--block-unrequested-gpu",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give containers that request no GPU NVIDIA_VISIBLE_DEVICES=void (default: on)",
+    )
+    parser.add_argument("--metrics-port", type=int, default=9446, help="/metrics, /healthz, /readyz (0: off)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from crishim.rewrite import RewriteOptions
+    from crishim.runtime import ShimSettings, run_cri_shim
+    from crishim.server import socket_path
+    from gpushare.cli import UsageError, node_settings
+    from gpushare.kube import KubeConfigError
+
+    try:
+        socket_path(args.listen)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    settings = ShimSettings(
+        listen=args.listen,
+        runtime=args.runtime,
+        allow_api_fetch=args.allow_api_fetch,
+        options=RewriteOptions(
+            rewrite_devices=args.rewrite_devices, cdi=args.cdi, block_unrequested_gpu=args.block_unrequested_gpu
+        ),
+    )
+    try:
+        return run_cri_shim(node_settings(args), settings, args.metrics_port)
+    except KubeConfigError as exc:
+        raise UsageError(f"{exc} (or pass --no-api-fetch)") from None

@@ -1,0 +1,121 @@
+"""Wiring for a running CRI shim: inventory, optional API access, the pod cache and the server."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+from crishim.assignment import CachedPods, Resolver, Target
+from crishim.rewrite import RewriteOptions
+from crishim.server import CreateContainerGuard, CriShim
+from gpushare.cli import NodeSettings
+from gpushare.inventory import GpuBackend, open_backend
+from gpushare.kube import KubeConfigError, WatchCache, create_event, load_api, node_pod_cache
+from gpushare.observability import serve_http
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "gpushare-cri-shim"
+
+
+@dataclass(frozen=True, slots=True)
+class ShimSettings:
+    listen: str
+    runtime: str
+    allow_api_fetch: bool
+    options: RewriteOptions
+
+
+class EventRecorder:
+    """Posts pod Events from one background thread, so CreateContainer never waits on the API."""
+
+    def __init__(self, api: Any) -> None:
+        self._api = api
+        self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cri-shim-events")
+
+    def __call__(self, target: Target, reason: str, message: str, type_: str) -> None:
+        pod = {"kind": "Pod", "metadata": {"name": target.pod, "namespace": target.namespace, "uid": target.uid}}
+        self._pool.submit(
+            create_event, self._api, pod, reason=reason, message=message, type_=type_, component=COMPONENT
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@dataclass
+class RunningShim:
+    shim: CriShim
+    cache: WatchCache | None
+    events: EventRecorder | None
+
+    def stop(self) -> None:
+        self.shim.stop()
+        if self.cache is not None:
+            self.cache.stop()
+        if self.events is not None:
+            self.events.close()
+
+
+def start_cri_shim(node: NodeSettings, settings: ShimSettings, backend: GpuBackend, api: Any | None) -> RunningShim:
+    """Start serving. ``api`` may be None (no events, no API lookups); API lookups also need
+    ``settings.allow_api_fetch``."""
+    cache = None
+    if api is not None and settings.allow_api_fetch:
+        cache = node_pod_cache(api, node.node_name)
+        cache.start()
+    events = EventRecorder(api) if api is not None else None
+    guard = CreateContainerGuard(
+        Resolver(node.memory_unit, CachedPods(api, cache) if cache is not None else None),
+        backend.cards,
+        node.memory_unit,
+        settings.options,
+        events,
+    )
+    shim = CriShim(settings.listen, settings.runtime, guard)
+    try:
+        shim.start()
+    except BaseException:
+        if cache is not None:
+            cache.stop()
+        raise
+    return RunningShim(shim, cache, events)
+
+
+def _api_for(node: NodeSettings, settings: ShimSettings) -> Any | None:
+    try:
+        return load_api(node.kubeconfig)
+    except KubeConfigError as exc:
+        if settings.allow_api_fetch:
+            raise
+        log.warning("no Kubernetes API access (%s): corrections won't be recorded as pod Events", exc)
+        return None
+
+
+def run_cri_shim(node: NodeSettings, settings: ShimSettings, metrics_port: int) -> int:
+    backend = open_backend(node.gpus, node.node_name, node.ignored_xids)
+    running = start_cri_shim(node, settings, backend, _api_for(node, settings))
+    if metrics_port:
+        serve_http(metrics_port, lambda: running.shim.serving)
+    log.info(
+        "CRI shim for node %s (%d card(s)): API lookups %s, device rewriting %s, CDI %s, unrequested GPUs %s",
+        node.node_name,
+        len(backend.cards()),
+        "on" if settings.allow_api_fetch else "off",
+        "on" if settings.options.rewrite_devices else "off",
+        "on" if settings.options.cdi else "off",
+        "blocked" if settings.options.block_unrequested_gpu else "allowed",
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        stop.wait()
+    finally:
+        running.stop()
+        backend.close()
+    return 0

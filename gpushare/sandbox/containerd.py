@@ -1,0 +1,300 @@
+"""A private containerd for tests, benchmarks and the sandbox: its own root, state and socket under one
+directory, configured so that CRI pods run on this kind of machine (host network only, no image pulls).
+
+Images can't be pulled here, so :func:`build_busybox_image` packs the host's static busybox into a
+docker-archive tarball that doubles as the pause image, and :meth:`Containerd.import_image` loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import struct
+import subprocess
+import tarfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+
+from gpushare.pb import cri_pb2, cri_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+PAUSE_IMAGE = "registry.k8s.io/pause:3.9"
+TEST_IMAGE = "gpushare.test/busybox:1"
+BUSYBOX = Path("/bin/busybox")
+K8S_NAMESPACE = "k8s.io"
+#: the image's default command; it must keep running because the same image serves as the pause image
+IDLE_COMMAND = ("/bin/sleep", "2147483647")
+
+_PT_INTERP = 3
+_GO_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}
+
+
+class ContainerdError(RuntimeError):
+    """containerd could not be started, reached or given an image."""
+
+
+def containerd_available() -> str | None:
+    """None when a private containerd can run here, else why not (a reason to skip)."""
+    if os.geteuid() != 0:
+        return "containerd needs root"
+    for binary in ("containerd", "ctr", "runc"):
+        if shutil.which(binary) is None:
+            return f"{binary} is not installed (apt-get install -y containerd runc busybox-static)"
+    if not BUSYBOX.is_file():
+        return f"{BUSYBOX} is missing (apt-get install -y busybox-static)"
+    if not is_static_elf(BUSYBOX):
+        return f"{BUSYBOX} is dynamically linked; the image needs busybox-static"
+    return None
+
+
+def is_static_elf(path: Path) -> bool:
+    """True for a 64-bit little-endian ELF file without a program interpreter."""
+    with path.open("rb") as f:
+        head = f.read(64)
+        if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            return False
+        (phoff,) = struct.unpack_from("<Q", head, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", head, 0x36)
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    return all(struct.unpack_from("<I", table, i * phentsize)[0] != _PT_INTERP for i in range(phnum))
+
+
+# --- the image --------------------------------------------------------------------------------------------
+
+
+def _tar_member(
+    tar: tarfile.TarFile, name: str, *, kind: bytes, data: bytes = b"", mode: int = 0o755, link: str = ""
+) -> None:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.mode = mode
+    info.mtime = 0
+    info.linkname = link
+    info.size = len(data) if kind == tarfile.REGTYPE else 0
+    tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+
+def _busybox_layer() -> bytes:
+    applets = subprocess.run([str(BUSYBOX), "--list"], check=True, capture_output=True, text=True).stdout.split()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for directory in ("bin", "dev", "etc", "proc", "sys", "tmp", "root"):
+            _tar_member(tar, directory, kind=tarfile.DIRTYPE, mode=0o1777 if directory == "tmp" else 0o755)
+        _tar_member(tar, "bin/busybox", kind=tarfile.REGTYPE, data=BUSYBOX.read_bytes())
+        for applet in sorted(set(applets) - {"busybox"}):
+            _tar_member(tar, f"bin/{applet}", kind=tarfile.SYMTYPE, link="busybox", mode=0o777)
+        _tar_member(tar, "etc/passwd", kind=tarfile.REGTYPE, data=b"root:x:0:0:root:/root:/bin/sh\n", mode=0o644)
+        _tar_member(tar, "etc/group", kind=tarfile.REGTYPE, data=b"root:x:0:\n", mode=0o644)
+    return buf.getvalue()
+
+
+def build_busybox_image(path: Path, tags: Sequence[str] = (PAUSE_IMAGE, TEST_IMAGE)) -> Path:
+    """Write a docker-archive tarball of a busybox rootfs, tagged with every name in ``tags``."""
+    layer = _busybox_layer()
+    diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
+    config = json.dumps(
+        {
+            "architecture": _GO_ARCH.get(platform.machine(), platform.machine()),
+            "os": "linux",
+            "config": {"Env": ["PATH=/bin"], "Cmd": list(IDLE_COMMAND), "WorkingDir": "/"},
+            "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+            "history": [{"created_by": "gpushare busybox image"}],
+        },
+        sort_keys=True,
+    ).encode()
+    config_name = hashlib.sha256(config).hexdigest() + ".json"
+    layer_name = diff_id.removeprefix("sha256:") + "/layer.tar"
+    manifest = json.dumps([{"Config": config_name, "RepoTags": list(tags), "Layers": [layer_name]}]).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        _tar_member(tar, layer_name.split("/")[0], kind=tarfile.DIRTYPE)
+        _tar_member(tar, layer_name, kind=tarfile.REGTYPE, data=layer, mode=0o644)
+        _tar_member(tar, config_name, kind=tarfile.REGTYPE, data=config, mode=0o644)
+        _tar_member(tar, "manifest.json", kind=tarfile.REGTYPE, data=manifest, mode=0o644)
+    return path
+
+
+# --- the daemon -------------------------------------------------------------------------------------------
+
+
+def render_config(base: Path, sandbox_image: str = PAUSE_IMAGE) -> str:
+    """containerd's TOML configuration, with every path under ``base``."""
+    cri = 'plugins."io.containerd.grpc.v1.cri"'
+    return "\n".join(
+        [
+            "version = 2",
+            f'root = "{base / "root"}"',
+            f'state = "{base / "state"}"',
+            "disabled_plugins = ["
+            '"io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", '
+            '"io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", '
+            '"io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]',
+            "[grpc]",
+            f'  address = "{base / "containerd.sock"}"',
+            "[ttrpc]",
+            f'  address = "{base / "containerd.sock.ttrpc"}"',
+            "[debug]",
+            '  address = ""',
+            "[metrics]",
+            '  address = ""',
+            '[plugins."io.containerd.internal.v1.opt"]',
+            f'  path = "{base / "opt"}"',
+            f"[{cri}]",
+            f'  sandbox_image = "{sandbox_image}"',
+            "  restrict_oom_score_adj = true",
+            "  enable_selinux = false",
+            f"[{cri}.containerd]",
+            '  snapshotter = "native"',
+            '  default_runtime_name = "runc"',
+            f"[{cri}.containerd.runtimes.runc]",
+            '  runtime_type = "io.containerd.runc.v2"',
+            f"[{cri}.cni]",
+            f'  bin_dir = "{base / "cni-bin"}"',
+            f'  conf_dir = "{base / "cni-conf"}"',
+            "",
+        ]
+    )
+
+
+class Containerd:
+    """One containerd process serving CRI on a private socket under ``base``."""
+
+    def __init__(self, base: Path, sandbox_image: str = PAUSE_IMAGE) -> None:
+        self.base = base
+        self.sandbox_image = sandbox_image
+        self.socket = base / "containerd.sock"
+        self.config = base / "config.toml"
+        self.log_path = base / "containerd.log"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        """The gRPC target, ``unix:///...``."""
+        return f"unix://{self.socket}"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start containerd and return once it answers CRI Version."""
+        if self.running:
+            return
+        self.base.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(render_config(self.base, self.sandbox_image))
+        with self.log_path.open("ab") as log_file:
+            self._process = subprocess.Popen(
+                ["containerd", "--config", str(self.config)],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready(timeout)
+        except ContainerdError:
+            self.stop()
+            raise
+        log.info("containerd %d serving CRI on %s", self._process.pid, self.address)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = cri_pb2_grpc.RuntimeServiceStub(channel)
+            while True:
+                if self._process is None or self._process.poll() is not None:
+                    raise ContainerdError(f"containerd exited during start-up; see {self.log_path}:\n{self._tail()}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ContainerdError(f"containerd did not answer within {timeout}s; see {self.log_path}")
+                try:
+                    stub.Version(cri_pb2.VersionRequest(), timeout=min(remaining, 1.0), wait_for_ready=True)
+                    return
+                except grpc.RpcError:
+                    continue
+
+    def _tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the daemon (SIGTERM, then SIGKILL). Running containers keep running, as with any
+        containerd restart; :meth:`close` removes them too."""
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.info("containerd %d stopped", process.pid)
+
+    def restart(self, timeout: float = 30.0) -> None:
+        self.stop()
+        self.start(timeout)
+
+    def import_image(self, tarball: Path) -> None:
+        """Load a docker-archive tarball into the CRI namespace, unpacked for the native snapshotter."""
+        result = subprocess.run(
+            [
+                "ctr",
+                "-a",
+                str(self.socket),
+                "-n",
+                K8S_NAMESPACE,
+                "images",
+                "import",
+                "--snapshotter",
+                "native",
+                str(tarball),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise ContainerdError(f"ctr images import {tarball} failed: {result.stderr.strip()}")
+
+    def remove_all_pods(self, timeout: float = 30.0) -> None:
+        """Stop and remove every pod sandbox (and so every container and runc shim)."""
+        with grpc.insecure_channel(self.address) as channel:
+            stub = cri_pb2_grpc.RuntimeServiceStub(channel)
+            for sandbox in stub.ListPodSandbox(cri_pb2.ListPodSandboxRequest(), timeout=timeout).items:
+                stub.StopPodSandbox(cri_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout)
+                stub.RemovePodSandbox(cri_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout)
+
+    def close(self) -> None:
+        """Remove every pod, stop the daemon and delete its directory."""
+        if self.running:
+            with contextlib.suppress(grpc.RpcError):
+                self.remove_all_pods()
+        self.stop()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_containerd(base: Path, images: Sequence[str] = (PAUSE_IMAGE, TEST_IMAGE)) -> Iterator[Containerd]:
+    """A started containerd holding the busybox image under every name in ``images``; closed on exit."""
+    daemon = Containerd(base, sandbox_image=images[0])
+    try:
+        daemon.start()
+        daemon.import_image(build_busybox_image(base / "busybox.tar", images))
+        yield daemon
+    finally:
+        daemon.close()

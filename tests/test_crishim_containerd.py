@@ -1,0 +1,455 @@
+"""The CRI shim between a client playing kubelet and a real, private containerd.
+
+Containers really start, and the env their process got is read back with ExecSync. A scripted runtime
+(an in-process gRPC server) covers what containerd 1.6 can't show: a live event stream, metadata and
+rich error details.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest import wait_until
+from kubernetes import client
+
+from crishim.metrics import CORRECTIONS, REFUSALS
+from crishim.rewrite import RewriteOptions
+from crishim.runtime import RunningShim, ShimSettings, start_cri_shim
+from crishim.server import EVENT_CORRECTED
+from gpushare.cli import NodeSettings
+from gpushare.contract import (
+    ANN_ALLOCATION,
+    CRI_LABEL_CONTAINER_NAME,
+    CRI_LABEL_POD_NAME,
+    CRI_LABEL_POD_NAMESPACE,
+    CRI_LABEL_POD_UID,
+    CTR_ANN_CARDS,
+    CTR_ANN_CONTAINER,
+    CTR_ANN_POD,
+    CTR_ANN_POD_UID,
+    ENV_MEM_IDX,
+    ENV_VISIBLE_DEVICES,
+    GIB,
+    RESOURCE_MEM,
+    VISIBLE_DEVICES_VOID,
+    CardSlice,
+    assigned_env,
+    format_allocation,
+)
+from gpushare.inventory import SimulatedBackend
+from gpushare.pb import cri_pb2 as pb
+from gpushare.pb import cri_pb2_grpc as pb_grpc
+from gpushare.sandbox.containerd import TEST_IMAGE, Containerd, containerd_available, running_containerd
+
+NODE = "node-a"
+GPUS = "2xA100-80GB:81920,1xT4:15360"
+BACKEND = SimulatedBackend(NODE, GPUS)
+CARDS = BACKEND.cards()
+UNITS = {c.uuid: GIB.units_of(c.memory_mib) for c in CARDS}
+
+needs_containerd = pytest.mark.skipif(containerd_available() is not None, reason=str(containerd_available()))
+
+
+def node_settings() -> NodeSettings:
+    return NodeSettings(
+        node_name=NODE,
+        kubeconfig=None,
+        gpus=f"sim:{GPUS}",
+        device_plugin_dir=Path("/nonexistent"),
+        memory_unit=GIB,
+        ignored_xids=frozenset(),
+    )
+
+
+@pytest.fixture(scope="module")
+def containerd() -> Iterator[Containerd]:
+    with running_containerd(Path(tempfile.mkdtemp(prefix="gs-ctrd-"))) as daemon:
+        yield daemon
+
+
+ShimFactory = Callable[..., RunningShim]
+
+
+@pytest.fixture
+def start_shim(tmp_path: Path) -> Iterator[ShimFactory]:
+    started: list[RunningShim] = []
+
+    def start(runtime: str, api: Any = None, allow_api_fetch: bool = False, **options: bool) -> RunningShim:
+        settings = ShimSettings(
+            listen=f"unix://{tmp_path}/shim-{len(started)}.sock",
+            runtime=runtime,
+            allow_api_fetch=allow_api_fetch,
+            options=RewriteOptions(**options),
+        )
+        running = start_cri_shim(node_settings(), settings, BACKEND, api)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop()
+
+
+class Cri:
+    """Runtime and image service stubs on one channel."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.runtime = pb_grpc.RuntimeServiceStub(self.channel)
+        self.images = pb_grpc.ImageServiceStub(self.channel)
+
+    def raw(self, method: str, request: bytes, timeout: float = 10) -> bytes:
+        return self.channel.unary_unary(method)(request, timeout=timeout)
+
+
+@pytest.fixture
+def direct(containerd: Containerd) -> Iterator[Cri]:
+    cri = Cri(containerd.address)
+    yield cri
+    for sandbox in cri.runtime.ListPodSandbox(pb.ListPodSandboxRequest(), timeout=30).items:
+        cri.runtime.StopPodSandbox(pb.StopPodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=30)
+        cri.runtime.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=30)
+    cri.channel.close()
+
+
+@pytest.fixture
+def shim(containerd: Containerd, direct: Cri, start_shim: ShimFactory) -> Iterator[Cri]:
+    """A shim trusting sandbox_config alone (no API server)."""
+    cri = Cri(start_shim(containerd.address).shim.address)
+    yield cri
+    cri.channel.close()
+
+
+# --- kubelet's side ---------------------------------------------------------------------------------------
+
+
+def sandbox_config(pod: str, uid: str, annotations: dict[str, str] | None = None) -> pb.PodSandboxConfig:
+    return pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name=pod, namespace="default", uid=uid),
+        labels={CRI_LABEL_POD_NAME: pod, CRI_LABEL_POD_NAMESPACE: "default", CRI_LABEL_POD_UID: uid},
+        annotations=annotations or {},
+        linux=pb.LinuxPodSandboxConfig(
+            security_context=pb.LinuxSandboxSecurityContext(namespace_options=pb.NamespaceOption(network=pb.NODE))
+        ),
+    )
+
+
+def plugin_answer(pod: str, uid: str, container: str, slices: tuple[CardSlice, ...]) -> dict[str, Any]:
+    """What our device plugin's Allocate answer puts into a container it believes belongs to ``pod``."""
+    return {
+        "envs": assigned_env(slices, sum(s.units for s in slices), UNITS),
+        "annotations": {
+            CTR_ANN_POD_UID: uid,
+            CTR_ANN_POD: f"default/{pod}",
+            CTR_ANN_CONTAINER: container,
+            CTR_ANN_CARDS: ",".join(s.uuid for s in slices),
+        },
+    }
+
+
+def container_config(name: str, envs: dict[str, str], annotations: dict[str, str] | None = None) -> pb.ContainerConfig:
+    return pb.ContainerConfig(
+        metadata=pb.ContainerMetadata(name=name),
+        image=pb.ImageSpec(image=TEST_IMAGE),
+        command=["sleep", "3600"],
+        envs=[pb.KeyValue(key=k, value=v) for k, v in envs.items()],
+        labels={CRI_LABEL_CONTAINER_NAME: name},
+        annotations=annotations or {},
+    )
+
+
+def run_container(cri: Cri, sandbox: pb.PodSandboxConfig, config: pb.ContainerConfig) -> str:
+    sandbox_id = cri.runtime.RunPodSandbox(pb.RunPodSandboxRequest(config=sandbox), timeout=30).pod_sandbox_id
+    container_id = cri.runtime.CreateContainer(
+        pb.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=sandbox), timeout=30
+    ).container_id
+    cri.runtime.StartContainer(pb.StartContainerRequest(container_id=container_id), timeout=30)
+    return container_id
+
+
+def process_env(cri: Cri, container_id: str) -> dict[str, str]:
+    reply = cri.runtime.ExecSync(pb.ExecSyncRequest(container_id=container_id, cmd=["env"], timeout=10), timeout=15)
+    assert reply.exit_code == 0, reply.stderr
+    return dict(line.split("=", 1) for line in reply.stdout.decode().splitlines() if "=" in line)
+
+
+def slice_of(index: int, units: int = 20) -> CardSlice:
+    return CardSlice(index=index, uuid=CARDS[index].uuid, units=units)
+
+
+def api_pod(name: str, allocation: dict[str, tuple[CardSlice, ...]]) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "annotations": {ANN_ALLOCATION: format_allocation(allocation)},
+        },
+        "spec": {
+            "nodeName": NODE,
+            "containers": [{"name": "worker", "image": TEST_IMAGE, "resources": {"limits": {RESOURCE_MEM: "20"}}}],
+        },
+    }
+
+
+def counter(metric: Any, reason: str) -> float:
+    return metric.labels(reason)._value.get()
+
+
+# --- enforcement ------------------------------------------------------------------------------------------
+
+
+@needs_containerd
+def test_swapped_device_plugin_answers_land_on_the_assigned_cards(
+    containerd: Containerd, direct: Cri, start_shim: ShimFactory, core_v1: client.CoreV1Api, kube_api: client.ApiClient
+) -> None:
+    """Two pods ask for the same amount; the plugin gave each the other's card. Each must run on its own."""
+    pods = {"train": slice_of(0), "infer": slice_of(1)}
+    uids = {}
+    for name, card in pods.items():
+        created = core_v1.create_namespaced_pod("default", api_pod(name, {"worker": (card,)}), _preload_content=False)
+        uids[name] = json.loads(created.data)["metadata"]["uid"]
+    running = start_shim(containerd.address, api=kube_api, allow_api_fetch=True)
+    assert running.cache is not None and running.cache.wait_synced(5)
+    cri = Cri(running.shim.address)
+    before = counter(CORRECTIONS, "wrong-card")
+
+    containers = {}
+    for name, other in (("train", "infer"), ("infer", "train")):
+        sandbox = sandbox_config(name, uids[name], {ANN_ALLOCATION: format_allocation({"worker": (pods[name],)})})
+        swapped = plugin_answer(other, uids[other], "worker", (pods[other],))
+        containers[name] = run_container(cri, sandbox, container_config("worker", **swapped))
+
+    for name, card in pods.items():
+        env = process_env(direct, containers[name])
+        assert env[ENV_VISIBLE_DEVICES] == card.uuid
+        assert env[ENV_MEM_IDX] == str(card.index)
+        status = direct.runtime.ContainerStatus(pb.ContainerStatusRequest(container_id=containers[name]), timeout=10)
+        assert status.status.annotations[CTR_ANN_CARDS] == card.uuid
+        assert status.status.annotations[CTR_ANN_POD_UID] == uids[name]
+    assert counter(CORRECTIONS, "wrong-card") == before + 2
+
+    def corrected_events() -> list[dict[str, Any]]:
+        events = json.loads(core_v1.list_namespaced_event("default", _preload_content=False).data)["items"]
+        return [e for e in events if e["reason"] == EVENT_CORRECTED]
+
+    events = wait_until(lambda: len(corrected_events()) == 2 and corrected_events(), what="two correction events")
+    assert {e["involvedObject"]["name"] for e in events} == {"train", "infer"}
+
+
+@needs_containerd
+def test_container_without_gpu_request_gets_void(shim: Cri, direct: Cri) -> None:
+    sandbox = sandbox_config("sneaky", "uid-sneaky")
+    before = counter(CORRECTIONS, "unrequested-gpu")
+    container = run_container(shim, sandbox, container_config("main", {ENV_VISIBLE_DEVICES: "all", "KEEP": "me"}))
+    env = process_env(direct, container)
+    assert env[ENV_VISIBLE_DEVICES] == VISIBLE_DEVICES_VOID and env["KEEP"] == "me"
+    assert counter(CORRECTIONS, "unrequested-gpu") == before + 1
+
+
+@needs_containerd
+@pytest.mark.parametrize(
+    "annotations",
+    [{}, {ANN_ALLOCATION: format_allocation({"worker": (CardSlice(0, "GPU-not-on-this-node", 20),)})}],
+    ids=["no-assignment", "unknown-card"],
+)
+def test_gpu_container_without_valid_assignment_is_refused(shim: Cri, direct: Cri, annotations: dict[str, str]) -> None:
+    sandbox = sandbox_config("orphan", "uid-orphan", annotations)
+    sandbox_id = shim.runtime.RunPodSandbox(pb.RunPodSandboxRequest(config=sandbox), timeout=30).pod_sandbox_id
+    answer = plugin_answer("orphan", "uid-orphan", "worker", (slice_of(0),))
+    before = counter(REFUSALS, "no-assignment")
+    with pytest.raises(grpc.RpcError) as info:
+        shim.runtime.CreateContainer(
+            pb.CreateContainerRequest(
+                pod_sandbox_id=sandbox_id, config=container_config("worker", **answer), sandbox_config=sandbox
+            ),
+            timeout=30,
+        )
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "pod default/orphan container worker" in info.value.details()
+    assert counter(REFUSALS, "no-assignment") == before + 1
+    listed = direct.runtime.ListContainers(
+        pb.ListContainersRequest(filter=pb.ContainerFilter(pod_sandbox_id=sandbox_id)), timeout=10
+    )
+    assert not listed.containers
+
+
+# --- transparency -----------------------------------------------------------------------------------------
+
+
+@needs_containerd
+def test_pass_through_matches_talking_to_containerd_directly(shim: Cri, direct: Cri) -> None:
+    container = run_container(shim, sandbox_config("plain", "uid-plain"), container_config("main", {}))
+    assert shim.runtime.Version(pb.VersionRequest(), timeout=10) == direct.runtime.Version(pb.VersionRequest())
+    listed = shim.runtime.ListContainers(pb.ListContainersRequest(), timeout=10)
+    assert [c.id for c in listed.containers] == [container]
+    assert listed == direct.runtime.ListContainers(pb.ListContainersRequest(), timeout=10)
+    status = shim.runtime.ContainerStatus(pb.ContainerStatusRequest(container_id=container, verbose=True), timeout=10)
+    assert status.status.state == pb.CONTAINER_RUNNING and "info" in status.info
+    assert json.loads(status.info["info"])["config"]["metadata"]["name"] == "main"
+    reply = shim.runtime.ExecSync(pb.ExecSyncRequest(container_id=container, cmd=["sh", "-c", "echo hi; exit 3"]))
+    assert (reply.stdout, reply.exit_code) == (b"hi\n", 3)
+    images = shim.images.ListImages(pb.ListImagesRequest(), timeout=10)
+    assert any(TEST_IMAGE in image.repo_tags for image in images.images)
+    assert images == direct.images.ListImages(pb.ListImagesRequest(), timeout=10)
+    image = shim.images.ImageStatus(pb.ImageStatusRequest(image=pb.ImageSpec(image=TEST_IMAGE)), timeout=10)
+    assert TEST_IMAGE in image.image.repo_tags
+
+
+@needs_containerd
+def test_errors_keep_their_code_and_details(shim: Cri, direct: Cri) -> None:
+    def failure(cri: Cri) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as info:
+            cri.runtime.ContainerStatus(pb.ContainerStatusRequest(container_id="no-such-container"), timeout=10)
+        return info.value
+
+    through, straight = failure(shim), failure(direct)
+    assert through.code() == straight.code() == grpc.StatusCode.NOT_FOUND
+    assert through.details() == straight.details() and "no-such-container" in through.details()
+
+
+@needs_containerd
+def test_streaming_method_is_forwarded_with_its_status(shim: Cri, direct: Cri) -> None:
+    """containerd 1.6 has no GetContainerEvents; kubelet must see exactly that answer."""
+    with pytest.raises(grpc.RpcError) as through:
+        list(shim.runtime.GetContainerEvents(pb.GetEventsRequest(), timeout=10))
+    with pytest.raises(grpc.RpcError) as straight:
+        list(direct.runtime.GetContainerEvents(pb.GetEventsRequest(), timeout=10))
+    assert through.value.code() == straight.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert through.value.details() == straight.value.details()
+
+
+@needs_containerd
+def test_method_the_shim_never_heard_of_is_forwarded(shim: Cri) -> None:
+    """The older v1alpha2 API is unknown to the shim but still served by containerd."""
+    reply = pb.VersionResponse.FromString(shim.raw("/runtime.v1alpha2.RuntimeService/Version", b""))
+    assert reply.runtime_name == "containerd" and reply.runtime_api_version == "v1alpha2"
+    with pytest.raises(grpc.RpcError) as info:
+        shim.raw("/runtime.v1.RuntimeService/NoSuchMethodYet", b"")
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "NoSuchMethodYet" in info.value.details()
+
+
+@needs_containerd
+def test_deadline_reaches_containerd(shim: Cri) -> None:
+    container = run_container(shim, sandbox_config("slow", "uid-slow"), container_config("main", {}))
+    with pytest.raises(grpc.RpcError) as info:
+        shim.runtime.ExecSync(pb.ExecSyncRequest(container_id=container, cmd=["sleep", "30"]), timeout=0.5)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@needs_containerd
+def test_socket_is_private(containerd: Containerd, start_shim: ShimFactory) -> None:
+    running = start_shim(containerd.address)
+    mode = os.stat(running.shim.path).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+
+
+@needs_containerd
+def test_containerd_outage_answers_unavailable_then_recovers(containerd: Containerd, shim: Cri) -> None:
+    assert shim.runtime.Version(pb.VersionRequest(), timeout=10).runtime_name == "containerd"
+    containerd.stop()
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            shim.runtime.Version(pb.VersionRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        containerd.start()
+
+    def answers() -> bool:
+        try:
+            return shim.runtime.Version(pb.VersionRequest(), timeout=1).runtime_name == "containerd"
+        except grpc.RpcError:
+            return False
+
+    wait_until(answers, timeout=10, what="the shim to reach the restarted containerd")
+
+
+# --- a scripted runtime: what containerd 1.6 can't demonstrate ---------------------------------------------------
+
+
+class ScriptedRuntime(pb_grpc.RuntimeServiceServicer):
+    def __init__(self) -> None:
+        self.seen_metadata: dict[str, str] = {}
+        self.seen_deadline: float | None = None
+
+    def Version(self, request: pb.VersionRequest, context: grpc.ServicerContext) -> pb.VersionResponse:
+        self.seen_metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        self.seen_deadline = context.time_remaining()
+        context.send_initial_metadata((("x-runtime-initial", "hello"),))
+        context.set_trailing_metadata((("x-runtime-trailing", "bye"),))
+        return pb.VersionResponse(runtime_name="scripted", version=request.version)
+
+    def ContainerStatus(self, request: pb.ContainerStatusRequest, context: grpc.ServicerContext) -> Any:
+        context.set_trailing_metadata((("grpc-status-details-bin", b"\x08\x05\x12\x04gone"), ("x-why", "gone")))
+        context.abort(grpc.StatusCode.NOT_FOUND, f"container {request.container_id} is gone")
+
+    def GetContainerEvents(self, request: pb.GetEventsRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        for n, kind in enumerate((pb.CONTAINER_CREATED_EVENT, pb.CONTAINER_STARTED_EVENT, pb.CONTAINER_STOPPED_EVENT)):
+            yield pb.ContainerEventResponse(container_id=f"c{n}", container_event_type=kind)
+
+
+class Echo(grpc.GenericRpcHandler):
+    """A bidirectional method no proto of ours declares: echoes every message back, reversed."""
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        if details.method != "/future.v9.Runtime/Chat":
+            return None
+        return grpc.stream_stream_rpc_method_handler(lambda requests, _context: (r[::-1] for r in requests))
+
+
+@pytest.fixture
+def scripted(tmp_path: Path, start_shim: ShimFactory) -> Iterator[tuple[ScriptedRuntime, Cri]]:
+    runtime = ScriptedRuntime()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=[Echo()])
+    pb_grpc.add_RuntimeServiceServicer_to_server(runtime, server)
+    server.add_insecure_port(f"unix:{tmp_path}/runtime.sock")
+    server.start()
+    cri = Cri(start_shim(f"unix://{tmp_path}/runtime.sock").shim.address)
+    yield runtime, cri
+    cri.channel.close()
+    server.stop(0)
+
+
+def test_metadata_and_deadline_cross_in_both_directions(scripted: tuple[ScriptedRuntime, Cri]) -> None:
+    runtime, cri = scripted
+    reply, call = cri.runtime.Version.with_call(
+        pb.VersionRequest(version="v1"), timeout=7, metadata=(("x-kubelet", "node-a"),)
+    )
+    assert reply.runtime_name == "scripted" and reply.version == "v1"
+    assert runtime.seen_metadata.get("x-kubelet") == "node-a"
+    assert runtime.seen_deadline is not None and 5 < runtime.seen_deadline <= 7
+    assert ("x-runtime-initial", "hello") in tuple(call.initial_metadata())
+    assert ("x-runtime-trailing", "bye") in tuple(call.trailing_metadata())
+
+
+def test_error_details_are_not_lost(scripted: tuple[ScriptedRuntime, Cri]) -> None:
+    _, cri = scripted
+    with pytest.raises(grpc.RpcError) as info:
+        cri.runtime.ContainerStatus(pb.ContainerStatusRequest(container_id="c9"), timeout=5)
+    trailing = dict(info.value.trailing_metadata())
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and info.value.details() == "container c9 is gone"
+    assert trailing["grpc-status-details-bin"] == b"\x08\x05\x12\x04gone" and trailing["x-why"] == "gone"
+
+
+def test_event_stream_is_relayed_message_by_message(scripted: tuple[ScriptedRuntime, Cri]) -> None:
+    _, cri = scripted
+    events = list(cri.runtime.GetContainerEvents(pb.GetEventsRequest(), timeout=5))
+    assert [(e.container_id, e.container_event_type) for e in events] == [
+        ("c0", pb.CONTAINER_CREATED_EVENT),
+        ("c1", pb.CONTAINER_STARTED_EVENT),
+        ("c2", pb.CONTAINER_STOPPED_EVENT),
+    ]
+
+
+def test_unknown_bidirectional_method_is_relayed(scripted: tuple[ScriptedRuntime, Cri]) -> None:
+    _, cri = scripted
+    chat = cri.channel.stream_stream("/future.v9.Runtime/Chat")
+    assert list(chat(iter([b"abc", b"xyz"]), timeout=5)) == [b"cba", b"zyx"]

@@ -1,0 +1,396 @@
+"""The CreateContainer decision without any server: assignment resolution and config correction."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+import pytest
+
+from crishim.assignment import (
+    SOURCE_API,
+    Assignment,
+    Refusal,
+    Resolver,
+    Target,
+    from_annotations,
+    plugin_view,
+    target_of,
+)
+from crishim.rewrite import RewriteOptions, rewrite
+from crishim.server import CreateContainerGuard
+from gpushare.contract import (
+    ANN_ALLOCATION,
+    ANN_MEM_IDX,
+    CDI_KIND,
+    CRI_LABEL_CONTAINER_NAME,
+    CTR_ANN_CARDS,
+    CTR_ANN_CONTAINER,
+    CTR_ANN_POD,
+    CTR_ANN_POD_UID,
+    DEV_CONTROL_FILES,
+    ENV_MEM_CONTAINER,
+    ENV_MEM_DEV,
+    ENV_MEM_IDX,
+    ENV_MEM_POD,
+    ENV_VISIBLE_DEVICES,
+    GIB,
+    RESOURCE_MEM,
+    VISIBLE_DEVICES_VOID,
+    CardSlice,
+    assigned_env,
+    cdi_device_name,
+    device_file,
+    format_allocation,
+)
+from gpushare.inventory import simulated_cards
+from gpushare.kube import KubeUnavailable
+from gpushare.pb import cri_pb2
+
+CARDS = simulated_cards("node-a", "2xA100-80GB:81920,1xT4:15360")
+A0, A1, T4 = CARDS
+UNITS = {c.uuid: GIB.units_of(c.memory_mib) for c in CARDS}
+POD = Target(namespace="default", pod="train", uid="uid-train", container="worker")
+OTHER = Target(namespace="default", pod="infer", uid="uid-infer", container="worker")
+
+
+def slice_of(card: Any, units: int = 20) -> CardSlice:
+    return CardSlice(index=card.index, uuid=card.uuid, units=units)
+
+
+def plugin_config(target: Target, slices: Sequence[CardSlice], pod_mem: int = 20) -> cri_pb2.ContainerConfig:
+    """A ContainerConfig as kubelet builds it from a device plugin answer meant for ``target``."""
+    env = assigned_env(tuple(slices), pod_mem, UNITS)
+    return cri_pb2.ContainerConfig(
+        metadata=cri_pb2.ContainerMetadata(name=target.container),
+        image=cri_pb2.ImageSpec(image="busybox"),
+        envs=[cri_pb2.KeyValue(key="PATH", value="/bin"), *(cri_pb2.KeyValue(key=k, value=v) for k, v in env.items())],
+        annotations={
+            CTR_ANN_POD_UID: target.uid,
+            CTR_ANN_POD: target.pod_key,
+            CTR_ANN_CONTAINER: target.container,
+            CTR_ANN_CARDS: ",".join(s.uuid for s in slices),
+        },
+        devices=[
+            cri_pb2.Device(
+                container_path=device_file(CARDS[s.index].minor),
+                host_path=device_file(CARDS[s.index].minor),
+                permissions="rw",
+            )
+            for s in slices
+        ],
+        CDI_devices=[cri_pb2.CDIDevice(name=cdi_device_name(s.uuid)) for s in slices],
+    )
+
+
+def env_of(config: cri_pb2.ContainerConfig) -> dict[str, list[str]]:
+    env: dict[str, list[str]] = {}
+    for kv in config.envs:
+        env.setdefault(kv.key, []).append(kv.value)
+    return env
+
+
+def gpu(target: Target, *slices: CardSlice, pod_mem: int = 20) -> Assignment:
+    return Assignment(target=target, wants_gpu=True, slices=slices, pod_mem=pod_mem, pod_slices=slices)
+
+
+# --- correcting a device plugin answer ----------------------------------------------------------------
+
+
+def test_swapped_answer_is_rebuilt_from_the_assignment() -> None:
+    config = plugin_config(OTHER, [slice_of(A1)])  # the plugin served the other pod's card
+    outcome = rewrite(config, gpu(POD, slice_of(A0)), CARDS, GIB, RewriteOptions())
+    assert outcome.refusal is None and outcome.reason == "wrong-card"
+    env = env_of(outcome.config)
+    assert env[ENV_VISIBLE_DEVICES] == [A0.uuid]
+    assert env[ENV_MEM_IDX] == ["0"] and env[ENV_MEM_CONTAINER] == ["20"] and env[ENV_MEM_POD] == ["20"]
+    assert env[ENV_MEM_DEV] == [str(UNITS[A0.uuid])]
+    assert env["PATH"] == ["/bin"]
+    assert outcome.config.annotations[CTR_ANN_CARDS] == A0.uuid
+    assert outcome.config.annotations[CTR_ANN_POD] == POD.pod_key
+    assert outcome.config.annotations[CTR_ANN_POD_UID] == POD.uid
+    assert "card 0" in outcome.message and POD.pod_key in outcome.message and A1.uuid in outcome.message
+    # devices and CDI names are left alone unless enabled
+    assert [d.host_path for d in outcome.config.devices] == [device_file(A1.minor)]
+    assert [d.name for d in outcome.config.CDI_devices] == [cdi_device_name(A1.uuid)]
+
+
+def test_matching_answer_is_forwarded_untouched() -> None:
+    config = plugin_config(POD, [slice_of(A0)])
+    outcome = rewrite(config, gpu(POD, slice_of(A0)), CARDS, GIB, RewriteOptions(rewrite_devices=True, cdi=True))
+    assert outcome.config is None and outcome.refusal is None and outcome.reason == ""
+
+
+def test_same_card_served_for_another_pod_is_relabelled() -> None:
+    config = plugin_config(OTHER, [slice_of(A0)])
+    outcome = rewrite(config, gpu(POD, slice_of(A0)), CARDS, GIB, RewriteOptions())
+    assert outcome.reason == "wrong-pod"
+    assert outcome.config.annotations[CTR_ANN_POD_UID] == POD.uid
+
+
+def test_spec_env_overriding_the_plugin_is_corrected() -> None:
+    config = plugin_config(POD, [slice_of(A0)])
+    config.envs.append(cri_pb2.KeyValue(key=ENV_VISIBLE_DEVICES, value="all"))
+    outcome = rewrite(config, gpu(POD, slice_of(A0)), CARDS, GIB, RewriteOptions())
+    assert outcome.reason == "env-mismatch"
+    assert env_of(outcome.config)[ENV_VISIBLE_DEVICES] == [A0.uuid]  # exactly once
+
+
+def test_device_nodes_follow_the_minor_number_not_the_index() -> None:
+    config = plugin_config(OTHER, [slice_of(A1)])
+    config.devices.append(cri_pb2.Device(container_path="/dev/fuse", host_path="/dev/fuse", permissions="rwm"))
+    config.devices.append(cri_pb2.Device(container_path="/dev/nvidiactl", host_path="/dev/nvidiactl", permissions="rw"))
+    outcome = rewrite(config, gpu(POD, slice_of(A0)), CARDS, GIB, RewriteOptions(rewrite_devices=True))
+    paths = [d.host_path for d in outcome.config.devices]
+    assert A0.minor != A0.index
+    assert device_file(A0.minor) in paths and device_file(A1.minor) not in paths
+    assert sorted(p for p in paths if p in DEV_CONTROL_FILES) == sorted(DEV_CONTROL_FILES)
+    assert "/dev/fuse" in paths
+
+
+def test_cdi_names_are_replaced_and_other_kinds_kept() -> None:
+    config = plugin_config(OTHER, [slice_of(A1)])
+    config.CDI_devices.append(cri_pb2.CDIDevice(name="vendor.example/fpga=0"))
+    outcome = rewrite(config, gpu(POD, slice_of(A0), slice_of(T4)), CARDS, GIB, RewriteOptions(cdi=True))
+    names = [d.name for d in outcome.config.CDI_devices]
+    assert names == ["vendor.example/fpga=0", cdi_device_name(A0.uuid), cdi_device_name(T4.uuid)]
+    assert all(not n.startswith(CDI_KIND) or A1.uuid not in n for n in names)
+    assert env_of(outcome.config)[ENV_VISIBLE_DEVICES] == [f"{A0.uuid},{T4.uuid}"]
+
+
+def test_card_unknown_to_this_node_is_refused() -> None:
+    ghost = CardSlice(index=7, uuid="GPU-00000000-0000-0000-0000-000000000000", units=4)
+    outcome = rewrite(plugin_config(POD, [slice_of(A0)]), gpu(POD, ghost), CARDS, GIB, RewriteOptions())
+    assert outcome.refusal is not None and outcome.refusal.reason == "unknown-card"
+    assert POD.pod_key in outcome.refusal.message and ghost.uuid in outcome.refusal.message
+
+
+def test_card_index_disagreeing_with_the_node_is_refused() -> None:
+    wrong = CardSlice(index=1, uuid=A0.uuid, units=4)
+    outcome = rewrite(plugin_config(POD, [slice_of(A0)]), gpu(POD, wrong), CARDS, GIB, RewriteOptions())
+    assert outcome.refusal is not None and "index 0" in outcome.refusal.message
+
+
+# --- containers that request no GPU ---------------------------------------------------------------------
+
+
+def plain_config(*env: tuple[str, str]) -> cri_pb2.ContainerConfig:
+    return cri_pb2.ContainerConfig(
+        metadata=cri_pb2.ContainerMetadata(name="sidecar"), envs=[cri_pb2.KeyValue(key=k, value=v) for k, v in env]
+    )
+
+
+NO_GPU = Assignment(target=POD, wants_gpu=False)
+
+
+def test_unrequested_gpu_is_voided() -> None:
+    outcome = rewrite(plain_config((ENV_VISIBLE_DEVICES, "all"), ("A", "b")), NO_GPU, CARDS, GIB, RewriteOptions())
+    assert outcome.reason == "unrequested-gpu" and "all" in outcome.message
+    assert env_of(outcome.config) == {"A": ["b"], ENV_VISIBLE_DEVICES: [VISIBLE_DEVICES_VOID]}
+
+
+def test_no_gpu_container_gets_void_even_without_asking() -> None:
+    """An image can carry NVIDIA_VISIBLE_DEVICES=all; the container's own env must override it."""
+    outcome = rewrite(plain_config(("A", "b")), NO_GPU, CARDS, GIB, RewriteOptions())
+    assert outcome.reason == ""
+    assert env_of(outcome.config)[ENV_VISIBLE_DEVICES] == [VISIBLE_DEVICES_VOID]
+
+
+def test_blocking_can_be_turned_off() -> None:
+    config = plain_config((ENV_VISIBLE_DEVICES, "all"))
+    assert rewrite(config, NO_GPU, CARDS, GIB, RewriteOptions(block_unrequested_gpu=False)).config is None
+
+
+def test_refusal_from_resolution_is_passed_on() -> None:
+    refused = Assignment(target=POD, wants_gpu=True, refusal=Refusal("overcommit", "full"))
+    assert rewrite(plugin_config(POD, [slice_of(A0)]), refused, CARDS, GIB, RewriteOptions()).refusal == refused.refusal
+
+
+# --- reading the assignment from the sandbox annotations ---------------------------------------------------
+
+
+def request_for(
+    target: Target, annotations: Mapping[str, str], config: cri_pb2.ContainerConfig
+) -> cri_pb2.CreateContainerRequest:
+    return cri_pb2.CreateContainerRequest(
+        pod_sandbox_id="sb",
+        config=config,
+        sandbox_config=cri_pb2.PodSandboxConfig(
+            metadata=cri_pb2.PodSandboxMetadata(name=target.pod, namespace=target.namespace, uid=target.uid),
+            annotations=dict(annotations),
+        ),
+    )
+
+
+def allocation_of(**containers: tuple[CardSlice, ...]) -> dict[str, str]:
+    return {ANN_ALLOCATION: format_allocation(containers)}
+
+
+def test_target_falls_back_to_labels() -> None:
+    request = request_for(POD, {}, cri_pb2.ContainerConfig(labels={CRI_LABEL_CONTAINER_NAME: "worker"}))
+    assert target_of(request) == POD
+
+
+def test_allocation_annotation_names_the_cards() -> None:
+    annotations = allocation_of(worker=(slice_of(A1),), helper=(slice_of(T4, 5),))
+    found = from_annotations(POD, annotations, plugin_view(plugin_config(OTHER, [slice_of(A0)])), CARDS)
+    assert found is not None and found.wants_gpu and found.slices == (slice_of(A1),)
+    assert found.pod_mem == 25 and set(found.pod_slices) == {slice_of(A1), slice_of(T4, 5)}
+
+
+def test_container_outside_the_allocation_wants_no_gpu_unless_the_plugin_served_it() -> None:
+    annotations = allocation_of(worker=(slice_of(A1),))
+    other = Target(POD.namespace, POD.pod, POD.uid, "sidecar")
+    assert from_annotations(other, annotations, plugin_view(plain_config()), CARDS) == Assignment(
+        other, wants_gpu=False
+    )
+    assert from_annotations(other, annotations, plugin_view(plugin_config(other, [slice_of(A0)])), CARDS) is None
+
+
+def test_original_extender_index_is_translated_through_the_node() -> None:
+    served = plugin_view(plugin_config(OTHER, [slice_of(A0, 12)], pod_mem=12))
+    found = from_annotations(POD, {ANN_MEM_IDX: "2"}, served, CARDS)
+    assert found is not None and found.slices == (CardSlice(index=2, uuid=T4.uuid, units=12),)
+    assert from_annotations(POD, {ANN_MEM_IDX: "9"}, served, CARDS) is None
+
+
+@pytest.mark.parametrize(
+    "annotations",
+    [{}, {ANN_ALLOCATION: "{not json"}, allocation_of(worker=(CardSlice(0, "GPU-elsewhere", 3),))],
+    ids=["missing", "malformed", "foreign-card"],
+)
+def test_unusable_annotations_leave_it_open(annotations: dict[str, str]) -> None:
+    assert from_annotations(POD, annotations, plugin_view(plugin_config(POD, [slice_of(A0)])), CARDS) is None
+
+
+# --- the resolver with the API fallback --------------------------------------------------------------------
+
+
+class FakePods:
+    def __init__(self, pods: list[dict[str, Any]], fail: bool = False, synced: bool = True) -> None:
+        self.pods = pods
+        self.fail = fail
+        self.synced = synced
+        self.asked: list[tuple[str, str]] = []
+
+    def pod(self, namespace: str, name: str, uid: str) -> Mapping[str, Any] | None:
+        self.asked.append((namespace, name))
+        if self.fail:
+            raise KubeUnavailable(f"pod {namespace}/{name}: API server unreachable")
+        return next((p for p in self.pods if p["metadata"]["name"] == name and p["metadata"]["uid"] == uid), None)
+
+    def node_pods(self) -> Sequence[Mapping[str, Any]] | None:
+        return self.pods if self.synced else None
+
+
+def pod_dict(name: str, uid: str, allocation: dict[str, tuple[CardSlice, ...]] | None, mem: int = 20) -> dict[str, Any]:
+    annotations = {ANN_ALLOCATION: format_allocation(allocation)} if allocation else {}
+    return {
+        "metadata": {"name": name, "namespace": "default", "uid": uid, "annotations": annotations},
+        "spec": {
+            "nodeName": "node-a",
+            "containers": [
+                {"name": "worker", "resources": {"limits": {RESOURCE_MEM: str(mem)}}},
+                {"name": "sidecar"},
+            ],
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+def test_without_api_a_served_container_lacking_annotations_is_refused() -> None:
+    request = request_for(POD, {}, plugin_config(OTHER, [slice_of(A1)]))
+    found = Resolver(GIB, None).resolve(request, CARDS)
+    assert found.refusal is not None and found.refusal.reason == "no-assignment"
+    assert POD.pod_key in found.refusal.message and "worker" in found.refusal.message
+
+
+def test_missing_annotations_are_read_from_the_api() -> None:
+    pods = FakePods([pod_dict("train", "uid-train", {"worker": (slice_of(A0),)})])
+    found = Resolver(GIB, pods).resolve(request_for(POD, {}, plugin_config(OTHER, [slice_of(A1)])), CARDS)
+    assert found.refusal is None and found.source == SOURCE_API and found.slices == (slice_of(A0),)
+    assert pods.asked == [("default", "train")]
+
+
+def test_api_spec_decides_a_container_without_a_request() -> None:
+    pods = FakePods([pod_dict("train", "uid-train", {"worker": (slice_of(A0),)})])
+    sidecar = Target(POD.namespace, POD.pod, POD.uid, "sidecar")
+    config = plugin_config(sidecar, [slice_of(A1)])
+    found = Resolver(GIB, pods).resolve(request_for(sidecar, {}, config), CARDS)
+    assert found.refusal is None and not found.wants_gpu
+
+
+def test_api_pod_without_assignment_is_refused() -> None:
+    pods = FakePods([pod_dict("train", "uid-train", None)])
+    found = Resolver(GIB, pods).resolve(request_for(POD, {}, plugin_config(POD, [slice_of(A0)])), CARDS)
+    assert found.refusal is not None and found.refusal.reason == "no-assignment"
+
+
+def test_unreachable_api_is_refused_not_guessed() -> None:
+    found = Resolver(GIB, FakePods([], fail=True)).resolve(
+        request_for(POD, {}, plugin_config(POD, [slice_of(A0)])), CARDS
+    )
+    assert found.refusal is not None and found.refusal.reason == "api-unavailable"
+
+
+def test_overcommitted_card_is_refused() -> None:
+    capacity = UNITS[A0.uuid]
+    others = [pod_dict(f"p{i}", f"uid-{i}", {"worker": (slice_of(A0, 30),)}, mem=30) for i in range(2)]
+    mine = {"worker": (slice_of(A0, 30),)}
+    pods = FakePods([*others, pod_dict("train", "uid-train", mine, mem=30)])
+    request = request_for(POD, allocation_of(**mine), plugin_config(POD, [slice_of(A0, 30)], pod_mem=30))
+    found = Resolver(GIB, pods).resolve(request, CARDS)
+    assert capacity < 90 and found.refusal is not None and found.refusal.reason == "overcommit"
+    assert "over-committed" in found.refusal.message
+    # the same request fits once one of the other pods has finished
+    others[0]["status"]["phase"] = "Succeeded"
+    assert Resolver(GIB, pods).resolve(request, CARDS).refusal is None
+
+
+# --- the guard re-encodes without losing what it doesn't know -------------------------------------------------
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+class AbortContext:
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RuntimeError(code, details)
+
+
+def test_guard_keeps_unknown_fields_when_it_rewrites() -> None:
+    config = plugin_config(OTHER, [slice_of(A1)])
+    # field 99 of ContainerConfig and field 42 of CreateContainerRequest don't exist (yet)
+    unknown_config_field = b"\x9a\x06\x05later"
+    config_bytes = config.SerializeToString() + unknown_config_field
+    request = request_for(POD, allocation_of(worker=(slice_of(A0),)), cri_pb2.ContainerConfig())
+    request.ClearField("config")
+    raw = request.SerializeToString() + b"\x12" + varint(len(config_bytes)) + config_bytes + b"\xd0\x02\x07"
+    guard = CreateContainerGuard(Resolver(GIB, None), lambda: CARDS, GIB, RewriteOptions())
+    out = guard(raw, AbortContext())
+    assert unknown_config_field in out and out.endswith(b"\xd0\x02\x07")
+    decoded = cri_pb2.CreateContainerRequest.FromString(out)
+    assert env_of(decoded.config)[ENV_VISIBLE_DEVICES] == [A0.uuid]
+
+
+def test_guard_forwards_the_original_bytes_when_nothing_changes() -> None:
+    request = request_for(POD, allocation_of(worker=(slice_of(A0),)), plugin_config(POD, [slice_of(A0)]))
+    raw = request.SerializeToString() + b"\xd0\x02\x07"
+    guard = CreateContainerGuard(Resolver(GIB, None), lambda: CARDS, GIB, RewriteOptions())
+    assert guard(raw, AbortContext()) is raw
+
+
+def test_guard_refuses_with_failed_precondition() -> None:
+    request = request_for(POD, {}, plugin_config(POD, [slice_of(A0)]))
+    guard = CreateContainerGuard(Resolver(GIB, None), lambda: CARDS, GIB, RewriteOptions())
+    with pytest.raises(RuntimeError) as info:
+        guard(request.SerializeToString(), AbortContext())
+    code, details = info.value.args
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "pod default/train container worker" in details
