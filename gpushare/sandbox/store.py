@@ -58,7 +58,7 @@ class Store:
 
     def __init__(self) -> None:
         self._objects: dict[str, dict[Key, dict[str, Any]]] = {}
-        self._rv = 0
+        self._rv = 1  # like a real server, never "0": that value means "any version" to a watch
         self._history: deque[Event] = deque(maxlen=HISTORY)
         self.changed = threading.Condition()
 
