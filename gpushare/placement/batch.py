@@ -1,0 +1,59 @@
+"""One pod's single demand against many nodes at once, as numpy arrays: trace replay, or a scheduler
+rating a one-container pod over thousands of nodes (5,000 x 8 cards: about 2 ms for binpack, 12 ms
+for fgd).
+
+The same policies and fragmentation maths as the per-node path in ``fit``, vectorised over nodes.
+Cards are (nodes, cards) arrays with capacity 0 for absent cards; NVLink/NUMA tie-breaks don't exist
+here (the traces carry no topology), so equally keyed cards go by position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpushare.placement.model import Shape
+from gpushare.placement.policies import HostFit, Policy
+
+
+@dataclass(frozen=True, slots=True)
+class BatchChoice:
+    """Per node: the policy's cost (``inf`` where the demand doesn't fit) and the card positions it
+    takes (meaningless where it doesn't fit)."""
+
+    cost: np.ndarray
+    cards: np.ndarray
+
+
+def batch_place(
+    policy: Policy, capacity: np.ndarray, free: np.ndarray, shape: Shape, host: HostFit | None = None
+) -> BatchChoice:
+    """Where ``shape`` would go on each node and at what cost. ``shape.cards == 0`` asks for no GPU
+    (the cost then only reflects what ``host`` says changes)."""
+    nodes = free.shape[0]
+    able = (capacity > 0) & (free >= (capacity if shape.exclusive else shape.units))
+    rows = np.flatnonzero(able.sum(axis=1) >= shape.cards)
+    cost = np.full(nodes, np.inf)
+    cards = np.zeros((nodes, shape.cards), dtype=np.intp)
+    if not rows.size:
+        return BatchChoice(cost, cards)
+    if rows.size < nodes:
+        capacity, free, able = capacity[rows], free[rows], able[rows]
+        host = None if host is None else HostFit(host.before[rows], host.after[rows])
+    take = capacity if shape.exclusive else np.full_like(free, shape.units)
+    pod = (shape,)
+    if shape.cards:
+        keys = np.where(able, policy.batch_card_keys(capacity, free, take, pod, host), np.inf)
+        chosen = np.argsort(keys, axis=1, kind="stable")[:, : shape.cards]
+    else:
+        chosen = np.zeros((len(rows), 0), dtype=np.intp)
+    if shape.cards == 1 and policy.keys_are_node_costs:
+        cost[rows] = np.take_along_axis(keys, chosen, axis=1)[:, 0]
+    else:
+        after = free.copy()
+        index = np.arange(len(rows))[:, None]
+        after[index, chosen] -= take[index, chosen]
+        cost[rows] = policy.batch_node_cost(capacity, free, after, pod, host)
+    cards[rows] = chosen
+    return BatchChoice(cost, cards)

@@ -1,0 +1,247 @@
+"""Fitting a pod's demands onto one node's cards.
+
+``place`` picks cards with a policy, ``check_fit`` only says whether (and why not) the demands fit,
+``node_cost`` rates the node for the pod and ``score_nodes`` turns those ratings into the 0..10 scores
+of the prioritize verb. All are pure functions of their arguments; results depend only on the cards
+and ``shape_key(demands)`` (plus the policy), never on the order either is given in.
+
+Demands are placed most constrained first (exclusive, then multi-card, then larger), each taking the
+policy's preferred option; if a later demand then doesn't fit, earlier choices are revisited (options
+that leave the same free space behind are tried once), so a pod is refused only if no combination
+of cards fits it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from itertools import combinations
+
+from gpushare.placement.model import Assignment, Card, Demand, NoFit, Shape
+from gpushare.placement.policies import POLICIES, Policy
+
+#: at most this many options are tried per pod before giving up as "don't fit together"
+SEARCH_BUDGET = 4096
+
+_PACKER = POLICIES["binpack"]
+
+
+def place(
+    cards: Sequence[Card], demands: Sequence[Demand], policy: Policy, *, unit: str = "GiB"
+) -> tuple[Assignment, ...]:
+    """Assignments for ``demands`` (in their given order) on this node; raises ``NoFit``."""
+    node = _Node(cards)
+    chosen = _solve(node, demands, policy)
+    if chosen is None:
+        raise _explain(node, demands, unit)
+    return tuple(_assignment(node, d, chosen[d.container]) for d in demands)
+
+
+def check_fit(cards: Sequence[Card], demands: Sequence[Demand], *, unit: str = "GiB") -> NoFit | None:
+    """``None`` if the demands fit on these cards, else why not. Same answer as ``place`` would give."""
+    if len(demands) == 1 and demands[0].cards == 1:
+        demand = demands[0]
+        if demand.exclusive:
+            if any(c.healthy and c.used == 0 and c.capacity > 0 for c in cards):
+                return None
+        elif any(c.free >= demand.units for c in cards):
+            return None
+        return _explain(_Node(cards), demands, unit)
+    node = _Node(cards)
+    return None if _solve(node, demands, _PACKER) is not None else _explain(node, demands, unit)
+
+
+def node_cost(cards: Sequence[Card], demands: Sequence[Demand], policy: Policy, *, unit: str = "GiB") -> float:
+    """The policy's cost of placing the pod on this node (lower is better); raises ``NoFit``."""
+    node = _Node(cards)
+    chosen = _solve(node, demands, policy)
+    if chosen is None:
+        raise _explain(node, demands, unit)
+    after = list(node.free)
+    for demand in demands:
+        for pos in chosen[demand.container]:
+            after[pos] -= _take(node, demand, pos)
+    return policy.node_cost(node.capacity, node.free, after, _pod(demands))
+
+
+def score_nodes(costs: Mapping[str, float]) -> dict[str, int]:
+    """0..10 scores (MaxExtenderPriority) for the prioritize verb: the cheapest node gets 10, the
+    dearest 0, linearly in between. Normalising over the candidates keeps the policy's ranking even
+    when costs differ by far less than a node's size."""
+    if not costs:
+        return {}
+    low = min(costs.values())
+    span = max(costs.values()) - low
+    if span <= 0:
+        return dict.fromkeys(costs, 10)
+    return {name: round(10 * (1 - (cost - low) / span)) for name, cost in costs.items()}
+
+
+class _Node:
+    """A node's cards sorted by index, with their free units (0 on unhealthy cards)."""
+
+    __slots__ = ("capacity", "cards", "free")
+
+    def __init__(self, cards: Sequence[Card]) -> None:
+        self.cards = sorted(cards, key=lambda c: c.index)
+        self.capacity = [c.capacity if c.healthy else 0 for c in self.cards]
+        self.free = [c.free for c in self.cards]
+
+    def can_take(self, demand: Demand, pos: int, free: Sequence[int]) -> bool:
+        cap = self.capacity[pos]
+        if demand.exclusive:
+            return cap > 0 and free[pos] == cap
+        return free[pos] >= demand.units
+
+
+def _take(node: _Node, demand: Demand, pos: int) -> int:
+    return node.capacity[pos] if demand.exclusive else demand.units
+
+
+def _pod(demands: Sequence[Demand]) -> tuple[Shape, ...]:
+    return tuple(sorted(d.shape for d in demands))
+
+
+def _order(demands: Sequence[Demand]) -> list[Demand]:
+    names = [d.container for d in demands]
+    if len(set(names)) != len(names):
+        raise ValueError(f"containers named more than once among {sorted(names)}")
+    return sorted(demands, key=lambda d: (not d.exclusive, -d.cards, -d.units, d.container))
+
+
+def _solve(node: _Node, demands: Sequence[Demand], policy: Policy) -> dict[str, tuple[int, ...]] | None:
+    """Card positions per container, or None if no combination fits."""
+    pod = _pod(demands)
+    if len(demands) == 1:
+        first = next(_options(node, demands[0], node.free, policy, pod), None)
+        return None if first is None else {demands[0].container: first}
+    ordered = _order(demands)
+    free = list(node.free)
+    budget = [SEARCH_BUDGET]
+    chosen: dict[str, tuple[int, ...]] = {}
+
+    def search(i: int) -> bool:
+        if i == len(ordered):
+            return True
+        demand = ordered[i]
+        tried: set[tuple[tuple[int, int], ...]] = set()
+        for option in _options(node, demand, free, policy, pod):
+            signature = tuple(sorted((free[p], node.capacity[p]) for p in option))
+            if signature in tried:
+                continue
+            tried.add(signature)
+            budget[0] -= 1
+            if budget[0] < 0:
+                return False
+            for p in option:
+                free[p] -= _take(node, demand, p)
+            if search(i + 1):
+                chosen[demand.container] = option
+                return True
+            for p in option:
+                free[p] += _take(node, demand, p)
+        return False
+
+    return chosen if search(0) else None
+
+
+def _options(
+    node: _Node, demand: Demand, free: list[int], policy: Policy, pod: tuple[Shape, ...]
+) -> Iterator[tuple[int, ...]]:
+    """Card groups for one demand, the policy's preferred one first."""
+    candidates = [p for p in range(len(free)) if node.can_take(demand, p, free)]
+    if len(candidates) < demand.cards:
+        return
+    keys = policy.card_keys(node.capacity, free, candidates, [_take(node, demand, p) for p in candidates], pod)
+    key_of = dict(zip(candidates, keys, strict=True))
+    ranked = sorted(candidates, key=lambda p: (key_of[p], p))
+    if demand.cards == 1:
+        for p in ranked:
+            yield (p,)
+        return
+    best = _preferred_group(node, ranked, key_of, demand.cards)
+    yield best
+    for group in combinations(ranked, demand.cards):
+        ordered_group = tuple(sorted(group))
+        if ordered_group != best:
+            yield ordered_group
+
+
+def _preferred_group(node: _Node, ranked: list[int], key_of: dict[int, float], size: int) -> tuple[int, ...]:
+    """The ``size`` best-keyed cards; among equally keyed cards at the cut, those sharing NVLink, then a
+    NUMA node, with the cards already in (tie-breaks inside the policy's choice)."""
+    cut = key_of[ranked[size - 1]]
+    group = [p for p in ranked if key_of[p] < cut]
+    ties = [p for p in ranked if key_of[p] == cut]
+    if len(group) + len(ties) == size:
+        return tuple(sorted(group + ties))
+    starts = [group] if group else [[p] for p in ties]
+    grown = [_grow(node, start, ties, size) for start in starts]
+    return tuple(sorted(max(grown, key=lambda members: _group_rating(node, members))))
+
+
+def _grow(node: _Node, start: list[int], pool: list[int], size: int) -> list[int]:
+    """``start`` plus the cards of ``pool`` with the most affinity to those already chosen."""
+    members = list(start)
+    rest = [p for p in pool if p not in members]
+    while len(members) < size:
+        pick = max(rest, key=lambda p: (*_affinity(node, p, members), -p))
+        members.append(pick)
+        rest.remove(pick)
+    return members
+
+
+def _linked(a: Card, b: Card) -> bool:
+    return b.uuid in a.nvlink or a.uuid in b.nvlink
+
+
+def _affinity(node: _Node, pos: int, members: list[int]) -> tuple[int, int]:
+    card = node.cards[pos]
+    links = sum(_linked(card, node.cards[m]) for m in members)
+    numa = sum(card.numa is not None and card.numa == node.cards[m].numa for m in members)
+    return links, numa
+
+
+def _group_rating(node: _Node, members: list[int]) -> tuple[int, int, list[int]]:
+    links = numa = 0
+    for i, a in enumerate(members):
+        link, same = _affinity(node, a, members[i + 1 :])
+        links += link
+        numa += same
+    return links, numa, [-p for p in sorted(members)]
+
+
+def _assignment(node: _Node, demand: Demand, positions: tuple[int, ...]) -> Assignment:
+    return Assignment(
+        demand.container,
+        tuple((node.cards[p].index, node.cards[p].uuid, _take(node, demand, p)) for p in positions),
+    )
+
+
+def _explain(node: _Node, demands: Sequence[Demand], unit: str) -> NoFit:
+    if not node.cards:
+        return NoFit("node has no GPUs")
+    if not any(node.capacity):
+        return NoFit(f"no healthy card ({len(node.cards)} unhealthy)")
+    for demand in _order(demands):
+        reason = _alone(node, demand, unit)
+        if reason is not None:
+            prefix = f"container {demand.container}: " if len(demands) > 1 else ""
+            return NoFit(prefix + reason)
+    names = ", ".join(sorted(d.container for d in demands))
+    free = ", ".join(f"{u} on card {c.index}" for c, u in zip(node.cards, node.free, strict=True))
+    return NoFit(f"containers {names} each fit alone but not together (free {unit}: {free})")
+
+
+def _alone(node: _Node, demand: Demand, unit: str) -> str | None:
+    """Why ``demand`` can't be placed even on its own, or None if it can."""
+    able = sum(node.can_take(demand, p, node.free) for p in range(len(node.cards)))
+    if able >= demand.cards:
+        return None
+    if demand.exclusive:
+        wanted = "a whole free card" if demand.cards == 1 else f"{demand.cards} whole free cards"
+        return f"needs {wanted}, {able} completely free ({len(node.cards)} cards)"
+    largest = max(range(len(node.cards)), key=lambda p: (node.free[p], -p))
+    most = f"largest free: {node.free[largest]} {unit} on card {node.cards[largest].index}"
+    if demand.cards == 1:
+        return f"no single card has {demand.units} {unit} free ({most})"
+    return f"needs {demand.cards} cards with {demand.units} {unit} free each, {able} have ({most})"
