@@ -1,0 +1,38 @@
+"""``gpushare advertiser``: publish this node's cards as a node annotation and label."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpushare.cli import add_node_flags
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_node_flags(parser)
+    parser.add_argument("--once", action="store_true", help="publish once and exit")
+    parser.add_argument("--interval", type=float, default=60.0, help="seconds between re-checks (default 60)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import threading
+
+    from advertiser.agent import Advertiser
+    from gpushare.cli import node_settings
+    from gpushare.inventory import open_backend
+    from gpushare.kube import load_api
+
+    settings = node_settings(args)
+    backend = open_backend(settings.gpus, settings.node_name, settings.ignored_xids)
+    advertiser = Advertiser(
+        load_api(settings.kubeconfig), settings.node_name, backend, settings.memory_unit, args.interval
+    )
+    if args.once:
+        advertiser.publish_once()
+        return 0
+    advertiser.start()
+    try:
+        threading.Event().wait()
+    finally:
+        advertiser.stop()
+        backend.close()
+    return 0
