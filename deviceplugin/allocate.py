@@ -22,6 +22,7 @@ from gpushare.contract import (
     CTR_ANN_CONTAINER,
     CTR_ANN_POD,
     CTR_ANN_POD_UID,
+    AnnotationError,
     CardSlice,
     ContractError,
     MemoryUnit,
@@ -30,16 +31,23 @@ from gpushare.contract import (
     format_bool,
     validate_allocation,
 )
-from gpushare.usage import node_usage, resolve_allocation
+from gpushare.usage import PodCards, node_usage, resolve_allocation
 
 
 class Refusal(Exception):
-    """Allocate must fail. ``reason`` is a short label for metrics; ``invalid_input`` marks bad annotations."""
+    """Allocate must fail.
 
-    def __init__(self, reason: str, message: str, *, invalid_input: bool = False) -> None:
+    ``reason`` is a short label for metrics; ``invalid_input`` marks bad annotations (as opposed to a
+    node state that forbids the assignment); ``pod`` is the pod the refusal is about, when known.
+    """
+
+    def __init__(
+        self, reason: str, message: str, *, invalid_input: bool = False, pod: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.reason = reason
         self.invalid_input = invalid_input
+        self.pod = pod
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +59,20 @@ class Decision:
     annotations: dict[str, str]
     #: the annotation patch recording this container as served
     pod_patch: dict[str, Any]
+    #: units held per card UUID by the node's live pods, this container included
+    usage: dict[str, int]
 
 
 def describe(slices: Sequence[CardSlice]) -> str:
     return ", ".join(f"card {s.index} ({s.uuid})" for s in slices)
+
+
+def _holders(counted: Sequence[PodCards], uuid: str) -> str:
+    held = sorted(
+        (pod.key, sum(s.units for slices in pod.allocation.values() for s in slices if s.uuid == uuid))
+        for pod in counted
+    )
+    return ", ".join(f"{key} ({units})" for key, units in held if units)
 
 
 def check_cards(
@@ -63,37 +81,43 @@ def check_cards(
     pods: Sequence[Mapping[str, Any]],
     cards: Sequence[Card],
     unit: MemoryUnit,
-) -> None:
+) -> dict[str, int]:
+    """Refuse unless every assigned card is here, healthy and not over-committed; returns the usage."""
     where = f"pod {match.request.key} container {match.container.name}"
     by_uuid = {c.uuid: c for c in cards}
     for s in slices:
         card = by_uuid.get(s.uuid)
         if card is None:
-            raise Refusal("unknown-card", f"{where}: assigned card {s.index} ({s.uuid}) is not on this node")
+            raise Refusal(
+                "unknown-card", f"{where}: assigned card {s.index} ({s.uuid}) is not on this node", pod=match.pod
+            )
         if card.index != s.index:
             raise Refusal(
                 "unknown-card",
                 f"{where}: assigned card {s.uuid} is index {card.index} here, not {s.index} as annotated",
+                pod=match.pod,
             )
         if not card.healthy:
-            raise Refusal("unhealthy-card", f"{where}: assigned card {s.index} ({s.uuid}) is unhealthy")
+            raise Refusal("unhealthy-card", f"{where}: assigned card {s.index} ({s.uuid}) is unhealthy", pod=match.pod)
         if match.container.exclusive and s.units != unit.units_of(card.memory_mib):
             raise Refusal(
                 "bad-annotation",
-                f"{where}: requests card {s.index} whole but is assigned {s.units} of its "
+                f"{where}: requests card {s.index} ({s.uuid}) whole but is assigned {s.units} of its "
                 f"{unit.units_of(card.memory_mib)} unit(s)",
                 invalid_input=True,
+                pod=match.pod,
             )
-    used, _, _ = node_usage(pods, cards)
+    used, counted, _ = node_usage(pods, cards)
     for s in slices:
-        card = by_uuid[s.uuid]
-        capacity = unit.units_of(card.memory_mib)
+        capacity = unit.units_of(by_uuid[s.uuid].memory_mib)
         if used[s.uuid] > capacity:
             raise Refusal(
                 "overcommit",
-                f"{where}: card {s.index} ({s.uuid}) would be over-committed: live pods on this node hold "
-                f"{used[s.uuid]} of its {capacity} {unit.name} unit(s)",
+                f"{where}: card {s.index} ({s.uuid}) would be over-committed: live pods on this node claim "
+                f"{used[s.uuid]} of its {capacity} {unit.name} unit(s): {_holders(counted, s.uuid)}",
+                pod=match.pod,
             )
+    return used
 
 
 def decide(
@@ -101,8 +125,11 @@ def decide(
 ) -> Decision:
     try:
         match = match_container(pods, node, resource, units)
-    except ContractError as exc:
+    except AnnotationError as exc:
+        # the pod that would match carries a malformed annotation: name it
         raise Refusal("bad-annotation", f"{resource} x{units}: {exc}", invalid_input=True) from None
+    except ContractError as exc:
+        raise Refusal("bad-request", f"{resource} x{units}: {exc}", invalid_input=True) from None
     if match is None:
         raise Refusal(
             "no-pending-pod",
@@ -116,9 +143,11 @@ def decide(
             raise ContractError(f"pod {key} has neither {ANN_ALLOCATION} nor {ANN_MEM_IDX}: no card assigned")
         validate_allocation(match.request, allocation)
     except ContractError as exc:
-        raise Refusal("bad-annotation", f"pod {key} container {name}: {exc}", invalid_input=True) from None
+        raise Refusal(
+            "bad-annotation", f"pod {key} container {name}: {exc}", invalid_input=True, pod=match.pod
+        ) from None
     slices = allocation[name]
-    check_cards(match, slices, pods, cards, unit)
+    usage = check_cards(match, slices, pods, cards, unit)
 
     served = {**match.served, name: match.served.get(name, frozenset()) | {resource}}
     annotations: dict[str, str] = {ANN_ASSIGNED_CONTAINERS: format_assigned_containers(served)}
@@ -138,6 +167,7 @@ def decide(
             CTR_ANN_CARDS: ",".join(s.uuid for s in slices),
         },
         pod_patch={"metadata": {"annotations": annotations}},
+        usage=usage,
     )
 
 

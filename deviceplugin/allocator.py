@@ -21,6 +21,7 @@ from gpushare.usage import node_usage
 
 log = logging.getLogger(__name__)
 COMPONENT = "gpushare-device-plugin"
+REFUSAL_EVENT_REASON = "GPUAllocationRefused"
 
 
 class Unavailable(Exception):
@@ -63,9 +64,20 @@ class Allocator:
                 decision = self._allocate(resource, units)
             except Refusal as refusal:
                 ALLOCATE_FAILURES.labels(resource=resource, reason=refusal.reason).inc()
+                log.warning("node %s: refused %s x%d: %s", self._node, resource, units, refusal)
+                if refusal.pod is not None:
+                    create_event(
+                        self._api,
+                        dict(refusal.pod),
+                        reason=REFUSAL_EVENT_REASON,
+                        message=str(refusal),
+                        type_="Warning",
+                        component=COMPONENT,
+                    )
                 raise
-            except Unavailable:
+            except Unavailable as exc:
                 ALLOCATE_FAILURES.labels(resource=resource, reason="api-unavailable").inc()
+                log.warning("node %s: %s x%d unavailable: %s", self._node, resource, units, exc)
                 raise
         ALLOCATE_LATENCY.labels(resource=resource).observe(time.perf_counter() - started)
         return decision
@@ -73,50 +85,34 @@ class Allocator:
     def _allocate(self, resource: str, units: int) -> Decision:
         pods = self.pods()
         cards = self._cards()
-        try:
-            decision = decide(pods, self._node, resource, units, cards, self._unit)
-        except Refusal as refusal:
-            log.warning("node %s: refused %s x%d: %s", self._node, resource, units, refusal)
-            self._event_for(pods, refusal)
-            raise
+        decision = decide(pods, self._node, resource, units, cards, self._unit)
         meta = decision.pod.get("metadata") or {}
         namespace, name = meta.get("namespace", "default"), meta.get("name", "")
+        where = f"pod {namespace}/{name} container {decision.container}"
         try:
             updated = patch_pod(self._api, namespace, name, decision.pod_patch, retries=2)
         except KubeUnavailable as exc:
             raise Unavailable(
-                f"pod {namespace}/{name} container {decision.container}: recording the assignment failed: {exc}"
+                f"{where}: recording the assignment of {describe(decision.slices)} failed: {exc}"
             ) from None
         except KubeError as exc:
-            raise Refusal("patch-failed", f"pod {namespace}/{name} container {decision.container}: {exc}") from None
+            raise Refusal(
+                "patch-failed",
+                f"{where}: recording the assignment of {describe(decision.slices)} failed: {exc}",
+                pod=decision.pod,
+            ) from None
         self._cache.apply(updated)
         log.info(
-            "node %s: pod %s/%s container %s gets %s (%s x%d)",
+            "node %s: pod %s container %s gets %s (%s x%d)",
             self._node,
-            namespace,
-            name,
+            f"{namespace}/{name}",
             decision.container,
             describe(decision.slices),
             resource,
             units,
         )
-        self.publish_usage()
+        publish_card_usage(self._node, cards, decision.usage, self._unit)
         return decision
-
-    def _event_for(self, pods: Sequence[Mapping[str, Any]], refusal: Refusal) -> None:
-        """Attach the refusal to the pod it names, when it names one on this node."""
-        for pod in pods:
-            meta = pod.get("metadata") or {}
-            if f"pod {meta.get('namespace')}/{meta.get('name')} " in f"{refusal} ":
-                create_event(
-                    self._api,
-                    pod,
-                    reason="GPUAllocationRefused",
-                    message=str(refusal),
-                    type_="Warning",
-                    component=COMPONENT,
-                )
-                return
 
     def preferred(self, resource: str, size: int) -> tuple[str, ...]:
         with self._lock:

@@ -54,18 +54,50 @@ def device_list(resource: str, cards: Sequence[Card], unit: MemoryUnit) -> pb.Li
     return pb.ListAndWatchResponse(devices=devices)
 
 
+def _varint_size(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
 def message_size(cards: Sequence[Card], unit: MemoryUnit) -> int:
-    return device_list(RESOURCE_MEM, cards, unit).ByteSize()
+    """The byte size of the gpu-mem ListAndWatch message, without building it.
+
+    Building one message per candidate unit would take seconds (and gigabytes) for MiB units on a
+    large node, so the size is summed per run of unit numbers with the same number of digits: their
+    device entries all have the same encoded size.
+    """
+    total = 0
+    for card in cards:
+        units, low = unit.units_of(card.memory_mib), 0
+        while low < units:
+            high = min(units, max(10, low * 10))  # unit numbers in [low, high) have the same digit count
+            entry = _device(mem_device_id(card.uuid, high - 1), card).ByteSize()
+            total += (high - low) * (1 + _varint_size(entry) + entry)
+            low = high
+    return total
+
+
+#: block sizes offered when a unit is too fine: powers of two, then whole GiB
+_BLOCK_SIZES = tuple(2**n for n in range(1, 11))
+
+
+def fitting_unit(cards: Sequence[Card], unit: MemoryUnit) -> MemoryUnit | None:
+    """The finest power-of-two block, coarser than ``unit``, whose gpu-mem list fits one message."""
+    candidates = (MemoryUnit(mib) for mib in _BLOCK_SIZES if mib > unit.mib)
+    return next((u for u in candidates if message_size(cards, u) <= MAX_MESSAGE_BYTES), None)
 
 
 def check_message_size(cards: Sequence[Card], unit: MemoryUnit) -> None:
-    """Refuse a unit whose gpu-mem list kubelet could not receive, naming a unit that would fit."""
+    """Refuse a unit whose gpu-mem list kubelet could not receive, naming a unit that would fit.
+
+    Sized as if every card were unhealthy (the longest health string), so that a later health flip
+    can't push a list that fitted at start-up over the limit.
+    """
+    cards = [card.with_health(False) for card in cards]
     size = message_size(cards, unit)
     if size <= MAX_MESSAGE_BYTES:
         return
-    candidates = [MemoryUnit(mib) for mib in (64, 128, 256, 512, 1024) if mib > unit.mib]
-    fitting = next((u for u in candidates if message_size(cards, u) <= MAX_MESSAGE_BYTES), None)
-    advice = f"use --memory-unit {format_unit(fitting)} or larger" if fitting else "use a larger --memory-unit"
+    fitting = fitting_unit(cards, unit)
+    advice = f"use --memory-unit {format_unit(fitting)} or coarser" if fitting else "use a coarser --memory-unit"
     raise DeviceListTooLarge(
         f"{RESOURCE_MEM} in units of {format_unit(unit)} needs a {size:,}-byte ListAndWatch message, over "
         f"gRPC's {MAX_MESSAGE_BYTES:,}-byte limit (kubelet would see no devices at all); {advice}"

@@ -21,6 +21,7 @@ from gpushare.contract import (
     RESOURCE_COUNT,
     RESOURCE_MEM,
     ContainerRequest,
+    ContractError,
     PodRequest,
     annotations_of,
     parse_assigned_containers,
@@ -58,25 +59,32 @@ def _awaiting_allocation(pod: Mapping[str, Any], node: str) -> bool:
     )
 
 
-def _order(pod: Mapping[str, Any]) -> tuple[int, str, str]:
+def _order(pod: Mapping[str, Any]) -> tuple[int, str, str, str]:
     meta = pod.get("metadata") or {}
     assume = annotations_of(pod).get(ANN_MEM_ASSUME_TIME)
     # A pod without an assume time was placed by something else; serve it after the ones that have one.
     assume_ns = parse_assume_time(assume, pod_key(pod)) if assume is not None else 2**63
-    return assume_ns, meta.get("creationTimestamp") or "", meta.get("uid") or ""
+    return assume_ns, meta.get("creationTimestamp") or "", meta.get("uid") or "", pod_key(pod)
 
 
 def match_container(pods: Iterable[Mapping[str, Any]], node: str, resource: str, units: int) -> Match | None:
     """The first unserved container asking for exactly ``units`` of ``resource``, or None.
 
     Raises ContractError when the pod that would match carries malformed annotations: guessing past
-    it could hand its card to someone else.
+    it could hand its card to someone else. A scheduled pod whose resource limits can't be read at
+    all can't be matched to any request; it is skipped so it doesn't block the node, and named in
+    the error when nothing else matches.
     """
     candidates = []
+    unreadable = []
     for pod in pods:
         if not _awaiting_allocation(pod, node):
             continue
-        request = parse_pod_request(pod)
+        try:
+            request = parse_pod_request(pod)
+        except ContractError as exc:
+            unreadable.append(str(exc))
+            continue
         if not any(container_units(c, resource) == units for c in request.gpu_containers):
             continue
         candidates.append((_order(pod), pod, request))
@@ -85,6 +93,10 @@ def match_container(pods: Iterable[Mapping[str, Any]], node: str, resource: str,
         for container in request.gpu_containers:
             if container_units(container, resource) == units and resource not in served.get(container.name, ()):
                 return Match(pod, request, container, served)
+    if unreadable:
+        raise ContractError(
+            f"no readable pending pod asks for {units} {resource}; unreadable: {'; '.join(sorted(unreadable))}"
+        )
     return None
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import grpc
 
 from deviceplugin.allocator import Allocator
-from deviceplugin.devices import check_message_size
 from deviceplugin.server import DeviceState, ResourceService
 from gpushare.cards import Card
 from gpushare.contract import RESOURCE_COUNT, RESOURCE_MEM, MemoryUnit
@@ -68,8 +67,7 @@ class DevicePlugin:
     # --- public --------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Validate, serve, and keep registered (in the background) until :meth:`stop`."""
-        check_message_size(self._backend.cards(), self._unit)
+        """Serve and keep registered (in the background) until :meth:`stop`."""
         self._dir.mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._run, name="device-plugin", daemon=True)
         self._thread.start()

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from dataclasses import dataclass
 
 from deviceplugin.allocator import Allocator
-from deviceplugin.devices import DeviceListTooLarge
+from deviceplugin.devices import DeviceListTooLarge, check_message_size
 from deviceplugin.plugin import DevicePlugin
 from gpushare.cli import NodeSettings, UsageError
+from gpushare.contract import MemoryUnit
 from gpushare.inventory import GpuBackend, open_backend
 from gpushare.kube import WatchCache, load_api, node_pod_cache
 from gpushare.observability import serve_http
@@ -28,33 +30,45 @@ class RunningPlugin:
         self.cache.stop()
 
 
+def check_unit(backend: GpuBackend, unit: MemoryUnit) -> None:
+    """Refuse to start with a unit whose gpu-mem device list kubelet could not receive."""
+    try:
+        check_message_size(backend.cards(), unit)
+    except DeviceListTooLarge as exc:
+        raise UsageError(str(exc)) from None
+
+
 def start_device_plugin(settings: NodeSettings, backend: GpuBackend, api: object) -> RunningPlugin:
+    check_unit(backend, settings.memory_unit)
     cache = node_pod_cache(api, settings.node_name)
     cache.start()
     allocator = Allocator(api, settings.node_name, cache, backend.cards, settings.memory_unit)
     plugin = DevicePlugin(settings.device_plugin_dir, backend, allocator, settings.memory_unit)
-    try:
-        plugin.start()
-    except DeviceListTooLarge as exc:
-        cache.stop()
-        raise UsageError(str(exc)) from None
+    plugin.start()
     return RunningPlugin(plugin, allocator, cache)
 
 
 def run_device_plugin(settings: NodeSettings, metrics_port: int) -> int:
     backend = open_backend(settings.gpus, settings.node_name, settings.ignored_xids)
+    check_unit(backend, settings.memory_unit)
     running = start_device_plugin(settings, backend, load_api(settings.kubeconfig))
-    if metrics_port:
-        serve_http(metrics_port, lambda: running.plugin.registered and running.cache.synced)
+    server = (
+        serve_http(metrics_port, lambda: running.plugin.registered and running.cache.synced) if metrics_port else None
+    )
     log.info(
         "device plugin for node %s serving %d card(s) from %s",
         settings.node_name,
         len(backend.cards()),
         settings.device_plugin_dir,
     )
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
-        threading.Event().wait()
+        stopping.wait()
     finally:
+        log.info("device plugin for node %s stopping", settings.node_name)
         running.stop()
+        if server is not None:
+            server.stop()
         backend.close()
     return 0

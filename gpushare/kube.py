@@ -158,6 +158,25 @@ def _with_precondition(patch: dict[str, Any], resource_version: str | None) -> d
     return {**patch, "metadata": meta}
 
 
+def _patch(
+    what: str,
+    method: Callable[..., Any],
+    args: tuple[str, ...],
+    patch: dict[str, Any],
+    resource_version: str | None,
+    retries: int,
+    backoff: Backoff,
+) -> dict[str, Any]:
+    body = _with_precondition(patch, resource_version)
+    return _retrying(
+        what,
+        lambda: _call(what, method, *args, body),
+        retries,
+        backoff,
+        retry_conflicts=resource_version is None,
+    )
+
+
 def patch_pod(
     api: client.ApiClient,
     namespace: str,
@@ -170,16 +189,8 @@ def patch_pod(
 ) -> dict[str, Any]:
     """Merge-patch a pod. With ``resource_version`` the patch only applies to that version (a
     stale one raises :class:`KubeConflict` at once); without it conflicts and outages are retried."""
-    what = f"pod {namespace}/{name}"
-    body = _with_precondition(patch, resource_version)
-    core = client.CoreV1Api(api)
-    return _retrying(
-        what,
-        lambda: _call(what, core.patch_namespaced_pod, name, namespace, body),
-        retries,
-        backoff,
-        retry_conflicts=resource_version is None,
-    )
+    method = client.CoreV1Api(api).patch_namespaced_pod
+    return _patch(f"pod {namespace}/{name}", method, (name, namespace), patch, resource_version, retries, backoff)
 
 
 def patch_pod_annotations(
@@ -190,11 +201,16 @@ def patch_pod_annotations(
 
 
 def patch_node(
-    api: client.ApiClient, name: str, patch: dict[str, Any], *, retries: int = 5, backoff: Backoff = Backoff()
+    api: client.ApiClient,
+    name: str,
+    patch: dict[str, Any],
+    *,
+    resource_version: str | None = None,
+    retries: int = 5,
+    backoff: Backoff = Backoff(),
 ) -> dict[str, Any]:
-    what = f"node {name}"
-    core = client.CoreV1Api(api)
-    return _retrying(what, lambda: _call(what, core.patch_node, name, patch), retries, backoff, retry_conflicts=True)
+    """Merge-patch a node; ``resource_version`` makes it a compare-and-swap, as in :func:`patch_pod`."""
+    return _patch(f"node {name}", client.CoreV1Api(api).patch_node, (name,), patch, resource_version, retries, backoff)
 
 
 def bind_pod(api: client.ApiClient, namespace: str, name: str, uid: str | None, node: str) -> None:

@@ -9,6 +9,7 @@ and its environment is read back from the running process.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import subprocess
 import sys
@@ -22,13 +23,15 @@ from typing import Any
 import grpc
 import yaml
 
+from advertiser.agent import Advertiser
 from gpushare import contract as c
 from gpushare.cli import NodeSettings
 from gpushare.inspectview import build_cluster, render_details, render_table
 from gpushare.inventory import SimulatedBackend
 from gpushare.kube import bind_pod, create_event, get_pod, list_nodes, list_pods, load_api, patch_pod
+from gpushare.placement import DEFAULT_POLICY
 from gpushare.sandbox.apiserver import ApiServer
-from gpushare.sandbox.kubelet import Admission, KubeletEmulator
+from gpushare.sandbox.kubelet import AdmissionResult, KubeletEmulator
 from gpushare.sandbox.scheduler import ExtenderCallError, ExtenderClient, schedule_one
 
 log = logging.getLogger(__name__)
@@ -160,11 +163,12 @@ class Sandbox:
         directory = Path(tempfile.mkdtemp(prefix=f"gs-{spec.name[:8]}-", dir="/tmp"))
         backend = SimulatedBackend(spec.name, spec.gpus)
         settings = NodeSettings(spec.name, str(self.kubeconfig), f"sim:{spec.gpus}", directory, c.GIB, frozenset())
-        self._run_cli("advertiser", "--once", *self._node_flags(settings))
+        advertiser = Advertiser(self.api, spec.name, backend, c.GIB)
+        advertiser.start()
         kubelet = KubeletEmulator(directory)
         kubelet.start()
         node = SimNode(spec, backend, kubelet)
-        node.stop.append(kubelet.stop)
+        node.stop += [kubelet.stop, advertiser.stop]
         plugin = start_device_plugin(settings, backend, self.api)
         node.stop.insert(0, plugin.stop)
         if not kubelet.wait_for(
@@ -190,19 +194,6 @@ class Sandbox:
             node.stop.insert(0, shim.stop)
             node.cri_address = f"unix://{shim_socket}"
         self.nodes[spec.name] = node
-
-    def _node_flags(self, settings: NodeSettings) -> list[str]:
-        return ["--node-name", settings.node_name, "--kubeconfig", str(self.kubeconfig), "--gpus", settings.gpus]
-
-    def _run_cli(self, *args: str) -> None:
-        proc = subprocess.run(
-            [sys.executable, "-m", "gpushare.cli", "--log-level", "WARNING", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if proc.returncode != 0:
-            raise SandboxError(f"gpushare {args[0]} failed: {proc.stderr.strip().splitlines()[-1:]}")
 
     def apiserver_create_node(self, spec: NodeSpec) -> None:
         from kubernetes import client
@@ -266,7 +257,8 @@ class Sandbox:
         core = client.CoreV1Api(self.api)
         outcomes = []
         for manifest in manifests:
-            created = core.create_namespaced_pod(manifest["metadata"].get("namespace", "default"), dict(manifest))
+            body = _with_string_quantities(manifest)
+            created = core.create_namespaced_pod(manifest["metadata"].get("namespace", "default"), body)
             outcomes.append(self._run(get_pod(self.api, created.metadata.namespace, created.metadata.name)))
         return outcomes
 
@@ -319,7 +311,9 @@ class Sandbox:
             return None
         return result.node
 
-    def _start_containers(self, pod: dict[str, Any], admission: Admission, sim: SimNode, outcome: PodOutcome) -> None:
+    def _start_containers(
+        self, pod: dict[str, Any], admission: AdmissionResult, sim: SimNode, outcome: PodOutcome
+    ) -> None:
         from gpushare.sandbox.cri_kubelet import CriRuntime, container_config
 
         meta = pod["metadata"]
@@ -354,6 +348,18 @@ class Sandbox:
         return render_details(build_cluster(list_nodes(self.api), list_pods(self.api)))
 
 
+def _with_string_quantities(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """Resource quantities as the API serves them (strings); YAML reads ``gpu-mem: 8`` as a number."""
+    body = copy.deepcopy(dict(manifest))
+    spec = body.get("spec") or {}
+    for container in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+        for field_name in ("limits", "requests"):
+            values = (container.get("resources") or {}).get(field_name) or {}
+            for key, value in values.items():
+                values[key] = str(value)
+    return body
+
+
 def _ready(url: str) -> bool:
     import urllib.request
 
@@ -372,6 +378,16 @@ def _cards_of(pod: Mapping[str, Any], backend: SimulatedBackend) -> str:
         f"{name}: " + ",".join(f"card {s.index} ({s.units} GiB)" for s in slices)
         for name, slices in sorted(allocation.items())
     )
+
+
+def _log_to(path: Path) -> None:
+    """Component logs go to a file; the terminal keeps the progress lines, warnings and the report."""
+    root = logging.getLogger()
+    for handler in root.handlers:
+        handler.setLevel(logging.ERROR)
+    file_handler = logging.FileHandler(path)
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(file_handler)
 
 
 def load_examples(directory: Path = EXAMPLES) -> list[dict[str, Any]]:
@@ -401,6 +417,8 @@ def _short(value: str) -> str:
 def run(nodes: Sequence[str], policy: str, containers: bool, keep_running: bool, out: Any = sys.stdout) -> int:
     specs = [parse_node(n) for n in nodes or DEFAULT_NODES]
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-sandbox-"))
+    _log_to(workdir / "sandbox.log")
+    policy = policy or DEFAULT_POLICY
     sandbox = Sandbox(specs, policy, containers, workdir)
     progress = Progress(total=5)
     started = time.monotonic()

@@ -26,7 +26,6 @@ def sandbox_config(pod: Mapping[str, Any]) -> pb.PodSandboxConfig:
     name, namespace, uid = meta.get("name", ""), meta.get("namespace", "default"), meta.get("uid", "")
     return pb.PodSandboxConfig(
         metadata=pb.PodSandboxMetadata(name=name, namespace=namespace, uid=uid),
-        hostname=name,
         labels={
             **(meta.get("labels") or {}),
             CRI_LABEL_POD_NAME: name,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import stat
 import threading
 from collections.abc import Mapping
 from concurrent import futures
@@ -21,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from gpushare.contract import RESOURCE_COUNT, RESOURCE_MEM, parse_pod_request, pod_key
+from gpushare.contract import RESOURCE_COUNT, RESOURCE_MEM, ContractError, parse_pod_request, pod_key
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 
@@ -56,8 +57,14 @@ class ContainerResult:
     device_ids: dict[str, list[str]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _Checkpointed:
+    device_ids: list[str]
+    response: pb.ContainerAllocateResponse
+
+
 @dataclass
-class Admission:
+class AdmissionResult:
     pod: str
     admitted: bool
     #: kubelet's UnexpectedAdmissionError message when not admitted
@@ -96,9 +103,8 @@ class KubeletEmulator:
         self._server: grpc.Server | None = None
         self._plugins: dict[str, _Plugin] = {}
         self._changed = threading.Condition()
-        #: (pod uid, container, resource) -> device IDs, like kubelet's checkpoint
-        self._checkpoint: dict[tuple[str, str, str], list[str]] = {}
-        self._results: dict[str, Admission] = {}
+        #: (pod uid, container, resource) -> what Allocate gave, like kubelet's checkpoint
+        self._checkpoint: dict[tuple[str, str, str], _Checkpointed] = {}
         self._admit_lock = threading.Lock()
 
     # --- lifecycle ----------------------------------------------------------------------------------------
@@ -124,10 +130,14 @@ class KubeletEmulator:
             plugin.channel.close()
 
     def restart(self) -> None:
-        """What a kubelet restart does: forget the plugins, delete every socket, create a new kubelet.sock."""
+        """What a kubelet restart does: forget the plugins, delete every socket, create a new kubelet.sock.
+
+        The checkpoint survives, as kubelet's does: admitted containers keep their devices.
+        """
         self.stop()
-        for sock in self.dir.glob("*.sock"):
-            sock.unlink(missing_ok=True)
+        for entry in self.dir.iterdir():
+            if stat.S_ISSOCK(entry.lstat().st_mode):
+                entry.unlink(missing_ok=True)
         self.start()
 
     # --- plugins ------------------------------------------------------------------------------------------
@@ -165,6 +175,10 @@ class KubeletEmulator:
     def registered(self, resource: str) -> bool:
         return resource in self._plugins
 
+    def wait_registered(self, resource: str, timeout: float) -> bool:
+        """Wait until ``resource`` is registered and its first device list has arrived."""
+        return self.wait_for(lambda k: k.updates(resource) > 0, timeout)
+
     def updates(self, resource: str) -> int:
         plugin = self._plugins.get(resource)
         return plugin.updates if plugin else 0
@@ -186,7 +200,7 @@ class KubeletEmulator:
     # --- admission ------------------------------------------------------------------------------------------
 
     def _in_use(self, resource: str) -> set[str]:
-        return {d for (_, _, r), ids in self._checkpoint.items() if r == resource for d in ids}
+        return {d for (_, _, r), done in self._checkpoint.items() if r == resource for d in done.device_ids}
 
     def _pick(self, plugin: _Plugin, container: str, size: int) -> list[str]:
         in_use = self._in_use(plugin.resource)
@@ -196,69 +210,81 @@ class KubeletEmulator:
                 f"container {container}: requested {size} {plugin.resource}, only {len(free)} healthy and unallocated"
             )
         if plugin.options.get_preferred_allocation_available:
-            reply = plugin.stub.GetPreferredAllocation(
-                pb.PreferredAllocationRequest(
-                    container_requests=[
-                        pb.ContainerPreferredAllocationRequest(available_deviceIDs=free, allocation_size=size)
-                    ]
-                ),
-                timeout=10,
-            )
-            preferred = list(reply.container_responses[0].deviceIDs) if reply.container_responses else []
-            if len(preferred) == size and set(preferred) <= set(free):
-                return preferred
+            try:
+                reply = plugin.stub.GetPreferredAllocation(
+                    pb.PreferredAllocationRequest(
+                        container_requests=[
+                            pb.ContainerPreferredAllocationRequest(available_deviceIDs=free, allocation_size=size)
+                        ]
+                    ),
+                    timeout=10,
+                )
+            except grpc.RpcError as exc:
+                log.warning("kubelet: GetPreferredAllocation of %s failed: %s", plugin.resource, exc.details())
+            else:
+                preferred = list(reply.container_responses[0].deviceIDs) if reply.container_responses else []
+                if len(set(preferred)) == size and set(preferred) <= set(free):
+                    return preferred
         return free[:size]
 
-    def admit(self, pod: Mapping[str, Any]) -> Admission:
-        """Admit a bound pod: Allocate for every container and resource, init containers first."""
+    def admit(self, pod: Mapping[str, Any]) -> AdmissionResult:
+        """Admit a bound pod: Allocate for every container and resource, init containers first.
+
+        Containers already in the checkpoint get their recorded answer again without a new Allocate.
+        """
         key = pod_key(pod)
         uid = (pod.get("metadata") or {}).get("uid", "")
         with self._admit_lock:
-            result = Admission(pod=key, admitted=True)
+            result = AdmissionResult(pod=key, admitted=True)
             try:
                 for container in parse_pod_request(pod).gpu_containers:
                     outcome = result.containers.setdefault(container.name, ContainerResult())
                     for resource, size in ((RESOURCE_MEM, container.mem), (RESOURCE_COUNT, container.count)):
                         if size:
-                            self._allocate(uid, container.name, resource, size, outcome)
-            except AdmissionError as exc:
-                result = Admission(pod=key, admitted=False, error=f"UnexpectedAdmissionError: pod {key}: {exc}")
+                            done = self._allocated(uid, container.name, resource, size)
+                            outcome.device_ids[resource] = done.device_ids
+                            outcome.envs.update(done.response.envs)
+                            outcome.annotations.update(done.response.annotations)
+                            outcome.devices.extend(done.response.devices)
+            except (AdmissionError, ContractError) as exc:
+                result = AdmissionResult(pod=key, admitted=False, error=f"UnexpectedAdmissionError: pod {key}: {exc}")
                 log.warning("kubelet: %s", result.error)
-            self._results[uid] = result
             return result
 
-    def _allocate(self, uid: str, container: str, resource: str, size: int, outcome: ContainerResult) -> None:
+    def _allocated(self, uid: str, container: str, resource: str, size: int) -> _Checkpointed:
         checkpoint_key = (uid, container, resource)
+        if checkpoint_key in self._checkpoint:
+            return self._checkpoint[checkpoint_key]
         plugin = self._plugins.get(resource)
         if plugin is None:
             raise AdmissionError(f"container {container}: no device plugin registered for {resource}")
-        if checkpoint_key in self._checkpoint and uid in self._results:
-            previous = self._results[uid].containers.get(container)
-            if previous is not None:
-                outcome.envs.update(previous.envs)
-                outcome.annotations.update(previous.annotations)
-                outcome.device_ids[resource] = self._checkpoint[checkpoint_key]
-                return
         ids = self._pick(plugin, container, size)
         try:
             reply = plugin.stub.Allocate(
                 pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=10
             )
         except grpc.RpcError as exc:
-            raise AdmissionError(f"container {container}: Allocate {resource} failed: {exc.details()}") from None
-        response = reply.container_responses[0]
-        self._checkpoint[checkpoint_key] = ids
-        outcome.envs.update(response.envs)
-        outcome.annotations.update(response.annotations)
-        outcome.devices.extend(response.devices)
-        outcome.device_ids[resource] = ids
+            raise AdmissionError(
+                f"container {container}: Allocate {resource} failed ({exc.code().name}): {exc.details()}"
+            ) from None
+        if len(reply.container_responses) != 1:
+            raise AdmissionError(
+                f"container {container}: Allocate {resource} answered {len(reply.container_responses)} "
+                "container responses for one request"
+            )
+        done = _Checkpointed(ids, reply.container_responses[0])
+        self._checkpoint[checkpoint_key] = done
+        return done
+
+    def allocations(self, resource: str) -> dict[tuple[str, str], list[str]]:
+        """(pod uid, container) -> device IDs currently held, from the checkpoint."""
+        return {(uid, ctr): done.device_ids for (uid, ctr, r), done in self._checkpoint.items() if r == resource}
 
     def release(self, pod_uid: str) -> None:
         """The pod finished: its devices are free again."""
         with self._admit_lock:
             for key in [k for k in self._checkpoint if k[0] == pod_uid]:
                 del self._checkpoint[key]
-            self._results.pop(pod_uid, None)
 
 
 class AdmissionError(Exception):

@@ -1,0 +1,55 @@
+"""Wiring for a running extender: API access, cache, placement engine, binder, HTTP server."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from extender.bind import Binder
+from extender.cache import ClusterCache
+from extender.server import ExtenderServer
+from extender.verbs import Placement
+from gpushare import placement
+from gpushare.cli import UsageError
+from gpushare.kube import load_api
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningExtender:
+    cache: ClusterCache
+    server: ExtenderServer
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.cache.stop()
+
+
+def start_extender(api: Any, port: int, policy: str, host: str = "0.0.0.0") -> RunningExtender:
+    policy = policy or placement.DEFAULT_POLICY
+    cache = ClusterCache(api)
+    try:
+        engine = Placement(cache, policy)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    cache.start()
+    server = ExtenderServer(port, cache, engine, Binder(api, cache, engine), host)
+    server.start()
+    log.info("extender serving on port %d with policy %s", server.port, policy)
+    return RunningExtender(cache, server)
+
+
+def run_extender(port: int, kubeconfig: str | None, policy: str) -> int:
+    running = start_extender(load_api(kubeconfig), port, policy)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        stop.wait()
+    finally:
+        running.stop()
+    return 0

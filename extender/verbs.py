@@ -1,0 +1,211 @@
+"""filter, prioritize and preempt over the cache. Bodies use kube-scheduler's Go field names exactly.
+
+Per-node answers are memoised by (node generation, demand shape, policy), so a node nothing happened
+to since the last pod of the same shape costs one dict lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from extender.cache import ClusterCache, NodeView, demands_of, placement_cards
+from gpushare import placement
+from gpushare.contract import ANN_POLICY, ContractError, annotations_of, pod_key
+
+log = logging.getLogger(__name__)
+
+
+MEMO_LIMIT = 200_000
+
+
+class BadRequest(ValueError):
+    """The body isn't an extender request: HTTP 400."""
+
+
+def request_pod(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, dict) or not isinstance(body.get("Pod"), dict):
+        raise BadRequest("the body must be a JSON object with a Pod")
+    return body["Pod"]
+
+
+def candidate_names(body: Mapping[str, Any]) -> tuple[list[str], bool]:
+    """Node names from ``NodeNames`` (nodeCacheCapable) or ``Nodes.items``; and whether Nodes was used."""
+    if body.get("NodeNames") is not None:
+        names = body["NodeNames"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise BadRequest("NodeNames must be a list of strings")
+        return names, False
+    nodes = body.get("Nodes")
+    if isinstance(nodes, dict):
+        return [(n.get("metadata") or {}).get("name", "") for n in nodes.get("items") or []], True
+    raise BadRequest("the body must carry NodeNames or Nodes")
+
+
+class Placement:
+    """Policy choice and memoised per-node answers."""
+
+    def __init__(self, cache: ClusterCache, default_policy: str) -> None:
+        if default_policy not in placement.POLICIES:
+            raise ValueError(f"unknown policy {default_policy!r}; choose from {sorted(placement.POLICIES)}")
+        self.cache = cache
+        self.default_policy = default_policy
+        self._lock = threading.Lock()
+        self._fits: dict[tuple[str, int, tuple[placement.Shape, ...]], placement.NoFit | None] = {}
+        self._costs: dict[tuple[str, int, tuple[placement.Shape, ...], str, int], float] = {}
+        self._fgd: tuple[int, placement.Policy] | None = None
+
+    def policy_for(self, pod: Mapping[str, Any]) -> tuple[str, placement.Policy]:
+        """The pod's own policy annotation wins over the cluster-wide default."""
+        name = annotations_of(pod).get(ANN_POLICY) or self.default_policy
+        if name not in placement.POLICIES:
+            raise ContractError(f"pod {pod_key(pod)} annotation {ANN_POLICY}: unknown policy {name!r}")
+        if name != "fgd":
+            return name, placement.POLICIES[name]
+        version = self.cache.shapes_version
+        with self._lock:
+            if self._fgd is None or self._fgd[0] != version:
+                shapes = self.cache.observed_shapes()
+                workload = placement.Workload.from_shapes(shapes) if shapes else None
+                self._fgd = (version, placement.Fgd(workload))
+            return name, self._fgd[1]
+
+    def fit(self, view: NodeView, demands: Sequence[placement.Demand]) -> placement.NoFit | None:
+        key = (view.name, view.generation, placement.shape_key(list(demands)))
+        try:
+            return self._fits[key]
+        except KeyError:
+            result = placement.check_fit(view.cards, demands, unit=view.inventory.unit.name)
+            _remember(self._fits, key, result)
+            return result
+
+    def cost(self, view: NodeView, demands: Sequence[placement.Demand], name: str, policy: placement.Policy) -> float:
+        key = (view.name, view.generation, placement.shape_key(list(demands)), name, self.cache.shapes_version)
+        try:
+            return self._costs[key]
+        except KeyError:
+            cost = placement.node_cost(view.cards, demands, policy, unit=view.inventory.unit.name)
+            _remember(self._costs, key, cost)
+            return cost
+
+
+def _remember(memo: dict, key: Any, value: Any) -> None:
+    """Entries of old generations are never read again; start over rather than grow without bound."""
+    if len(memo) >= MEMO_LIMIT:
+        memo.clear()
+    memo[key] = value
+
+
+def filter_result(engine: Placement, body: Any) -> dict[str, Any]:
+    pod = request_pod(body)
+    names, nodes_mode = candidate_names(body)
+    failed: dict[str, str] = {}
+    unresolvable: dict[str, str] = {}
+    try:
+        demands = demands_of(pod)
+    except (ContractError, ValueError) as exc:
+        reason = f"pod {pod_key(pod)}: {exc}"
+        return _filter_reply([], nodes_mode, body, {}, dict.fromkeys(names, reason))
+    passing = []
+    for name in names:
+        view = engine.cache.view(name)
+        if view is None:
+            unresolvable[name] = f"node {name} {engine.cache.problem(name)}"
+            continue
+        if not demands:
+            passing.append(name)
+            continue
+        nofit = engine.fit(view, demands)
+        if nofit is None:
+            passing.append(name)
+        else:
+            failed[name] = nofit.reason
+    log.info("filter pod %s: %d of %d node(s) fit", pod_key(pod), len(passing), len(names))
+    return _filter_reply(passing, nodes_mode, body, failed, unresolvable)
+
+
+def _filter_reply(
+    passing: list[str], nodes_mode: bool, body: Mapping[str, Any], failed: dict[str, str], unresolvable: dict[str, str]
+) -> dict[str, Any]:
+    reply: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": unresolvable, "Error": ""}
+    if nodes_mode:
+        keep = set(passing)
+        items = [n for n in body["Nodes"].get("items") or [] if (n.get("metadata") or {}).get("name") in keep]
+        reply["Nodes"] = {**body["Nodes"], "items": items}
+        reply["NodeNames"] = None
+    else:
+        reply["NodeNames"] = passing
+        reply["Nodes"] = None
+    return reply
+
+
+def prioritize_result(engine: Placement, body: Any) -> list[dict[str, Any]]:
+    pod = request_pod(body)
+    names, _ = candidate_names(body)
+    try:
+        demands = demands_of(pod)
+        policy_name, policy = engine.policy_for(pod)
+    except (ContractError, ValueError):
+        return [{"Host": n, "Score": 0} for n in names]
+    costs: dict[str, float] = {}
+    for name in names:
+        view = engine.cache.view(name)
+        if view is None or not demands:
+            continue
+        try:
+            costs[name] = engine.cost(view, demands, policy_name, policy)
+        except placement.NoFit:
+            continue
+    scores = placement.score_nodes(costs)
+    return [{"Host": n, "Score": scores.get(n, 0)} for n in names]
+
+
+def _victim_uids(body: Mapping[str, Any], name: str) -> list[str]:
+    meta = (body.get("NodeNameToMetaVictims") or {}).get(name)
+    if meta is not None:
+        return [p.get("UID", "") for p in meta.get("Pods") or []]
+    full = (body.get("NodeNameToVictims") or {}).get(name) or {}
+    return [(p.get("metadata") or {}).get("uid", "") for p in full.get("Pods") or []]
+
+
+def _pdb_violations(body: Mapping[str, Any], name: str) -> int:
+    entry = (body.get("NodeNameToMetaVictims") or body.get("NodeNameToVictims") or {}).get(name) or {}
+    return int(entry.get("NumPDBViolations") or 0)
+
+
+def preempt_result(engine: Placement, body: Any) -> dict[str, Any]:
+    """Keep the nodes where evicting the victims frees cards that fit the preemptor, with only the
+    victims that are needed (the later victims are tried for removal first)."""
+    pod = request_pod(body)
+    try:
+        demands = demands_of(pod)
+    except (ContractError, ValueError):
+        return {"NodeNameToMetaVictims": {}}
+    names = sorted(set(body.get("NodeNameToMetaVictims") or {}) | set(body.get("NodeNameToVictims") or {}))
+    result: dict[str, Any] = {}
+    for name in names:
+        view = engine.cache.view(name)
+        if view is None:
+            continue
+        victims = _victim_uids(body, name)
+        pods = engine.cache.pods_on(name)
+        extra = [alloc for _, alloc in engine.cache.assumed_on(name)]
+
+        def fits_without(evicted: set[str], view: NodeView = view, pods: list = pods, extra: list = extra) -> bool:
+            remaining = [p for p in pods if (p.get("metadata") or {}).get("uid") not in evicted]
+            cards = placement_cards(view.inventory, remaining, extra)
+            return not demands or placement.check_fit(cards, demands) is None
+
+        needed = set(victims)
+        if not fits_without(needed):
+            continue
+        for uid in reversed(victims):
+            if fits_without(needed - {uid}):
+                needed.discard(uid)
+        result[name] = {
+            "Pods": [{"UID": uid} for uid in victims if uid in needed],
+            "NumPDBViolations": _pdb_violations(body, name),
+        }
+    return {"NodeNameToMetaVictims": result}
