@@ -109,8 +109,7 @@ class ExtenderServer:
                 code, content_type, body = reply or (404, "text/plain", b"not found\n")
                 self._reply(code, body, content_type)
 
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _Server((host, port), Handler)
         self.port = self._httpd.server_address[1]
 
     def start(self) -> None:
@@ -119,6 +118,12 @@ class ExtenderServer:
     def stop(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    #: kube-scheduler and its retries can open many connections at once; the default backlog is 5
+    request_queue_size = 1024
 
 
 def _bind(binder: Binder, body: Any) -> dict[str, str]:

@@ -183,15 +183,22 @@ def test_multi_card_demands_prefer_nvlink_then_numa() -> None:
     assert taken(place(plain, [Demand("m", 0, 2, exclusive=True)], BINPACK)) == {"m": [(0, 16), (1, 16)]}
 
 
-def test_topology_only_breaks_ties_inside_the_policys_choice() -> None:
+def test_multi_card_demands_prefer_nvlink_then_numa_over_the_policys_card_order() -> None:
     node = [
         Card(0, "GPU-0", 16, 12, numa=0),
         Card(1, "GPU-1", 16, 12, numa=1),
         Card(2, "GPU-2", 16, 0, numa=1, nvlink=frozenset({"GPU-3"})),
         Card(3, "GPU-3", 16, 0, numa=1),
     ]
-    assert taken(place(node, [Demand("m", 2, 2)], BINPACK)) == {"m": [(0, 2), (1, 2)]}
-    assert taken(place(node, [Demand("m", 2, 2)], SPREAD)) == {"m": [(2, 2), (3, 2)]}
+    # binpack alone would take the two fullest cards, which share nothing
+    assert taken(place(node, [Demand("m", 2, 2)], BINPACK)) == {"m": [(2, 2), (3, 2)]}
+    no_link = [Card(c.index, c.uuid, c.capacity, c.used, numa=c.numa) for c in node]
+    # without NVLink, a shared NUMA node wins; binpack then picks the fullest such pair
+    assert taken(place(no_link, [Demand("m", 2, 2)], BINPACK)) == {"m": [(1, 2), (2, 2)]}
+    flat = [Card(c.index, c.uuid, c.capacity, c.used) for c in node]
+    # with no topology at all the policy decides
+    assert taken(place(flat, [Demand("m", 2, 2)], BINPACK)) == {"m": [(0, 2), (1, 2)]}
+    assert taken(place(flat, [Demand("m", 2, 2)], SPREAD)) == {"m": [(2, 2), (3, 2)]}
 
 
 # --- policies ----------------------------------------------------------------------------------------

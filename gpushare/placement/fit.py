@@ -167,24 +167,25 @@ def _options(
 
 
 def _preferred_group(node: _Node, ranked: list[int], key_of: dict[int, float], size: int) -> tuple[int, ...]:
-    """The ``size`` best-keyed cards; among equally keyed cards at the cut, those sharing NVLink, then a
-    NUMA node, with the cards already in (tie-breaks inside the policy's choice)."""
-    cut = key_of[ranked[size - 1]]
-    group = [p for p in ranked if key_of[p] < cut]
-    ties = [p for p in ranked if key_of[p] == cut]
-    if len(group) + len(ties) == size:
-        return tuple(sorted(group + ties))
-    starts = [group] if group else [[p] for p in ties]
-    grown = [_grow(node, start, ties, size) for start in starts]
-    return tuple(sorted(max(grown, key=lambda members: _group_rating(node, members))))
+    """The group for a multi-card demand: most NVLink pairs first, then most pairs sharing a NUMA node;
+    among equally connected groups the policy's preference (lowest summed key) decides."""
+    best: tuple[tuple[int, int, float, list[int]], list[int]] | None = None
+    for start in ranked:
+        members = _grow(node, [start], ranked, key_of, size)
+        links, numa, order = _group_rating(node, members)
+        rating = (links, numa, -sum(key_of[m] for m in members), order)
+        if best is None or rating > best[0]:
+            best = (rating, members)
+    assert best is not None  # ranked holds at least ``size`` cards
+    return tuple(sorted(best[1]))
 
 
-def _grow(node: _Node, start: list[int], pool: list[int], size: int) -> list[int]:
+def _grow(node: _Node, start: list[int], pool: list[int], key_of: dict[int, float], size: int) -> list[int]:
     """``start`` plus the cards of ``pool`` with the most affinity to those already chosen."""
     members = list(start)
     rest = [p for p in pool if p not in members]
     while len(members) < size:
-        pick = max(rest, key=lambda p: (*_affinity(node, p, members), -p))
+        pick = max(rest, key=lambda p: (*_affinity(node, p, members), -key_of[p], -p))
         members.append(pick)
         rest.remove(pick)
     return members

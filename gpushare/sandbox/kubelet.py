@@ -93,7 +93,13 @@ class _Registration(pb_grpc.RegistrationServicer):
         if error:
             log.warning("kubelet: rejected registration of %s: %s", request.resource_name, error)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        self._kubelet._connect(request)
+        try:
+            self._kubelet._connect(request)
+        except grpc.RpcError as exc:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"cannot reach the plugin for {request.resource_name} at {request.endpoint}: {exc.details()}",
+            )
         return pb.Empty()
 
 
@@ -145,7 +151,11 @@ class KubeletEmulator:
     def _connect(self, request: pb.RegisterRequest) -> None:
         channel = grpc.insecure_channel(f"unix://{self.dir / request.endpoint}")
         stub = pb_grpc.DevicePluginStub(channel)
-        options = stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
+        try:
+            options = stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
+        except grpc.RpcError:
+            channel.close()
+            raise
         plugin = _Plugin(request.resource_name, request.endpoint, channel, stub, options)
         with self._changed:
             old = self._plugins.get(request.resource_name)
