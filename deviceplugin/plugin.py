@@ -34,11 +34,13 @@ SOCKETS = {RESOURCE_MEM: "gpushare-gpu-mem.sock", RESOURCE_COUNT: "gpushare-gpu-
 WATCH_INTERVAL = 0.2
 
 
-def _inode(path: Path) -> int | None:
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """Inode and change time: a re-created file may get the freed inode back, but not both."""
     try:
-        return path.stat().st_ino
+        st = path.stat()
     except FileNotFoundError:
         return None
+    return st.st_ino, st.st_ctime_ns
 
 
 @dataclass
@@ -57,7 +59,7 @@ class DevicePlugin:
         self._unit = unit
         self.state = DeviceState(backend.cards)
         self._served: list[_Served] = []
-        self._kubelet_inode: int | None = None
+        self._kubelet_identity: tuple[int, int] | None = None
         self._stop = threading.Event()
         self._registered = threading.Event()
         self._thread: threading.Thread | None = None
@@ -130,7 +132,7 @@ class DevicePlugin:
                     timeout=5,
                 )
                 log.info("registered %s with kubelet at %s (endpoint %s)", s.resource, kubelet, s.socket.name)
-        self._kubelet_inode = _inode(kubelet)
+        self._kubelet_identity = _file_identity(kubelet)
         self.registrations += 1
         self._registered.set()
 
@@ -140,7 +142,7 @@ class DevicePlugin:
         if any(not s.socket.exists() for s in self._served):
             log.warning("our sockets in %s vanished (kubelet restarted?); serving again", self._dir)
             return True
-        if _inode(self._dir / KUBELET_SOCKET) != self._kubelet_inode:
+        if _file_identity(self._dir / KUBELET_SOCKET) != self._kubelet_identity:
             log.warning("kubelet.sock in %s was re-created; registering again", self._dir)
             return True
         return False

@@ -38,8 +38,14 @@ def gpu_pod(
     assume_ns: int | None = None,
     init: Sequence[dict[str, Any]] = (),
     extra_annotations: dict[str, str] | None = None,
+    uid: str | None = None,
+    created: str | None = None,
+    phase: str | None = None,
 ) -> dict[str, Any]:
-    """A pod as the extender binds it: our allocation and/or the original keys, ASSIGNED=false."""
+    """A pod as the extender binds it: our allocation and/or the original keys, ASSIGNED=false.
+
+    ``uid``, ``created`` and ``phase`` stand in for what the API server fills in, for pure tests.
+    """
     annotations: dict[str, str] = {}
     if allocation is not None or original_index is not None:
         annotations[c.ANN_MEM_ASSIGNED] = "false"
@@ -56,4 +62,12 @@ def gpu_pod(
         spec["initContainers"] = list(init)
     if node:
         spec["nodeName"] = node
-    return {"metadata": {"name": name, "namespace": "default", "annotations": annotations}, "spec": spec}
+    meta: dict[str, Any] = {"name": name, "namespace": "default", "annotations": annotations}
+    if uid is not None:
+        meta["uid"] = uid
+    if created is not None:
+        meta["creationTimestamp"] = created
+    pod: dict[str, Any] = {"metadata": meta, "spec": spec}
+    if phase is not None:
+        pod["status"] = {"phase": phase}
+    return pod

@@ -63,6 +63,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        # headers and body go out in separate writes; without this every reply waits for a delayed ACK
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server.api.track(self.connection)
 
     def finish(self) -> None:

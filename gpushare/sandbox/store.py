@@ -54,7 +54,11 @@ class Event:
 
 
 class Store:
-    """All objects of every kind, one lock, one resourceVersion counter."""
+    """All objects of every kind, one lock, one resourceVersion counter.
+
+    Stored objects are never changed in place (an update stores a changed copy), so reads hand out
+    the stored dicts themselves; callers must treat them as read-only.
+    """
 
     def __init__(self) -> None:
         self._objects: dict[str, dict[Key, dict[str, Any]]] = {}
@@ -73,7 +77,7 @@ class Store:
     def list(self, kind: str, namespace: str | None, match: Callable[[Mapping[str, Any]], bool]) -> tuple[list, int]:
         with self.changed:
             items = [
-                copy.deepcopy(obj)
+                obj
                 for (ns, _), obj in sorted(self._objects.get(kind, {}).items())
                 if (namespace is None or ns == namespace) and match(obj)
             ]
@@ -84,7 +88,7 @@ class Store:
             obj = self._objects.get(kind, {}).get(key)
             if obj is None:
                 raise not_found(kind, key[1])
-            return copy.deepcopy(obj)
+            return obj
 
     def create(self, kind: str, key: Key, obj: dict[str, Any]) -> dict[str, Any]:
         with self.changed:
@@ -98,7 +102,7 @@ class Store:
             meta.setdefault("creationTimestamp", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
             objects[key] = obj
             self._record(kind, "ADDED", None, obj)
-            return copy.deepcopy(obj)
+            return obj
 
     def update(self, kind: str, key: Key, change: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
         """Apply ``change`` to a copy of the object. A resourceVersion the change sets must match."""
@@ -122,12 +126,12 @@ class Store:
                         raise invalid(kind, key[1], f"metadata.{immutable}: field is immutable")
                     meta[immutable] = current["metadata"][immutable]
             if updated == current:
-                return copy.deepcopy(current)
+                return current
             self._rv += 1
             meta["resourceVersion"] = str(self._rv)
             objects[key] = updated
             self._record(kind, "MODIFIED", current, updated)
-            return copy.deepcopy(updated)
+            return updated
 
     def delete(self, kind: str, key: Key) -> dict[str, Any]:
         with self.changed:
@@ -135,8 +139,7 @@ class Store:
             if obj is None:
                 raise not_found(kind, key[1])
             self._rv += 1
-            gone = copy.deepcopy(obj)
-            gone["metadata"]["resourceVersion"] = str(self._rv)
+            gone = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self._rv)}}
             self._record(kind, "DELETED", obj, gone)
             return gone
 

@@ -1,0 +1,203 @@
+"""The Allocate decision and GetPreferredAllocation, as pure functions over pods and cards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from podfactory import container, gpu_pod, slices
+
+from deviceplugin.allocate import Refusal, decide, preferred_cards
+from deviceplugin.devices import mem_device_id
+from deviceplugin.preferred import preferred_ids
+from gpushare import contract as c
+from gpushare.cards import Card
+from gpushare.inventory import simulated_cards
+
+CARDS = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
+A0, A1, T4 = CARDS
+
+
+def refusal(pods: list[dict[str, Any]], units: int, resource: str = c.RESOURCE_MEM, cards: list[Card] = CARDS):
+    with pytest.raises(Refusal) as refused:
+        decide(pods, "n1", resource, units, cards, c.GIB)
+    return refused.value
+
+
+def test_answer_carries_the_cards_env_and_the_annotations_for_the_cri_shim() -> None:
+    pod = gpu_pod(
+        "web",
+        [container("main", 6), container("side", 2)],
+        uid="u-1",
+        allocation={"main": slices([A1], 6), "side": slices([T4], 2)},
+    )
+    decision = decide([pod], "n1", c.RESOURCE_MEM, 6, CARDS, c.GIB)
+    assert decision.container == "main"
+    assert decision.envs == {
+        c.ENV_VISIBLE_DEVICES: A1.uuid,
+        c.ENV_MEM_IDX: "1",
+        c.ENV_MEM_POD: "8",
+        c.ENV_MEM_CONTAINER: "6",
+        c.ENV_MEM_DEV: "80",
+    }
+    assert decision.annotations == {
+        c.CTR_ANN_POD_UID: "u-1",
+        c.CTR_ANN_POD: "default/web",
+        c.CTR_ANN_CONTAINER: "main",
+        c.CTR_ANN_CARDS: A1.uuid,
+    }
+    recorded = decision.pod_patch["metadata"]["annotations"]
+    assert c.parse_assigned_containers(recorded[c.ANN_ASSIGNED_CONTAINERS]) == {"main": frozenset({c.RESOURCE_MEM})}
+    assert c.ANN_MEM_ASSIGNED not in recorded  # "side" is still waiting
+    assert decision.usage == {A0.uuid: 0, A1.uuid: 6, T4.uuid: 2}
+
+
+def test_the_last_container_served_marks_the_pod_assigned() -> None:
+    pod = gpu_pod(
+        "web",
+        [container("main", 6), container("side", 2)],
+        allocation={"main": slices([A1], 6), "side": slices([T4], 2)},
+    )
+    pod["metadata"]["annotations"][c.ANN_ASSIGNED_CONTAINERS] = c.format_assigned_containers(
+        {"main": frozenset({c.RESOURCE_MEM})}
+    )
+    recorded = decide([pod], "n1", c.RESOURCE_MEM, 2, CARDS, c.GIB).pod_patch["metadata"]["annotations"]
+    assert recorded[c.ANN_MEM_ASSIGNED] == "true"
+    assert set(c.parse_assigned_containers(recorded[c.ANN_ASSIGNED_CONTAINERS])) == {"main", "side"}
+
+
+def test_a_two_card_container_sees_both_cards_and_is_assigned_after_both_resources() -> None:
+    pod = gpu_pod("pair", [container("main", 40, 2)], allocation={"main": slices([A0, A1], 20)})
+    first = decide([pod], "n1", c.RESOURCE_COUNT, 2, CARDS, c.GIB)
+    assert first.envs[c.ENV_VISIBLE_DEVICES] == f"{A0.uuid},{A1.uuid}"
+    assert first.envs[c.ENV_MEM_IDX] == "0,1" and first.envs[c.ENV_MEM_CONTAINER] == "40"
+    assert first.annotations[c.CTR_ANN_CARDS] == f"{A0.uuid},{A1.uuid}"
+    assert c.ANN_MEM_ASSIGNED not in first.pod_patch["metadata"]["annotations"]
+    pod["metadata"]["annotations"].update(first.pod_patch["metadata"]["annotations"])
+    second = decide([pod], "n1", c.RESOURCE_MEM, 40, CARDS, c.GIB)
+    assert second.pod_patch["metadata"]["annotations"][c.ANN_MEM_ASSIGNED] == "true"
+
+
+def test_a_pod_with_only_the_original_annotations_gets_its_card_by_index() -> None:
+    decision = decide(
+        [gpu_pod("legacy", [container("main", 5)], original_index=2)], "n1", c.RESOURCE_MEM, 5, CARDS, c.GIB
+    )
+    assert decision.envs[c.ENV_VISIBLE_DEVICES] == T4.uuid and decision.envs[c.ENV_MEM_DEV] == "15"
+
+
+def test_units_follow_the_configured_memory_unit() -> None:
+    pod = gpu_pod("blocks", [container("main", 3)], allocation={"main": slices([T4], 3)})
+    decision = decide([pod], "n1", c.RESOURCE_MEM, 3, CARDS, c.parse_unit("4096MiB"))
+    assert decision.envs[c.ENV_MEM_DEV] == "3" and decision.envs[c.ENV_MEM_CONTAINER] == "3"
+
+
+def test_over_commit_is_refused_naming_pod_container_card_and_holders() -> None:
+    running = gpu_pod("running", [container("main", 10)], allocation={"main": slices([T4], 10)}, phase="Running")
+    greedy = gpu_pod("greedy", [container("main", 6)], allocation={"main": slices([T4], 6)})
+    refused = refusal([running, greedy], 6)
+    assert refused.reason == "overcommit" and not refused.invalid_input
+    assert refused.pod is greedy
+    message = str(refused)
+    assert message.startswith("pod default/greedy container main: card 2 (" + T4.uuid + ") would be over-committed")
+    assert "claim 16 of its 15 GiB unit(s)" in message and "default/running (10)" in message
+
+
+def test_finished_pods_no_longer_hold_their_card() -> None:
+    done = gpu_pod("done", [container("main", 10)], allocation={"main": slices([T4], 10)}, phase="Succeeded")
+    fits = gpu_pod("fits", [container("main", 6)], allocation={"main": slices([T4], 6)})
+    assert decide([done, fits], "n1", c.RESOURCE_MEM, 6, CARDS, c.GIB).slices == slices([T4], 6)
+
+
+def test_an_exclusive_card_is_refused_when_anyone_else_holds_part_of_it() -> None:
+    sharing = gpu_pod("sharing", [container("main", 1)], allocation={"main": slices([A0], 1)}, phase="Running")
+    whole = gpu_pod("whole", [container("main", count=1)], allocation={"main": slices([A0], 80)})
+    assert refusal([sharing, whole], 1, c.RESOURCE_COUNT).reason == "overcommit"
+    assert decide([whole], "n1", c.RESOURCE_COUNT, 1, CARDS, c.GIB).envs[c.ENV_VISIBLE_DEVICES] == A0.uuid
+
+
+def test_an_exclusive_request_assigned_part_of_a_card_is_bad_input() -> None:
+    pod = gpu_pod("half", [container("main", count=1)], allocation={"main": slices([A0], 40)})
+    refused = refusal([pod], 1, c.RESOURCE_COUNT)
+    assert refused.invalid_input and "requests card 0" in str(refused) and "whole but is assigned 40" in str(refused)
+
+
+def test_an_unhealthy_card_is_refused() -> None:
+    pod = gpu_pod("sick", [container("main", 2)], allocation={"main": slices([T4], 2)})
+    cards = [A0, A1, T4.with_health(False)]
+    refused = refusal([pod], 2, cards=cards)
+    assert refused.reason == "unhealthy-card"
+    assert str(refused) == f"pod default/sick container main: assigned card 2 ({T4.uuid}) is unhealthy"
+
+
+@pytest.mark.parametrize(
+    ("annotations", "message"),
+    [
+        ({c.ANN_MEM_IDX: "two"}, "annotation ALIYUN_COM_GPU_MEM_IDX: 'two' is not an integer"),
+        ({c.ANN_MEM_IDX: "7"}, "card index 7 is not on this node"),
+        ({c.ANN_MEM_IDX: "-1"}, "-1 is negative"),
+        ({c.ANN_MEM_ASSUME_TIME: "1"}, "has neither gpushare.io/allocation nor ALIYUN_COM_GPU_MEM_IDX"),
+        ({c.ANN_ALLOCATION: "{garbage", c.ANN_MEM_IDX: "0"}, "annotation gpushare.io/allocation: not valid JSON"),
+        ({c.ANN_ALLOCATION: '{"main": [{"index": 0, "uuid": "GPU-x"}]}'}, "units None on card 0"),
+        ({c.ANN_ALLOCATION: '{"main": [{"index": "0", "uuid": "GPU-x", "units": 3}]}'}, "card index '0'"),
+        ({c.ANN_ALLOCATION: '{"other": [{"index": 0, "uuid": "GPU-x", "units": 3}]}'}, "['other'] that request no GPU"),
+    ],
+    ids=[
+        "non-integer",
+        "out-of-range",
+        "negative",
+        "missing-index",
+        "garbage-json",
+        "no-units",
+        "string-index",
+        "wrong-container",
+    ],
+)
+def test_bad_annotations_are_refused_as_invalid_input_naming_pod_and_container(
+    annotations: dict[str, str], message: str
+) -> None:
+    pod = gpu_pod("bad", [container("main", 3)], extra_annotations=annotations)
+    refused = refusal([pod], 3)
+    assert refused.invalid_input and refused.reason == "bad-annotation"
+    assert str(refused).startswith("pod default/bad container main: ")
+    assert message in str(refused)
+
+
+def test_an_annotation_naming_a_card_by_the_wrong_index_is_refused() -> None:
+    pod = gpu_pod("mixed-up", [container("main", 3)], allocation={"main": (c.CardSlice(0, T4.uuid, 3),)})
+    assert f"assigned card {T4.uuid} is index 2 here, not 0" in str(refusal([pod], 3))
+
+
+def test_a_card_of_another_node_is_refused() -> None:
+    alien = c.CardSlice(0, "GPU-00000000-0000-0000-0000-000000000000", 3)
+    refused = refusal([gpu_pod("alien", [container("main", 3)], allocation={"main": (alien,)})], 3)
+    assert refused.reason == "unknown-card" and "is not on this node" in str(refused)
+
+
+def test_no_matching_pod_is_refused_with_the_request_and_node() -> None:
+    refused = refusal([gpu_pod("p", [container("main", 3)], original_index=2)], 4)
+    assert refused.reason == "no-pending-pod" and refused.pod is None
+    assert "aliyun.com/gpu-mem x4: no pending pod on node n1" in str(refused)
+
+
+def test_preferred_cards_are_the_scheduler_choice_for_the_container_that_would_match() -> None:
+    pod = gpu_pod("pair", [container("main", 40, 2)], allocation={"main": slices([A1, T4], 20)})
+    assert preferred_cards([pod], "n1", c.RESOURCE_COUNT, 2, CARDS) == (A1.uuid, T4.uuid)
+    assert preferred_cards([pod], "n1", c.RESOURCE_COUNT, 3, CARDS) == ()
+
+
+def test_gpu_count_preference_follows_the_scheduler_then_nvlink_then_numa() -> None:
+    eight = simulated_cards("n1", "4xA100:81920,4xT4:15360")  # NUMA 0: A100 x4 (NVLinked), NUMA 1: T4 x4
+    uuids = [card.uuid for card in eight]
+    chosen = [uuids[5], uuids[6]]
+    assert preferred_ids(c.RESOURCE_COUNT, uuids, [], 2, chosen, eight) == chosen
+    # nothing chosen: an NVLink-connected pair rather than two unrelated cards
+    picked = preferred_ids(c.RESOURCE_COUNT, [uuids[0], uuids[4], uuids[2]], [], 2, [], eight)
+    assert sorted(picked) == sorted([uuids[0], uuids[2]])
+    # must-include devices are always kept
+    assert preferred_ids(c.RESOURCE_COUNT, uuids, [uuids[7]], 2, chosen, eight)[0] == uuids[7]
+
+
+def test_gpu_mem_preference_takes_units_of_the_scheduler_card_first() -> None:
+    available = [mem_device_id(card.uuid, n) for card in CARDS for n in range(3)]
+    picked = preferred_ids(c.RESOURCE_MEM, available, [], 3, [T4.uuid], CARDS)
+    assert picked == [mem_device_id(T4.uuid, n) for n in range(3)]

@@ -1,0 +1,96 @@
+"""What the plugin lists to kubelet, and the guard that keeps the gpu-mem list within one gRPC message."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from deviceplugin.devices import (
+    HEALTHY,
+    MAX_MESSAGE_BYTES,
+    UNHEALTHY,
+    DeviceListTooLarge,
+    card_of_mem_device,
+    check_message_size,
+    device_list,
+    message_size,
+)
+from gpushare import contract as c
+from gpushare.cards import Card
+from gpushare.inventory import simulated_cards
+
+MIXED = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
+H200 = simulated_cards("n1", "8xH200:144384")
+
+
+def test_gpu_mem_lists_one_device_per_unit_of_each_cards_own_memory() -> None:
+    devices = device_list(c.RESOURCE_MEM, MIXED, c.GIB).devices
+    per_card: dict[str, int] = {}
+    for d in devices:
+        per_card[card_of_mem_device(d.ID)] = per_card.get(card_of_mem_device(d.ID), 0) + 1
+    assert per_card == {MIXED[0].uuid: 80, MIXED[1].uuid: 80, MIXED[2].uuid: 15}
+    assert len({d.ID for d in devices}) == len(devices)
+    assert {d.health for d in devices} == {HEALTHY}
+
+
+def test_gpu_mem_in_blocks_counts_whole_blocks_only() -> None:
+    devices = device_list(c.RESOURCE_MEM, MIXED, c.parse_unit("4096MiB")).devices
+    assert len(devices) == 20 + 20 + 3  # 15360 MiB holds three whole 4 GiB blocks
+
+
+def test_gpu_count_lists_each_card_by_uuid_with_its_numa_node() -> None:
+    devices = device_list(c.RESOURCE_COUNT, MIXED, c.GIB).devices
+    assert [d.ID for d in devices] == [card.uuid for card in MIXED]
+    assert [[n.ID for n in d.topology.nodes] for d in devices] == [[card.numa_node] for card in MIXED]
+
+
+def test_a_card_without_numa_information_carries_no_topology() -> None:
+    card = Card(0, "GPU-11111111-2222-3333-4444-555555555555", "X", 2048, 0, numa_node=None)
+    (device,) = device_list(c.RESOURCE_COUNT, [card], c.GIB).devices
+    assert not device.HasField("topology")
+
+
+@pytest.mark.parametrize("resource", c.RESOURCES)
+def test_an_unhealthy_card_is_unhealthy_in_every_device_of_both_resources(resource: str) -> None:
+    sick = MIXED[2].uuid
+    cards = [card.with_health(card.uuid != sick) for card in MIXED]
+    for d in device_list(resource, cards, c.GIB).devices:
+        owner = card_of_mem_device(d.ID) if resource == c.RESOURCE_MEM else d.ID
+        assert d.health == (UNHEALTHY if owner == sick else HEALTHY)
+
+
+@pytest.mark.parametrize(("cards", "unit"), [(MIXED, "GiB"), (MIXED, "MiB"), (H200, "GiB"), (H200, "256MiB")])
+def test_message_size_is_the_size_of_the_real_message(cards: list[Card], unit: str) -> None:
+    memory_unit = c.parse_unit(unit)
+    assert message_size(cards, memory_unit) == device_list(c.RESOURCE_MEM, cards, memory_unit).ByteSize()
+
+
+@pytest.mark.parametrize("unit", ["GiB", "256MiB", "32MiB"])
+def test_coarse_units_pass_the_guard_for_eight_large_cards(unit: str) -> None:
+    check_message_size(H200, c.parse_unit(unit))
+
+
+def test_per_mib_devices_are_refused_naming_the_finest_unit_that_fits() -> None:
+    with pytest.raises(DeviceListTooLarge) as refused:
+        check_message_size(H200, c.parse_unit("MiB"))
+    message = str(refused.value)
+    assert "units of MiB" in message and "4,194,304-byte" in message
+    suggested = c.parse_unit(re.search(r"--memory-unit (\S+)", message).group(1))
+    unhealthy = [card.with_health(False) for card in H200]
+    assert message_size(unhealthy, suggested) <= MAX_MESSAGE_BYTES
+    assert message_size(unhealthy, c.MemoryUnit(suggested.mib // 2)) > MAX_MESSAGE_BYTES
+
+
+def test_guard_leaves_room_for_every_card_turning_unhealthy() -> None:
+    def card(mib: int) -> Card:
+        return Card(0, "GPU-11111111-2222-3333-4444-555555555555", "X", mib, 0, numa_node=0)
+
+    # the largest card whose healthy per-MiB list still fits: once it is unhealthy, it no longer does
+    low, high = 1, 200_000
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if message_size([card(mid)], c.MemoryUnit(1)) <= MAX_MESSAGE_BYTES else (low, mid - 1)
+    assert message_size([card(low).with_health(False)], c.MemoryUnit(1)) > MAX_MESSAGE_BYTES
+    with pytest.raises(DeviceListTooLarge):
+        check_message_size([card(low)], c.MemoryUnit(1))
