@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from gpushare.cli import add_node_flags
+
+if TYPE_CHECKING:  # the runtime pulls in grpc; the command module stays light
+    from crishim.runtime import ShimSettings
 
 DEFAULT_LISTEN = "unix:///run/gpushare/cri.sock"
 DEFAULT_RUNTIME = "unix:///run/containerd/containerd.sock"
@@ -47,18 +51,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=9446, help="/metrics, /healthz, /readyz (0: off)")
 
 
-def run(args: argparse.Namespace) -> int:
+def shim_settings(args: argparse.Namespace) -> ShimSettings:
+    """The shim's settings from its flags; shared with ``gpushare node``."""
     from crishim.rewrite import RewriteOptions
-    from crishim.runtime import ShimSettings, run_cri_shim
+    from crishim.runtime import ShimSettings
     from crishim.server import socket_path
-    from gpushare.cli import UsageError, node_settings
-    from gpushare.kube import KubeConfigError
+    from gpushare.cli import UsageError
 
     try:
         socket_path(args.listen)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    settings = ShimSettings(
+    return ShimSettings(
         listen=args.listen,
         runtime=args.runtime,
         allow_api_fetch=args.allow_api_fetch,
@@ -66,7 +70,14 @@ def run(args: argparse.Namespace) -> int:
             rewrite_devices=args.rewrite_devices, cdi=args.cdi, block_unrequested_gpu=args.block_unrequested_gpu
         ),
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    from crishim.runtime import run_cri_shim
+    from gpushare.cli import UsageError, node_settings
+    from gpushare.kube import KubeConfigError
+
     try:
-        return run_cri_shim(node_settings(args), settings, args.metrics_port)
+        return run_cri_shim(node_settings(args), shim_settings(args), args.metrics_port)
     except KubeConfigError as exc:
         raise UsageError(f"{exc} (or pass --no-api-fetch)") from None

@@ -1,0 +1,65 @@
+"""``gpushare node`` as the DaemonSet runs it: one process publishes the inventory, registers both
+resources with kubelet and serves the CRI shim, and stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from conftest import wait_until
+from kubernetes import client
+
+from gpushare import contract as c
+from gpushare.kube import get_node
+from gpushare.sandbox.kubelet import KubeletEmulator
+
+
+def test_node_agent_runs_all_node_components(
+    kubeconfig: Path, kube_api: client.ApiClient, core_v1: client.CoreV1Api
+) -> None:
+    core_v1.create_node({"metadata": {"name": "n1"}})
+    directory = Path(tempfile.mkdtemp(prefix="agent", dir="/tmp"))
+    kubelet = KubeletEmulator(directory)
+    kubelet.start()
+    shim_socket = directory / "cri.sock"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpushare.cli",
+            "node",
+            "--node-name",
+            "n1",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--gpus",
+            "sim:2xA100-80GB:81920",
+            "--device-plugin-dir",
+            str(directory),
+            "--listen",
+            f"unix://{shim_socket}",
+            "--runtime",
+            f"unix://{directory / 'no-runtime.sock'}",
+            "--metrics-port",
+            "0",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) == 160 and k.capacity(c.RESOURCE_COUNT) == 2, 30)
+        wait_until(lambda: c.NODE_ANN_INVENTORY in (get_node(kube_api, "n1")["metadata"].get("annotations") or {}), 10)
+        wait_until(shim_socket.exists, 10, "the CRI shim socket")
+        assert (shim_socket.stat().st_mode & 0o777) == 0o600
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, proc.stderr.read()
+        assert not (directory / "gpushare-gpu-mem.sock").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kubelet.stop()
+        shutil.rmtree(directory, ignore_errors=True)
