@@ -14,10 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import threading
-
     from advertiser.agent import Advertiser
-    from gpushare.cli import node_settings
+    from gpushare.cli import node_settings, wait_for_termination
     from gpushare.inventory import open_backend
     from gpushare.kube import load_api
 
@@ -31,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     advertiser.start()
     try:
-        threading.Event().wait()
+        wait_for_termination()
     finally:
         advertiser.stop()
         backend.close()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +10,7 @@ from typing import Any
 from crishim.assignment import CachedPods, Resolver, Target
 from crishim.rewrite import RewriteOptions
 from crishim.server import CreateContainerGuard, CriShim
-from gpushare.cli import NodeSettings
+from gpushare.cli import NodeSettings, wait_for_termination
 from gpushare.inventory import GpuBackend, open_backend
 from gpushare.kube import KubeConfigError, WatchCache, create_event, load_api, node_pod_cache
 from gpushare.observability import serve_http
@@ -110,11 +108,8 @@ def run_cri_shim(node: NodeSettings, settings: ShimSettings, metrics_port: int) 
         "on" if settings.options.cdi else "off",
         "blocked" if settings.options.block_unrequested_gpu else "allowed",
     )
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     try:
-        stop.wait()
+        wait_for_termination()
     finally:
         running.stop()
         backend.close()

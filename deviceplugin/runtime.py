@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from dataclasses import dataclass
 
 from deviceplugin.allocator import Allocator
 from deviceplugin.devices import DeviceListTooLarge, check_message_size
 from deviceplugin.plugin import DevicePlugin
-from gpushare.cli import NodeSettings, UsageError
+from gpushare.cli import NodeSettings, UsageError, wait_for_termination
 from gpushare.contract import MemoryUnit
 from gpushare.inventory import GpuBackend, open_backend
 from gpushare.kube import WatchCache, load_api, node_pod_cache
@@ -61,10 +59,8 @@ def run_device_plugin(settings: NodeSettings, metrics_port: int) -> int:
         len(backend.cards()),
         settings.device_plugin_dir,
     )
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
-        stopping.wait()
+        wait_for_termination()
     finally:
         log.info("device plugin for node %s stopping", settings.node_name)
         running.stop()

@@ -11,18 +11,20 @@ import itertools
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gpushare import placement
 from gpushare.contract import (
     ANN_ALLOCATION,
+    ANN_FRAMEWORK_ALLOCATION,
     NODE_ANN_INVENTORY,
     Allocation,
     ContractError,
     NodeInventory,
     annotations_of,
+    parse_framework_allocation,
     parse_inventory,
     parse_pod_request,
     pod_key,
@@ -51,11 +53,36 @@ def demands_of(pod: Mapping[str, Any]) -> tuple[placement.Demand, ...]:
     )
 
 
+def framework_allocation(pod: Mapping[str, Any], inventory: NodeInventory) -> Allocation | None:
+    """The allocation of a live pod annotated only by the newer original extender (its per-container
+    ``{"<containerIndex>": {"<gpuIndex>": units}}``), or None for any other pod."""
+    ann = annotations_of(pod)
+    if ANN_ALLOCATION in ann or ANN_FRAMEWORK_ALLOCATION not in ann or not holds_resources(pod):
+        return None
+    uuids = {card.index: card.uuid for card in inventory.cards}
+    return parse_framework_allocation(ann[ANN_FRAMEWORK_ALLOCATION], parse_pod_request(pod), uuids)
+
+
 def placement_cards(
     inventory: NodeInventory, pods: Iterable[Mapping[str, Any]], extra: Iterable[Allocation] = ()
 ) -> tuple[placement.Card, ...]:
-    """The node's cards with the units held by ``pods`` (and ``extra`` allocations) marked used."""
-    used, _, bad = node_usage(pods, inventory.cards)
+    """The node's cards with the units held by ``pods`` (and ``extra`` allocations) marked used.
+
+    Pods carry one of three annotation sets: ours, the newer original extender's per-container map,
+    or only the original card index; each is counted once, from the most precise set it has.
+    """
+    indexed, extra = [], list(extra)
+    for pod in pods:
+        try:
+            framework = framework_allocation(pod, inventory)
+        except ContractError as exc:
+            log.warning("pod %s: its GPU annotations can't be read, its cards are not counted: %s", pod_key(pod), exc)
+            continue
+        if framework is None:
+            indexed.append(pod)
+        else:
+            extra.append(framework)
+    used, _, bad = node_usage(indexed, inventory.cards)
     for pod in bad:
         log.warning("pod %s: its GPU annotations can't be read, its cards are not counted: %s", pod.key, pod.reason)
     for allocation in extra:
@@ -92,6 +119,7 @@ class ClusterCache:
         self._shapes: Counter[placement.Shape] = Counter()
         self._shapes_of_pod: dict[str, tuple[placement.Shape, ...]] = {}
         self.shapes_version = 0
+        self._change_listeners: list[Callable[[str], None]] = []
         self.nodes.add_listener(self._on_node)
         self.pods.add_listener(self._on_pod)
 
@@ -117,6 +145,16 @@ class ClusterCache:
     def _bump(self, node: str) -> None:
         self._generation[node] = next(self._counter)
         self._views.pop(node, None)
+        for listener in self._change_listeners:
+            listener(node)
+
+    def add_change_listener(self, fn: Callable[[str], None]) -> None:
+        """``fn(node)`` after anything on ``node`` changed; called under the cache's lock, so it must
+        not call back into the cache."""
+        with self._lock:
+            self._change_listeners.append(fn)
+            for node in self._generation:
+                fn(node)
 
     def _on_node(self, kind: str, node: Mapping[str, Any]) -> None:
         name = (node.get("metadata") or {}).get("name", "")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +11,7 @@ from extender.cache import ClusterCache
 from extender.server import ExtenderServer
 from extender.verbs import Placement
 from gpushare import placement
-from gpushare.cli import UsageError
+from gpushare.cli import UsageError, wait_for_termination
 from gpushare.kube import load_api
 
 log = logging.getLogger(__name__)
@@ -45,11 +43,8 @@ def start_extender(api: Any, port: int, policy: str, host: str = "0.0.0.0") -> R
 
 def run_extender(port: int, kubeconfig: str | None, policy: str) -> int:
     running = start_extender(load_api(kubeconfig), port, policy)
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     try:
-        stop.wait()
+        wait_for_termination()
     finally:
         running.stop()
     return 0

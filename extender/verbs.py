@@ -7,11 +7,15 @@ to since the last pod of the same shape costs one dict lookup.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from extender.cache import ClusterCache, NodeView, demands_of, placement_cards
+from extender.matrix import CostMemo, NodeMatrix, Rows, fits
 from gpushare import placement
 from gpushare.contract import ANN_POLICY, ContractError, annotations_of, pod_key
 
@@ -19,6 +23,9 @@ log = logging.getLogger(__name__)
 
 
 MEMO_LIMIT = 200_000
+#: distinct (policy, demand shape) pairs whose per-node costs are kept
+BATCH_MEMO_LIMIT = 256
+WORKLOAD_DRIFT = 20
 
 
 class BadRequest(ValueError):
@@ -52,10 +59,14 @@ class Placement:
             raise ValueError(f"unknown policy {default_policy!r}; choose from {sorted(placement.POLICIES)}")
         self.cache = cache
         self.default_policy = default_policy
+        self.matrix = NodeMatrix(cache)
         self._lock = threading.Lock()
         self._fits: dict[tuple[str, int, tuple[placement.Shape, ...]], placement.NoFit | None] = {}
         self._costs: dict[tuple[str, int, tuple[placement.Shape, ...], str, int], float] = {}
-        self._fgd: tuple[int, placement.Policy] | None = None
+        self._batch_costs: dict[tuple[str, placement.Shape], tuple[placement.Policy, CostMemo]] = {}
+        self._fgd: placement.Policy = placement.Fgd()
+        #: the cache's shapes_version and number of observed demands the fgd workload was built from
+        self._fgd_built = (-1, 0)
 
     def policy_for(self, pod: Mapping[str, Any]) -> tuple[str, placement.Policy]:
         """The pod's own policy annotation wins over the cluster-wide default."""
@@ -64,13 +75,26 @@ class Placement:
             raise ContractError(f"pod {pod_key(pod)} annotation {ANN_POLICY}: unknown policy {name!r}")
         if name != "fgd":
             return name, placement.POLICIES[name]
-        version = self.cache.shapes_version
         with self._lock:
-            if self._fgd is None or self._fgd[0] != version:
-                shapes = self.cache.observed_shapes()
-                workload = placement.Workload.from_shapes(shapes) if shapes else None
-                self._fgd = (version, placement.Fgd(workload))
-            return name, self._fgd[1]
+            return name, self._fgd_policy()
+
+    def _fgd_policy(self) -> placement.Policy:
+        """The fragmentation-aware policy with the workload observed so far.
+
+        The workload is rebuilt once the observed demands changed by a twentieth since the last build:
+        rebuilding it on every pod would recompute every node's cost on every pod, and typical
+        shapes don't move that fast.
+        """
+        version = self.cache.shapes_version
+        built_version, built_count = self._fgd_built
+        if version - built_version > built_count // WORKLOAD_DRIFT:
+            shapes = self.cache.observed_shapes()
+            self._fgd = placement.Fgd(placement.Workload.from_shapes(shapes) if shapes else None)
+            self._fgd_built = (version, len(shapes))
+        return self._fgd
+
+    def _policy_version(self, name: str) -> int:
+        return self._fgd_built[0] if name == "fgd" else 0
 
     def fit(self, view: NodeView, demands: Sequence[placement.Demand]) -> placement.NoFit | None:
         key = (view.name, view.generation, placement.shape_key(list(demands)))
@@ -82,13 +106,24 @@ class Placement:
             return result
 
     def cost(self, view: NodeView, demands: Sequence[placement.Demand], name: str, policy: placement.Policy) -> float:
-        key = (view.name, view.generation, placement.shape_key(list(demands)), name, self.cache.shapes_version)
+        key = (view.name, view.generation, placement.shape_key(list(demands)), name, self._policy_version(name))
         try:
             return self._costs[key]
         except KeyError:
             cost = placement.node_cost(view.cards, demands, policy, unit=view.inventory.unit.name)
             _remember(self._costs, key, cost)
             return cost
+
+    def batch_costs(self, rows: Rows, shape: placement.Shape, name: str, policy: placement.Policy) -> np.ndarray:
+        """Per node of ``rows``: the policy's cost of one demand of ``shape`` (``inf`` where it can't go)."""
+        with self._lock:
+            held = self._batch_costs.get((name, shape))
+            if held is None or held[0] is not policy:
+                if len(self._batch_costs) >= BATCH_MEMO_LIMIT:
+                    self._batch_costs.clear()
+                held = (policy, CostMemo())
+                self._batch_costs[(name, shape)] = held
+            return held[1].costs(rows, policy, shape)
 
 
 def _remember(memo: dict, key: Any, value: Any) -> None:
@@ -101,21 +136,28 @@ def _remember(memo: dict, key: Any, value: Any) -> None:
 def filter_result(engine: Placement, body: Any) -> dict[str, Any]:
     pod = request_pod(body)
     names, nodes_mode = candidate_names(body)
-    failed: dict[str, str] = {}
-    unresolvable: dict[str, str] = {}
     try:
         demands = demands_of(pod)
     except (ContractError, ValueError) as exc:
         reason = f"pod {pod_key(pod)}: {exc}"
         return _filter_reply([], nodes_mode, body, {}, dict.fromkeys(names, reason))
+    if not demands:
+        return _filter_reply(names, nodes_mode, body, {}, {})
+    if len(demands) == 1:
+        rows = engine.matrix.rows(names)
+        ok = fits(rows, demands[0].shape).tolist()
+    else:
+        ok = [False] * len(names)
     passing = []
-    for name in names:
+    failed: dict[str, str] = {}
+    unresolvable: dict[str, str] = {}
+    for name, fit in zip(names, ok, strict=True):
+        if fit:
+            passing.append(name)
+            continue
         view = engine.cache.view(name)
         if view is None:
             unresolvable[name] = f"node {name} {engine.cache.problem(name)}"
-            continue
-        if not demands:
-            passing.append(name)
             continue
         nofit = engine.fit(view, demands)
         if nofit is None:
@@ -149,17 +191,31 @@ def prioritize_result(engine: Placement, body: Any) -> list[dict[str, Any]]:
         policy_name, policy = engine.policy_for(pod)
     except (ContractError, ValueError):
         return [{"Host": n, "Score": 0} for n in names]
-    costs: dict[str, float] = {}
-    for name in names:
-        view = engine.cache.view(name)
-        if view is None or not demands:
-            continue
-        try:
-            costs[name] = engine.cost(view, demands, policy_name, policy)
-        except placement.NoFit:
-            continue
+    if not demands:
+        return [{"Host": n, "Score": 0} for n in names]
+    if len(demands) == 1:
+        cost = engine.batch_costs(engine.matrix.rows(names), demands[0].shape, policy_name, policy).tolist()
+        costs = {n: c for n, c in zip(names, cost, strict=True) if c != math.inf}
+    else:
+        costs = _node_costs(engine, names, demands, policy_name, policy)
     scores = placement.score_nodes(costs)
     return [{"Host": n, "Score": scores.get(n, 0)} for n in names]
+
+
+def _node_costs(
+    engine: Placement, names: Sequence[str], demands: Sequence[placement.Demand], name: str, policy: placement.Policy
+) -> dict[str, float]:
+    """Per node, one at a time: for pods with several GPU containers."""
+    costs: dict[str, float] = {}
+    for node in names:
+        view = engine.cache.view(node)
+        if view is None:
+            continue
+        try:
+            costs[node] = engine.cost(view, demands, name, policy)
+        except placement.NoFit:
+            continue
+    return costs
 
 
 def _victim_uids(body: Mapping[str, Any], name: str) -> list[str]:

@@ -12,7 +12,9 @@ import importlib
 import importlib.util
 import logging
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -121,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(exc, UsageError) else 1
     except KeyboardInterrupt:
         return 130
+
+
+def wait_for_termination() -> None:
+    """Block until SIGTERM (how Kubernetes stops a pod) or SIGINT."""
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    stopping.wait()
 
 
 def _kube_error() -> type[Exception]:

@@ -36,7 +36,7 @@ ANN_FRAMEWORK_ALLOCATION = "scheduler.framework.gpushare.allocation"
 
 #: JSON: container name -> [{"index": i, "uuid": "GPU-...", "units": n}, ...]
 ANN_ALLOCATION = "gpushare.io/allocation"
-#: JSON list of the container names the device plugin has already served
+#: JSON: container name -> [gpushare resources the device plugin has already served to it]
 ANN_ASSIGNED_CONTAINERS = "gpushare.io/assigned-containers"
 #: per-pod placement policy override
 ANN_POLICY = "gpushare.io/policy"
@@ -553,3 +553,54 @@ def format_model_label(cards: Iterable[Card]) -> str:
     """Label value naming the node's card model(s): sanitised to the label charset, joined by '_'."""
     models = sorted({re.sub(r"[^A-Za-z0-9._-]", "-", c.model).strip("-._") or "unknown" for c in cards})
     return "_".join(models)[:63].strip("-._")
+
+
+# --- framework allocation annotation (newer variant of the original extender) ----------------------
+
+
+def parse_framework_allocation(text: str, request: PodRequest, card_uuids: Mapping[int, str]) -> Allocation:
+    """``{"<containerIndex>": {"<gpuIndex>": <units>}}`` as an allocation keyed by container name.
+
+    The container index counts ``spec.containers`` only (the original extender ignores init
+    containers); ``card_uuids`` maps the node's card indexes to UUIDs, and an index the node doesn't
+    have is an error.
+    """
+    where = f"pod {request.key} annotation {ANN_FRAMEWORK_ALLOCATION}"
+    try:
+        raw = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise AnnotationError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise AnnotationError(f"{where}: expected an object of container index -> {{card index: units}}")
+    containers = [c for c in request.containers if not c.init]
+    result: Allocation = {}
+    for position, cards in raw.items():
+        if not str(position).isdigit() or int(position) >= len(containers):
+            raise AnnotationError(f"{where}: container index {position!r} is not a container of the pod")
+        if not isinstance(cards, dict) or not cards:
+            raise AnnotationError(f"{where}: container {position} has no card map")
+        slices = []
+        for index_text, units in cards.items():
+            index = parse_card_index(index_text, request.key)
+            if not isinstance(units, int) or isinstance(units, bool) or units <= 0:
+                raise AnnotationError(f"{where}: units {units!r} on card {index} is not a positive integer")
+            if index not in card_uuids:
+                raise AnnotationError(f"{where}: card index {index} is not on the pod's node")
+            slices.append(CardSlice(index=index, uuid=card_uuids[index], units=units))
+        result[containers[int(position)].name] = tuple(sorted(slices))
+    return result
+
+
+def format_framework_allocation(allocation: Mapping[str, tuple[CardSlice, ...]], request: PodRequest) -> str:
+    positions = {c.name: i for i, c in enumerate(c for c in request.containers if not c.init)}
+    if unknown := sorted(set(allocation) - set(positions)):
+        raise AnnotationError(
+            f"pod {request.key}: {ANN_FRAMEWORK_ALLOCATION} can't name init or unknown containers {unknown}"
+        )
+    return json.dumps(
+        {
+            str(positions[name]): {str(s.index): s.units for s in slices}
+            for name, slices in sorted(allocation.items(), key=lambda item: positions[item[0]])
+        },
+        separators=(",", ":"),
+    )

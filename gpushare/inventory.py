@@ -81,6 +81,35 @@ class _Subscribers:
                 log.exception("health subscriber failed on card %s", event.uuid)
 
 
+class _CardBook:
+    """The cards and their health, shared by both backends; health changes go to the subscribers."""
+
+    def __init__(self, cards: Iterable[Card]) -> None:
+        self._cards = {c.uuid: c for c in cards}
+        self._subscribers = _Subscribers()
+        self._lock = threading.Lock()
+
+    def cards(self) -> list[Card]:
+        with self._lock:
+            return sorted(self._cards.values(), key=lambda c: c.index)
+
+    def subscribe(self, callback: HealthCallback) -> None:
+        self._subscribers.add(callback)
+
+    def _set(self, uuid: str, healthy: bool, reason: str) -> bool:
+        """Record a card's health; returns whether it changed (subscribers hear only of changes)."""
+        with self._lock:
+            card = self._cards.get(uuid)
+            if card is None:
+                raise InventoryError(f"card {uuid} is not on this node")
+            if card.healthy == healthy:
+                return False
+            self._cards[uuid] = card.with_health(healthy)
+        log.warning("card %s (index %d) is now %s: %s", uuid, card.index, _word(healthy), reason)
+        self._subscribers.emit(HealthEvent(uuid, healthy, reason))
+        return True
+
+
 # --- simulated cards ------------------------------------------------------------------------------------
 
 
@@ -132,44 +161,22 @@ def simulated_cards(node_name: str, spec: str) -> list[Card]:
     return cards
 
 
-class SimulatedBackend:
+class SimulatedBackend(_CardBook):
     """Cards from a spec string; health is driven by :meth:`inject_xid` and :meth:`recover`."""
 
     def __init__(self, node_name: str, spec: str, ignored_xids: frozenset[int] = DEFAULT_IGNORED_XIDS):
-        self._cards = {c.uuid: c for c in simulated_cards(node_name, spec)}
+        super().__init__(simulated_cards(node_name, spec))
         self._ignored = ignored_xids
-        self._subscribers = _Subscribers()
-        self._lock = threading.Lock()
-
-    def cards(self) -> list[Card]:
-        with self._lock:
-            return sorted(self._cards.values(), key=lambda c: c.index)
-
-    def subscribe(self, callback: HealthCallback) -> None:
-        self._subscribers.add(callback)
 
     def close(self) -> None:
         """Nothing to release."""
-
-    def _set(self, uuid: str, healthy: bool, reason: str) -> None:
-        with self._lock:
-            card = self._cards.get(uuid)
-            if card is None:
-                raise InventoryError(f"card {uuid} is not on this node")
-            changed = card.healthy != healthy
-            self._cards[uuid] = card.with_health(healthy)
-        if changed:
-            log.info("card %s (index %d) is now %s: %s", uuid, card.index, _word(healthy), reason)
-            self._subscribers.emit(HealthEvent(uuid, healthy, reason))
 
     def inject_xid(self, uuid: str, xid: int) -> bool:
         """Report XID ``xid`` on a card. Returns whether it changed the card's health."""
         if not is_critical_xid(xid, self._ignored):
             log.info("card %s: XID %d ignored (application error)", uuid, xid)
             return False
-        before = {c.uuid: c.healthy for c in self.cards()}
-        self._set(uuid, False, f"XID {xid}")
-        return before.get(uuid, False)
+        return self._set(uuid, False, f"XID {xid}")
 
     def recover(self, uuid: str) -> None:
         self._set(uuid, True, "recovered")
@@ -193,7 +200,7 @@ def _numa_of_bus(bus_id: str) -> int | None:
     return value if value >= 0 else None
 
 
-class NvmlBackend:
+class NvmlBackend(_CardBook):
     """Cards read through pynvml; XID events watched on a background thread.
 
     NVML has no "recovered" event. A card that raised a critical XID is probed after ``recovery_after``
@@ -219,11 +226,9 @@ class NvmlBackend:
                 f"NVML could not be initialised ({exc}): this node has no NVIDIA driver or GPU; "
                 "use --gpus sim:SPEC to simulate cards"
             ) from None
+        super().__init__(self._read_cards())
         self._ignored = ignored_xids
         self._recovery_after = recovery_after
-        self._subscribers = _Subscribers()
-        self._lock = threading.Lock()
-        self._cards = {c.uuid: c for c in self._read_cards()}
         self._last_xid: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="nvml-health", daemon=True)
@@ -264,25 +269,9 @@ class NvmlBackend:
                 peers.add(uuid_of_bus[remote])
         return peers
 
-    def cards(self) -> list[Card]:
-        with self._lock:
-            return sorted(self._cards.values(), key=lambda c: c.index)
-
-    def subscribe(self, callback: HealthCallback) -> None:
-        self._subscribers.add(callback)
-
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-    def _set(self, uuid: str, healthy: bool, reason: str) -> None:
-        with self._lock:
-            card = self._cards.get(uuid)
-            if card is None or card.healthy == healthy:
-                return
-            self._cards[uuid] = card.with_health(healthy)
-        log.warning("card %s (index %d) is now %s: %s", uuid, card.index, _word(healthy), reason)
-        self._subscribers.emit(HealthEvent(uuid, healthy, reason))
 
     def _watch(self) -> None:
         nv = self._nvml

@@ -8,6 +8,7 @@ is mapped to a :class:`KubeError` subclass whose message names the object.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import random
@@ -151,6 +152,9 @@ def get_node(api: client.ApiClient, name: str) -> dict[str, Any]:
     return _call(f"node {name}", client.CoreV1Api(api).read_node, name)
 
 
+MERGE_PATCH = "application/merge-patch+json"
+
+
 def _with_precondition(patch: dict[str, Any], resource_version: str | None) -> dict[str, Any]:
     if resource_version is None:
         return patch
@@ -158,19 +162,20 @@ def _with_precondition(patch: dict[str, Any], resource_version: str | None) -> d
     return {**patch, "metadata": meta}
 
 
-def _patch(
+def _merge_patch(
     what: str,
-    method: Callable[..., Any],
-    args: tuple[str, ...],
+    send: Callable[..., Any],
     patch: dict[str, Any],
     resource_version: str | None,
     retries: int,
     backoff: Backoff,
 ) -> dict[str, Any]:
+    """With ``resource_version`` the patch only applies to that version (a stale one raises
+    :class:`KubeConflict` at once); without it conflicts and outages are retried."""
     body = _with_precondition(patch, resource_version)
     return _retrying(
         what,
-        lambda: _call(what, method, *args, body),
+        lambda: _call(what, send, body=body, _content_type=MERGE_PATCH),
         retries,
         backoff,
         retry_conflicts=resource_version is None,
@@ -187,10 +192,9 @@ def patch_pod(
     retries: int = 5,
     backoff: Backoff = Backoff(),
 ) -> dict[str, Any]:
-    """Merge-patch a pod. With ``resource_version`` the patch only applies to that version (a
-    stale one raises :class:`KubeConflict` at once); without it conflicts and outages are retried."""
-    method = client.CoreV1Api(api).patch_namespaced_pod
-    return _patch(f"pod {namespace}/{name}", method, (name, namespace), patch, resource_version, retries, backoff)
+    """JSON-merge-patch a pod (see :func:`_merge_patch` for preconditions and retries)."""
+    send = functools.partial(client.CoreV1Api(api).patch_namespaced_pod, name, namespace)
+    return _merge_patch(f"pod {namespace}/{name}", send, patch, resource_version, retries, backoff)
 
 
 def patch_pod_annotations(
@@ -209,8 +213,9 @@ def patch_node(
     retries: int = 5,
     backoff: Backoff = Backoff(),
 ) -> dict[str, Any]:
-    """Merge-patch a node; ``resource_version`` makes it a compare-and-swap, as in :func:`patch_pod`."""
-    return _patch(f"node {name}", client.CoreV1Api(api).patch_node, (name,), patch, resource_version, retries, backoff)
+    """JSON-merge-patch a node (see :func:`_merge_patch` for preconditions and retries)."""
+    send = functools.partial(client.CoreV1Api(api).patch_node, name)
+    return _merge_patch(f"node {name}", send, patch, resource_version, retries, backoff)
 
 
 def bind_pod(api: client.ApiClient, namespace: str, name: str, uid: str | None, node: str) -> None:
@@ -374,11 +379,15 @@ class WatchCache:
         reply = _call(f"list {self.description}", self._list_fn(), **self._selectors)
         fresh = {_name_key(o): o for o in reply.get("items") or []}
         with self._lock:
-            gone = [o for k, o in self._objects.items() if k not in fresh]
-        for obj in gone:
-            self._store("DELETED", obj)
-        for obj in fresh.values():
-            self._store("ADDED", obj)
+            held = dict(self._objects)
+        for key, obj in held.items():
+            if key not in fresh:
+                self._store("DELETED", obj)
+        for key, obj in fresh.items():
+            if key not in held:
+                self._store("ADDED", obj)
+            elif _rv(obj) != _rv(held[key]):
+                self._store("MODIFIED", obj)
         return int(reply.get("metadata", {}).get("resourceVersion") or 0)
 
     def _watch(self, rv: int) -> int | None:
@@ -392,6 +401,8 @@ class WatchCache:
             _request_timeout=(REQUEST_TIMEOUT[0], WATCH_SECONDS + 30),
             **self._selectors,
         )
+        if self._stop.is_set():  # stop() ran while the watch was being opened
+            self._response.close()
         try:
             for line in iter_resp_lines(self._response):
                 event = json.loads(line)

@@ -16,14 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import logging
-    import signal
-    import threading
 
     from advertiser.agent import Advertiser
     from crishim.cmd import shim_settings
     from crishim.runtime import start_cri_shim
     from deviceplugin.runtime import check_unit, start_device_plugin
-    from gpushare.cli import node_settings
+    from gpushare.cli import node_settings, wait_for_termination
     from gpushare.inventory import open_backend
     from gpushare.kube import load_api
     from gpushare.observability import serve_http
@@ -61,10 +59,7 @@ def run(args: argparse.Namespace) -> int:
             len(backend.cards()),
             "off" if cri is None else f"on {shim.listen}",
         )
-        stopping = threading.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stopping.set())
-        stopping.wait()
+        wait_for_termination()
     finally:
         for stop in reversed(stops):
             stop()

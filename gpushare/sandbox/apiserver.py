@@ -14,6 +14,7 @@ import logging
 import re
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -26,12 +27,14 @@ import yaml
 
 from gpushare.sandbox.patching import SUPPORTED, PatchError, apply_patch
 from gpushare.sandbox.selectors import Predicate, SelectorError, parse_field_selector, parse_label_selector
-from gpushare.sandbox.store import Key, Store, StoreError, invalid
+from gpushare.sandbox.store import Event, Key, Store, StoreError, invalid
 
 log = logging.getLogger(__name__)
 
 KINDS = {"pods": "Pod", "nodes": "Node", "events": "Event"}
 NAMESPACED = {"pods", "events"}
+#: how often the accept loop looks for a stop request; bounds how long stop() and pause() take
+POLL_SECONDS = 0.05
 
 _ROUTE = re.compile(
     r"^/api/v1(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>pods|nodes|events)(?:/(?P<name>[^/]+)(?:/(?P<sub>status|binding))?)?/?$"
@@ -136,6 +139,14 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up is routine (pools drop idle connections); anything else is a bug."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("client %s hung up", client_address)
+        else:
+            log.exception("request from %s failed", client_address)
+
     allow_reuse_address = True
     request_queue_size = 1024
     api: ApiServer
@@ -163,20 +174,22 @@ class ApiServer:
         server.api = self
         self.port = server.server_address[1]
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="apiserver", daemon=True)
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": POLL_SECONDS}, name="apiserver", daemon=True
+        )
         self._thread.start()
         log.info("API server stand-in listening on %s", self.url)
 
     def stop(self) -> None:
-        """Stop serving; open connections (watches included) are cut, as in an outage."""
+        """Stop serving; open connections are cut mid-stream (watches included), as in an outage."""
         server, self._server = self._server, None
         if server is None:
             return
+        server.shutdown()
+        server.server_close()
         with self.store.changed:
             self._generation += 1
             self.store.changed.notify_all()
-        server.shutdown()
-        server.server_close()
         with self._lock:
             connections = list(self._connections)
         for conn in connections:
@@ -246,10 +259,9 @@ class ApiServer:
             raise StoreError(405, "MethodNotAllowed", f"{method} is not supported here")
 
     @staticmethod
-    def _out(res: str, obj: dict[str, Any]) -> dict[str, Any]:
-        obj.setdefault("kind", KINDS[res])
-        obj.setdefault("apiVersion", "v1")
-        return obj
+    def _out(res: str, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """The stored object as served: a shallow copy with its kind (stored objects are read-only)."""
+        return {"kind": KINDS[res], "apiVersion": "v1", **obj}
 
     @staticmethod
     def _selectors(res: str, ns: str | None, query: Mapping[str, str]) -> Predicate:
@@ -313,20 +325,18 @@ class ApiServer:
         patch = h._body()
 
         def change(current: dict[str, Any]) -> dict[str, Any]:
-            rv_before = current["metadata"].pop("resourceVersion", None)
+            # The patch applies to the stored resourceVersion too: one that changes it (merge patch) or
+            # tests it (JSON patch) is a precondition, checked by the store against the stored version.
             try:
                 patched = apply_patch(content_type, current, patch)
             except PatchError as exc:
                 raise invalid(KINDS[res], key[1], str(exc)) from None
-            if not isinstance(patched, dict):
-                raise invalid(KINDS[res], key[1], "the patch must leave an object")
-            patched.setdefault("metadata", {})
+            if not isinstance(patched, dict) or not isinstance(patched.get("metadata", {}), dict):
+                raise invalid(KINDS[res], key[1], "the patch must leave an object with an object as metadata")
             if status_only:
-                current["status"] = patched.get("status", {})
-                current["metadata"]["resourceVersion"] = patched["metadata"].get("resourceVersion")
-                patched = current
-            # A patch that names a resourceVersion is a precondition; one that doesn't is not.
-            patched["metadata"].setdefault("resourceVersion", rv_before)
+                wanted = (patched.get("metadata") or {}).get("resourceVersion")
+                meta = {**current["metadata"], "resourceVersion": wanted}
+                return {**current, "status": patched.get("status", {}), "metadata": meta}
             return patched
 
         h._send(200, self._out(res, self.store.update(res, key, change)))
@@ -339,6 +349,8 @@ class ApiServer:
 
         def change(pod: dict[str, Any]) -> dict[str, Any]:
             bound = (pod.get("spec") or {}).get("nodeName")
+            if bound == node:
+                return pod  # binding again to the same node changes nothing
             if bound:
                 raise StoreError(
                     409, "Conflict", f'pod {key[1]} is already assigned to node "{bound}"', "pods/binding", key[1]
@@ -358,9 +370,11 @@ class ApiServer:
     # --- watch ------------------------------------------------------------------------------------------
 
     def _watch(self, h: _Handler, res: str, ns: str | None, match: Predicate, query: Mapping[str, str]) -> None:
-        timeout = float(query.get("timeoutSeconds") or 1800)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + float(query.get("timeoutSeconds") or 1800)
         generation = self._generation
+        requested = query.get("resourceVersion") or "0"
+        if requested != "0" and not requested.isdigit():
+            raise StoreError(400, "BadRequest", f"resourceVersion {requested!r} is not valid")
         h.send_response(200)
         h.send_header("Content-Type", "application/json")
         h.send_header("Transfer-Encoding", "chunked")
@@ -376,17 +390,13 @@ class ApiServer:
                 return False
             return (ns is None or (obj.get("metadata") or {}).get("namespace") == ns) and match(obj)
 
-        requested = query.get("resourceVersion") or "0"
         try:
             if requested == "0":
                 items, start = self.store.list(res, ns, match)
                 for obj in items:
                     send("ADDED", self._out(res, obj))
             else:
-                try:
-                    start = int(requested)
-                except ValueError:
-                    raise StoreError(400, "BadRequest", f"resourceVersion {requested!r} is not valid") from None
+                start = int(requested)
             while time.monotonic() < deadline and generation == self._generation:
                 with self.store.changed:
                     events = self.store.events_since(start)
@@ -394,32 +404,37 @@ class ApiServer:
                         self.store.changed.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
                         continue
                 if events is None:
-                    gone = status_body(
-                        410, "Expired", f"too old resource version: {start} ({self.store.resource_version})"
-                    )
-                    send("ERROR", gone)
+                    current = self.store.resource_version
+                    send("ERROR", status_body(410, "Expired", f"too old resource version: {start} ({current})"))
                     break
                 for event in events:
                     start = event.rv
-                    if event.kind != res:
-                        continue
-                    was, now = in_scope(event.old), in_scope(event.new)
-                    if event.type == "DELETED" and was:
-                        send("DELETED", self._out(res, dict(event.new)))
-                    elif now and not was:
-                        send("ADDED", self._out(res, dict(event.new)))
-                    elif now and was:
-                        send("MODIFIED", self._out(res, dict(event.new)))
-                    elif was and not now:
-                        send("DELETED", self._out(res, dict(event.new)))
+                    if event.kind == res and (type_ := _watch_type(event, in_scope(event.old), in_scope(event.new))):
+                        send(type_, self._out(res, event.new))
+            else:
+                if generation != self._generation:
+                    h.close_connection = True  # cut without the closing chunk: the client sees a broken stream
+                    return
+                if query.get("allowWatchBookmarks") in ("true", "1"):
+                    mark = {"kind": KINDS[res], "apiVersion": "v1", "metadata": {"resourceVersion": str(start)}}
+                    send("BOOKMARK", mark)
             h.wfile.write(b"0\r\n\r\n")
             h.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, OSError):
+        except OSError:
             h.close_connection = True
+
+
+def _watch_type(event: Event, was: bool, now: bool) -> str | None:
+    """What a watcher with a selector sees: leaving its scope is a deletion, entering it an addition."""
+    if event.type == "DELETED" or not now:
+        return "DELETED" if was else None
+    return "MODIFIED" if was else "ADDED"
 
 
 def run(port: int, kubeconfig_out: str | None) -> int:
     """Serve until interrupted (``gpushare apiserver``)."""
+    from gpushare.cli import wait_for_termination
+
     server = ApiServer(port=port)
     server.start()
     if kubeconfig_out:
@@ -427,7 +442,7 @@ def run(port: int, kubeconfig_out: str | None) -> int:
         print(f"kubeconfig for {server.url} written to {kubeconfig_out}", flush=True)
     print(f"API server stand-in serving on {server.url}; Ctrl-C to stop", flush=True)
     try:
-        threading.Event().wait()
+        wait_for_termination()
     finally:
         server.stop()
     return 0

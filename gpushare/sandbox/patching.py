@@ -1,7 +1,8 @@
 """The three patch formats the Kubernetes API accepts, over plain JSON values.
 
-Strategic merge patch is served as a JSON merge patch: for the maps this project patches
-(annotations, labels, status fields) the two behave the same. List merging by key is not needed.
+Strategic merge patch differs from a JSON merge patch only in lists: the core/v1 lists that carry a
+merge key (conditions by ``type``, containers by ``name``, ...) are merged item by item, and an item
+carrying ``"$patch": "delete"`` removes its match. Other lists are replaced, as in a merge patch.
 """
 
 from __future__ import annotations
@@ -29,6 +30,58 @@ def merge_patch(target: Any, patch: Any) -> Any:
             result.pop(key, None)
         else:
             result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+#: core/v1 list fields merged by key under a strategic merge patch (field name -> merge key)
+MERGE_KEYS = {
+    "conditions": "type",
+    "addresses": "type",
+    "containers": "name",
+    "initContainers": "name",
+    "ephemeralContainers": "name",
+    "containerStatuses": "name",
+    "initContainerStatuses": "name",
+    "ephemeralContainerStatuses": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+    "ownerReferences": "uid",
+}
+DIRECTIVE = "$patch"
+
+
+def _merge_list(target: list[Any], patch: list[Any], key: str) -> list[Any]:
+    result = list(target)
+    for item in patch:
+        if not isinstance(item, dict) or key not in item:
+            raise PatchError(f"every item of a list merged by {key!r} needs that key, got {item!r}")
+        at = next((i for i, old in enumerate(result) if isinstance(old, dict) and old.get(key) == item[key]), None)
+        if item.get(DIRECTIVE) == "delete":
+            if at is not None:
+                result.pop(at)
+        elif at is None:
+            result.append(strategic_merge_patch({}, item))
+        else:
+            result[at] = strategic_merge_patch(result[at], item)
+    return result
+
+
+def strategic_merge_patch(target: Any, patch: Any) -> Any:
+    """Kubernetes strategic merge patch, for the core/v1 lists named in :data:`MERGE_KEYS`."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for name, value in patch.items():
+        if name == DIRECTIVE:
+            continue
+        if value is None:
+            result.pop(name, None)
+        elif name in MERGE_KEYS and isinstance(value, list) and isinstance(result.get(name), list):
+            result[name] = _merge_list(result[name], value, MERGE_KEYS[name])
+        else:
+            result[name] = strategic_merge_patch(result.get(name), value)
     return result
 
 
@@ -127,4 +180,6 @@ def apply_patch(content_type: str, target: Any, patch: Any) -> Any:
         return json_patch(target, patch)
     if not isinstance(patch, dict):
         raise PatchError("a merge patch must be a JSON object")
+    if content_type == STRATEGIC:
+        return strategic_merge_patch(target, patch)
     return merge_patch(target, patch)

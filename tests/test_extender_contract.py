@@ -1,0 +1,318 @@
+"""The extender's wire contract: bodies exactly as kube-scheduler sends and reads them (PROTOCOLS.md §3),
+and pod annotations the original gpushare device plugin can match (PROTOCOLS.md §4)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+from conftest import wait_until
+from kubernetes import client
+from podfactory import container, gpu_pod
+
+from advertiser.agent import Advertiser
+from extender.runtime import RunningExtender, start_extender
+from gpushare import contract as c
+from gpushare.inventory import SimulatedBackend
+from gpushare.kube import get_pod, list_nodes
+
+NODES = {"mixed": "2xA100-80GB:81920,1xT4:15360", "small": "1xA10:24576"}
+FILTER_KEYS = {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
+
+
+class Extender:
+    """The extender with its cluster, reached over one keep-alive connection as kube-scheduler does."""
+
+    def __init__(self, api: client.ApiClient, core: client.CoreV1Api) -> None:
+        self.api, self.core = api, core
+        self.backends = {name: SimulatedBackend(name, spec) for name, spec in NODES.items()}
+        for name, backend in self.backends.items():
+            core.create_node({"metadata": {"name": name}})
+            Advertiser(api, name, backend, c.GIB).publish_once()
+        self.running: RunningExtender = start_extender(api, 0, "binpack", host="127.0.0.1")
+        assert self.running.cache.wait_synced(5)
+        wait_until(lambda: all(self.running.cache.view(n) for n in NODES), what="both inventories in the cache")
+        self.conn = http.client.HTTPConnection("127.0.0.1", self.running.server.port, timeout=60)
+
+    def raw(self, verb: str, data: bytes) -> tuple[int, Any]:
+        self.conn.request("POST", f"/{verb}", body=data, headers={"Content-Type": "application/json"})
+        reply = self.conn.getresponse()
+        return reply.status, json.loads(reply.read())
+
+    def call(self, verb: str, body: Any) -> Any:
+        status, reply = self.raw(verb, json.dumps(body).encode())
+        assert status == 200, reply
+        return reply
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        self.conn.request("GET", path)
+        reply = self.conn.getresponse()
+        return reply.status, reply.read()
+
+    def pending(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """Create ``pod`` unbound; return the v1.Pod JSON the API serves, as kube-scheduler holds it."""
+        pod = {**pod, "spec": {k: v for k, v in pod["spec"].items() if k != "nodeName"}}
+        meta = pod["metadata"]
+        self.core.create_namespaced_pod(meta["namespace"], pod)
+        return get_pod(self.api, meta["namespace"], meta["name"])
+
+    def bind(self, pod: Mapping[str, Any], node: str) -> dict[str, Any]:
+        meta = pod["metadata"]
+        args = {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node}
+        return self.call("bind", args)
+
+    def annotations(self, name: str) -> dict[str, str]:
+        return get_pod(self.api, "default", name)["metadata"].get("annotations") or {}
+
+    def used(self, node: str) -> list[int]:
+        status, body = self.get(f"/inspect/{node}")
+        assert status == 200
+        return [card["used"] for card in json.loads(body)["nodes"][node]["cards"]]
+
+
+@pytest.fixture
+def ext(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> Iterator[Extender]:
+    extender = Extender(kube_api, core_v1)
+    yield extender
+    extender.conn.close()
+    extender.running.stop()
+
+
+def wait_counted(ext: Extender, node: str, used: list[int]) -> None:
+    wait_until(lambda: ext.used(node) == used, what=f"card usage {used} on {node} in the extender's cache")
+
+
+# --- filter ---------------------------------------------------------------------------------------------
+
+
+def test_filter_in_node_names_mode_answers_with_names_and_reasons(ext: Extender) -> None:
+    pod = ext.pending(gpu_pod("big", [container("main", 30)]))
+    assert pod["status"]["phase"] == "Pending" and pod["metadata"]["uid"]  # a full v1.Pod, as served
+    reply = ext.call("filter", {"Pod": pod, "NodeNames": ["mixed", "small"]})
+    assert set(reply) == FILTER_KEYS
+    assert reply["NodeNames"] == ["mixed"] and reply["Nodes"] is None and reply["Error"] == ""
+    assert reply["FailedNodes"] == {"small": "no single card has 30 GiB free (largest free: 24 GiB on card 0)"}
+    assert reply["FailedAndUnresolvableNodes"] == {}
+
+
+def test_filter_in_nodes_mode_returns_the_surviving_node_objects_untouched(ext: Extender) -> None:
+    pod = ext.pending(gpu_pod("big", [container("main", 30)]))
+    node_list = {"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}}
+    node_list["items"] = list_nodes(ext.api)
+    reply = ext.call("filter", {"Pod": pod, "Nodes": node_list})
+    assert set(reply) == FILTER_KEYS and reply["NodeNames"] is None
+    (survivor,) = reply["Nodes"]["items"]
+    assert survivor == next(n for n in node_list["items"] if n["metadata"]["name"] == "mixed")
+    assert reply["Nodes"]["kind"] == "NodeList" and set(reply["FailedNodes"]) == {"small"}
+
+
+def test_mixed_cards_each_count_with_their_own_memory(ext: Extender) -> None:
+    # 70 GiB on each A100 leaves 10 + 10 + 15 free on "mixed": 12 GiB fits only the T4
+    for i in range(2):
+        holder = ext.pending(gpu_pod(f"holder{i}", [container("main", 70)]))
+        assert ext.bind(holder, "mixed")["Error"] == ""
+    wait_counted(ext, "mixed", [70, 70, 0])
+    pod = ext.pending(gpu_pod("p12", [container("main", 12)]))
+    assert ext.call("filter", {"Pod": pod, "NodeNames": ["mixed"]})["NodeNames"] == ["mixed"]
+    assert ext.bind(pod, "mixed")["Error"] == ""
+    assert c.parse_allocation(ext.annotations("p12")[c.ANN_ALLOCATION])["main"][0].index == 2
+    wait_counted(ext, "mixed", [70, 70, 12])
+    too_big = ext.pending(gpu_pod("p11", [container("main", 11)]))
+    reply = ext.call("filter", {"Pod": too_big, "NodeNames": ["mixed"]})
+    assert reply["FailedNodes"] == {"mixed": "no single card has 11 GiB free (largest free: 10 GiB on card 0)"}
+
+
+def test_nodes_without_inventory_or_pods_that_can_never_fit_are_unresolvable(ext: Extender) -> None:
+    ext.core.create_node({"metadata": {"name": "cpu-only"}})
+    wait_until(lambda: "cpu-only" in ext.running.cache.node_names(), what="the plain node in the cache")
+    pod = ext.pending(gpu_pod("p", [container("main", 4)]))
+    reply = ext.call("filter", {"Pod": pod, "NodeNames": ["small", "cpu-only", "ghost"]})
+    assert reply["NodeNames"] == ["small"]
+    assert set(reply["FailedAndUnresolvableNodes"]) == {"cpu-only", "ghost"}
+    assert "no gpushare inventory" in reply["FailedAndUnresolvableNodes"]["cpu-only"]
+
+
+# --- prioritize ------------------------------------------------------------------------------------------
+
+
+def scores(ext: Extender, pod: Mapping[str, Any], names: Sequence[str]) -> dict[str, int]:
+    reply = ext.call("prioritize", {"Pod": pod, "NodeNames": list(names)})
+    assert [entry["Host"] for entry in reply] == list(names)
+    assert all(set(entry) == {"Host", "Score"} and isinstance(entry["Score"], int) for entry in reply)
+    assert all(0 <= entry["Score"] <= 10 for entry in reply)
+    return {entry["Host"]: entry["Score"] for entry in reply}
+
+
+def test_prioritize_returns_a_host_priority_list_and_honours_the_pod_policy(ext: Extender) -> None:
+    holder = ext.pending(gpu_pod("holder", [container("main", 20)]))
+    assert ext.bind(holder, "small")["Error"] == ""
+    wait_counted(ext, "small", [20])
+    packed = scores(ext, ext.pending(gpu_pod("packed", [container("main", 2)])), ["mixed", "small"])
+    assert packed["small"] > packed["mixed"]  # binpack, the cluster-wide policy here: the fuller node
+    spread_pod = gpu_pod("spread", [container("main", 2)], extra_annotations={c.ANN_POLICY: "spread"})
+    spread = scores(ext, ext.pending(spread_pod), ["mixed", "small"])
+    assert spread["mixed"] > spread["small"]
+
+
+# --- bind -------------------------------------------------------------------------------------------------
+
+
+def original_plugin_pick(pods: Sequence[Mapping[str, Any]], node: str, request: int) -> Mapping[str, Any] | None:
+    """The original device plugin's matching rule in Allocate (PROTOCOLS.md §4): among the node's Pending
+    gpu-mem pods with ASSIGNED == "false", by ASSUME_TIME, the first whose pod total equals the request."""
+    candidates = []
+    for pod in pods:
+        ann = pod["metadata"].get("annotations") or {}
+        if pod["spec"].get("nodeName") != node or pod["status"].get("phase") != "Pending":
+            continue
+        if ann.get(c.ANN_MEM_ASSIGNED) != "false" or c.ANN_MEM_ASSUME_TIME not in ann:
+            continue
+        candidates.append((int(ann[c.ANN_MEM_ASSUME_TIME]), pod))
+    for _, pod in sorted(candidates, key=lambda item: item[0]):
+        if int(pod["metadata"]["annotations"][c.ANN_MEM_POD]) == request:
+            return pod
+    return None
+
+
+def test_bind_writes_annotations_the_original_device_plugin_matches(ext: Extender) -> None:
+    first = ext.pending(gpu_pod("first", [container("main", 6)]))
+    second = ext.pending(gpu_pod("second", [container("main", 6)]))
+    third = ext.pending(gpu_pod("third", [container("main", 3)]))
+    for pod in (first, second, third):
+        assert ext.bind(pod, "mixed") == {"Error": ""}
+    pods = [get_pod(ext.api, "default", name) for name in ("third", "second", "first")]
+    # equal requests are served in bind order; different sizes each find their own pod
+    assert original_plugin_pick(pods, "mixed", 6)["metadata"]["name"] == "first"
+    assert original_plugin_pick(pods, "mixed", 3)["metadata"]["name"] == "third"
+    cards = {card.index: card for card in ext.backends["mixed"].cards()}
+    for pod in pods:
+        ann = pod["metadata"]["annotations"]
+        allocation = c.parse_allocation(ann[c.ANN_ALLOCATION])
+        card = cards[int(ann[c.ANN_MEM_IDX])]
+        assert allocation["main"][0].uuid == card.uuid  # IDX is the NVML index of the chosen card
+        assert ann[c.ANN_MEM_DEV] == str(card.memory_mib // 1024)
+        assert pod["spec"]["nodeName"] == "mixed"
+    times = [int(p["metadata"]["annotations"][c.ANN_MEM_ASSUME_TIME]) for p in reversed(pods)]
+    assert times == sorted(times) and all(t > 10**18 for t in times)  # nanoseconds since the epoch
+
+
+def test_multi_card_and_multi_container_pods_get_distinct_whole_shapes(ext: Extender) -> None:
+    pod = gpu_pod(
+        "trainer",
+        [container("pair", 16, 2), container("solo", 0, 1)],
+        init=[container("warmup", 2)],
+    )
+    pending = ext.pending(pod)
+    assert ext.call("filter", {"Pod": pending, "NodeNames": ["mixed", "small"]})["NodeNames"] == ["mixed"]
+    assert ext.bind(pending, "mixed")["Error"] == ""
+    ann = ext.annotations("trainer")
+    allocation = c.parse_allocation(ann[c.ANN_ALLOCATION])
+    request = c.parse_pod_request(pending)
+    c.validate_allocation(request, allocation)
+    pair, solo = allocation["pair"], allocation["solo"]
+    assert [s.units for s in pair] == [8, 8] and len({s.uuid for s in pair}) == 2
+    assert not {s.uuid for s in pair} & {s.uuid for s in solo}
+    capacity = {card.uuid: card.memory_mib // 1024 for card in ext.backends["mixed"].cards()}
+    assert solo[0].units == capacity[solo[0].uuid]  # an exclusive card is taken whole
+    # the original keys name the first card of the first GPU container and the pod's whole gpu-mem
+    assert ann[c.ANN_MEM_IDX] == str(allocation["warmup"][0].index)
+    assert ann[c.ANN_MEM_POD] == "18"
+
+
+def test_unknown_policy_or_unknown_pod_come_back_in_error(ext: Extender) -> None:
+    odd = ext.pending(gpu_pod("odd", [container("main", 2)], extra_annotations={c.ANN_POLICY: "random"}))
+    reply = ext.bind(odd, "small")
+    assert c.ANN_POLICY in reply["Error"] and "random" in reply["Error"]
+    assert "nodeName" not in get_pod(ext.api, "default", "odd")["spec"]
+    ghost = ext.call("bind", {"PodName": "ghost", "PodNamespace": "default", "PodUID": "0-0", "Node": "small"})
+    assert "pod default/ghost" in ghost["Error"] and "not found" in ghost["Error"]
+
+
+# --- pods placed by the original extender ------------------------------------------------------------------
+
+
+def test_pods_annotated_by_the_original_extender_are_counted(ext: Extender) -> None:
+    legacy = gpu_pod("legacy", [container("main", 75)], node="mixed", original_index=1)
+    framework = gpu_pod(
+        "framework",
+        [container("a", 10), container("b", 5)],
+        node="mixed",
+        original_index=0,
+        extra_annotations={c.ANN_FRAMEWORK_ALLOCATION: json.dumps({"0": {"0": 10}, "1": {"2": 5}})},
+    )
+    for pod in (legacy, framework):
+        ext.core.create_namespaced_pod("default", pod)
+    wait_counted(ext, "mixed", [10, 75, 5])
+    pod = ext.pending(gpu_pod("p", [container("main", 71)]))
+    reply = ext.call("filter", {"Pod": pod, "NodeNames": ["mixed"]})
+    assert reply["FailedNodes"] == {"mixed": "no single card has 71 GiB free (largest free: 70 GiB on card 0)"}
+    ext.core.delete_namespaced_pod("framework", "default")
+    wait_counted(ext, "mixed", [0, 75, 0])
+
+
+def test_framework_allocation_round_trips_by_container_position() -> None:
+    pod = gpu_pod("p", [container("a", 10), container("b", 4, 2)], init=[container("i", 1)])
+    request = c.parse_pod_request(pod)
+    uuids = {0: "GPU-0", 1: "GPU-1", 2: "GPU-2"}
+    text = json.dumps({"0": {"1": 10}, "1": {"0": 2, "2": 2}})
+    allocation = c.parse_framework_allocation(text, request, uuids)
+    assert allocation == {
+        "a": (c.CardSlice(1, "GPU-1", 10),),
+        "b": (c.CardSlice(0, "GPU-0", 2), c.CardSlice(2, "GPU-2", 2)),
+    }
+    text = c.format_framework_allocation(allocation, request)
+    assert c.parse_framework_allocation(text, request, uuids) == allocation
+    with pytest.raises(c.AnnotationError, match="container index '2'"):
+        c.parse_framework_allocation(json.dumps({"2": {"0": 1}}), request, uuids)
+    with pytest.raises(c.AnnotationError, match="card index 7 is not on the pod's node"):
+        c.parse_framework_allocation(json.dumps({"0": {"7": 1}}), request, uuids)
+
+
+# --- preempt --------------------------------------------------------------------------------------------
+
+
+def test_preempt_with_full_victim_pods_answers_meta_victims(ext: Extender) -> None:
+    big = ext.pending(gpu_pod("big", [container("main", 20)]))
+    small = ext.pending(gpu_pod("small-one", [container("main", 4)]))
+    for pod in (big, small):
+        assert ext.bind(pod, "small")["Error"] == ""
+    wait_counted(ext, "small", [24])
+    victims = [get_pod(ext.api, "default", name) for name in ("small-one", "big")]
+    preemptor = ext.pending(gpu_pod("urgent", [container("main", 18)]))
+    reply = ext.call(
+        "preempt",
+        {"Pod": preemptor, "NodeNameToVictims": {"small": {"Pods": victims, "NumPDBViolations": 1}}},
+    )
+    assert reply == {
+        "NodeNameToMetaVictims": {"small": {"Pods": [{"UID": big["metadata"]["uid"]}], "NumPDBViolations": 1}}
+    }
+    hopeless = ext.pending(gpu_pod("hopeless", [container("main", 30)]))
+    reply = ext.call("preempt", {"Pod": hopeless, "NodeNameToVictims": {"small": {"Pods": victims}}})
+    assert reply == {"NodeNameToMetaVictims": {}}
+
+
+# --- bad input --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("verb", "data"),
+    [
+        ("filter", b'{"Pod": {'),
+        ("filter", b"[1, 2]"),
+        ("prioritize", b'{"Pod": {"metadata": {}}, "NodeNames": [1]}'),
+        ("filter", b'{"Pod": {"metadata": {}}}'),
+        ("bind", b'{"PodName": "p"}'),
+        ("preempt", b'"just a string"'),
+    ],
+)
+def test_malformed_requests_get_400_with_a_message_and_the_server_lives_on(
+    ext: Extender, verb: str, data: bytes
+) -> None:
+    status, reply = ext.raw(verb, data)
+    assert status == 400 and reply["Error"]
+    assert ext.get("/healthz")[0] == 200
+    pod = ext.pending(gpu_pod("after", [container("main", 1)]))
+    assert ext.call("filter", {"Pod": pod, "NodeNames": ["small"]})["NodeNames"] == ["small"]

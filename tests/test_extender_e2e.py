@@ -1,0 +1,98 @@
+"""End to end through the API stand-in: the advertiser publishes the cards, kube-scheduler's calls go to
+the extender over HTTP, and the kubelet emulator admits the bound pod through the real device plugin.
+Every container must end up on the cards the scheduler chose."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import wait_until
+from kubernetes import client
+from podfactory import container, gpu_pod
+
+from advertiser.agent import Advertiser
+from deviceplugin.runtime import start_device_plugin
+from extender.runtime import start_extender
+from gpushare import contract as c
+from gpushare.cli import NodeSettings
+from gpushare.inventory import SimulatedBackend
+from gpushare.kube import get_pod
+from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.sandbox.scheduler import ExtenderClient, schedule_one
+
+NODES = {"gpu-a": "2xA100-80GB:81920,1xT4:15360", "gpu-b": "1xA10:24576"}
+
+
+class Cluster:
+    def __init__(self, api: client.ApiClient, core: client.CoreV1Api, kubeconfig: Path, tmp: Path) -> None:
+        self.api, self.core = api, core
+        self.kubelets: dict[str, KubeletEmulator] = {}
+        self.stops: list[Callable[[], None]] = []
+        for name, spec in NODES.items():
+            core.create_node({"metadata": {"name": name}})
+            backend = SimulatedBackend(name, spec)
+            advertiser = Advertiser(api, name, backend, c.GIB, interval=3600)
+            advertiser.start()
+            self.stops.append(advertiser.stop)
+            assert advertiser.published.wait(5)
+            kubelet = KubeletEmulator(tmp / name)
+            kubelet.start()
+            self.stops.append(kubelet.stop)
+            settings = NodeSettings(name, str(kubeconfig), f"sim:{spec}", tmp / name, c.GIB, frozenset())
+            plugin = start_device_plugin(settings, backend, api)
+            self.stops.insert(0, plugin.stop)
+            assert kubelet.wait_for(lambda k: k.registered(c.RESOURCE_MEM) and k.registered(c.RESOURCE_COUNT), 10)
+            self.kubelets[name] = kubelet
+        extender = start_extender(api, 0, "fgd", host="127.0.0.1")
+        self.stops.insert(0, extender.stop)
+        assert extender.cache.wait_synced(5)
+        wait_until(lambda: all(extender.cache.view(n) for n in NODES), what="the advertised inventories")
+        self.scheduler = ExtenderClient(f"http://127.0.0.1:{extender.server.port}")
+
+    def run(self, pod: dict) -> tuple[dict, dict[str, dict[str, str]]]:
+        """Schedule ``pod`` as kube-scheduler would, then admit it on its node; the bound pod and each
+        container's env from Allocate."""
+        pod = {**pod, "spec": {k: v for k, v in pod["spec"].items() if k != "nodeName"}}
+        self.core.create_namespaced_pod("default", pod)
+        pending = get_pod(self.api, "default", pod["metadata"]["name"])
+        result = schedule_one(self.scheduler, pending, sorted(NODES))
+        assert result.node, result.reason
+        bound = get_pod(self.api, "default", pod["metadata"]["name"])
+        admission = self.kubelets[result.node].admit(bound)
+        assert admission.admitted, admission.error
+        return bound, {name: out.envs for name, out in admission.containers.items()}
+
+
+@pytest.fixture
+def cluster(
+    kube_api: client.ApiClient, core_v1: client.CoreV1Api, kubeconfig: Path, tmp_path: Path
+) -> Iterator[Cluster]:
+    # unix socket paths must stay short, so the device-plugin directories live right under tmp_path
+    cl = Cluster(kube_api, core_v1, kubeconfig, tmp_path)
+    yield cl
+    for stop in cl.stops:
+        stop()
+
+
+def cards_of(bound: dict) -> dict[str, list[str]]:
+    allocation = c.parse_allocation(bound["metadata"]["annotations"][c.ANN_ALLOCATION])
+    return {name: [s.uuid for s in slices] for name, slices in allocation.items()}
+
+
+def test_each_container_runs_on_the_cards_the_scheduler_chose(cluster: Cluster) -> None:
+    pods = [
+        gpu_pod("single", [container("main", 20)]),
+        gpu_pod("pair", [container("worker", 16, 2)]),
+        gpu_pod("sidecars", [container("model", 6), container("tokenizer", 2)], init=[container("warm", 1)]),
+        gpu_pod("whole", [container("main", 0, 1)]),
+        gpu_pod("twins-1", [container("main", 5)]),
+        gpu_pod("twins-2", [container("main", 5)]),
+    ]
+    for pod in pods:
+        bound, envs = cluster.run(pod)
+        chosen = cards_of(bound)
+        assert set(envs) == set(chosen)
+        for name, uuids in chosen.items():
+            assert envs[name][c.ENV_VISIBLE_DEVICES].split(",") == uuids, (pod["metadata"]["name"], name)

@@ -1,0 +1,137 @@
+"""The array fast path of filter and prioritize agrees with the per-node placement functions, and follows
+every change the cache sees."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+from podfactory import container, gpu_pod
+
+from extender.cache import ClusterCache
+from extender.matrix import CostMemo, NodeMatrix, fits
+from gpushare import contract as c
+from gpushare import placement
+from gpushare.cards import Card
+
+SHAPES = [
+    placement.Shape(1),
+    placement.Shape(7),
+    placement.Shape(20),
+    placement.Shape(40),
+    placement.Shape(4, 2),
+    placement.Shape(0, 1, True),
+    placement.Shape(0, 2, True),
+]
+_versions = itertools.count(1)
+
+
+def node_obj(name: str, cards: list[Card] | None) -> dict:
+    annotations = {c.NODE_ANN_INVENTORY: c.format_inventory(cards, c.GIB)} if cards is not None else {}
+    return {"metadata": {"name": name, "resourceVersion": str(next(_versions)), "annotations": annotations}}
+
+
+def random_cards(rng: random.Random, name: str) -> list[Card]:
+    sizes = rng.choice([[81920] * 8, [40960, 40960, 24576, 15360], [24576], [81920, 15360, 15360]])
+    return [
+        Card(i, f"GPU-{name}-{i}", "X", mib, minor=i, numa_node=i % 2, healthy=rng.random() > 0.1)
+        for i, mib in enumerate(sizes)
+    ]
+
+
+def bound_pod(name: str, node: str, card: Card, units: int) -> dict:
+    pod = gpu_pod(
+        name, [container("main", units)], node=node, allocation={"main": (c.CardSlice(card.index, card.uuid, units),)}
+    )
+    pod["metadata"].update(uid=f"uid-{name}", resourceVersion=str(next(_versions)))
+    return pod
+
+
+@pytest.fixture
+def cluster() -> tuple[ClusterCache, list[str]]:
+    rng = random.Random(5)
+    cache = ClusterCache(None)
+    names = []
+    for i in range(40):
+        name = f"n{i:02d}"
+        cards = random_cards(rng, name)
+        cache.nodes.apply(node_obj(name, cards))
+        for j in range(rng.randint(0, 6)):
+            card = rng.choice(cards)
+            units = rng.randint(1, card.memory_mib // 1024)
+            cache.pods.apply(bound_pod(f"{name}-p{j}", name, card, units))
+        names.append(name)
+    cache.nodes.apply(node_obj("plain", None))
+    return cache, [*names, "plain", "ghost"]
+
+
+def demand(shape: placement.Shape) -> placement.Demand:
+    return placement.Demand("main", shape.units, shape.cards, shape.exclusive)
+
+
+def test_fits_agrees_with_check_fit_on_every_node(cluster: tuple[ClusterCache, list[str]]) -> None:
+    cache, names = cluster
+    rows = NodeMatrix(cache).rows(names)
+    assert list(rows.known) == [True] * (len(names) - 2) + [False, False]
+    outcomes: set[bool] = set()
+    for shape in SHAPES:
+        expected = [
+            cache.view(n) is not None and placement.check_fit(cache.view(n).cards, [demand(shape)]) is None
+            for n in names
+        ]
+        assert fits(rows, shape).tolist() == expected, shape
+        outcomes.update(expected[:-2])
+    assert outcomes == {True, False}, "the random cluster should have nodes that fit and nodes that don't"
+
+
+@pytest.mark.parametrize("policy", ["binpack", "spread", "fgd"])
+def test_batch_costs_agree_with_node_cost(cluster: tuple[ClusterCache, list[str]], policy: str) -> None:
+    cache, names = cluster
+    rows = NodeMatrix(cache).rows(names)
+    chosen = placement.POLICIES[policy]
+    for shape in [s for s in SHAPES if s.cards == 1]:
+        costs = CostMemo().costs(rows, chosen, shape).tolist()
+        for name, cost in zip(names, costs, strict=True):
+            view = cache.view(name)
+            try:
+                expected = placement.node_cost(view.cards, [demand(shape)], chosen) if view else math.inf
+            except placement.NoFit:
+                expected = math.inf
+            assert cost == pytest.approx(expected), (name, shape)
+
+
+def test_rows_and_memoised_costs_follow_changes(cluster: tuple[ClusterCache, list[str]]) -> None:
+    cache, _ = cluster
+    matrix = NodeMatrix(cache)
+    memo = CostMemo()
+    binpack = placement.POLICIES["binpack"]
+    shape = placement.Shape(5)
+    fresh = [Card(i, f"GPU-new-{i}", "X", 10240, minor=i) for i in range(2)]
+    cache.nodes.apply(node_obj("new", fresh))
+    assert memo.costs(matrix.rows(["new"]), binpack, shape).tolist() == [15.0]
+    cache.pods.apply(bound_pod("taker", "new", fresh[0], 8))
+    rows = matrix.rows(["new"])
+    assert rows.free.tolist()[0][:2] == [2, 10]
+    assert memo.costs(rows, binpack, shape).tolist() == [7.0]
+    cache.pods.apply({**bound_pod("taker", "new", fresh[0], 8), "status": {"phase": "Succeeded"}})
+    assert memo.costs(matrix.rows(["new"]), binpack, shape).tolist() == [15.0]
+    unhealthy = [fresh[0], Card(1, fresh[1].uuid, "X", 10240, minor=1, healthy=False)]
+    cache.nodes.apply(node_obj("new", unhealthy))
+    rows = matrix.rows(["new"])
+    assert rows.capacity.tolist()[0][:2] == [10, 0] and not fits(rows, placement.Shape(0, 2, True))[0]
+    cache.nodes.apply(node_obj("new", None))
+    assert memo.costs(matrix.rows(["new"]), binpack, shape).tolist() == [math.inf]
+
+
+def test_nodes_with_more_cards_than_seen_so_far_widen_the_rows() -> None:
+    cache = ClusterCache(None)
+    matrix = NodeMatrix(cache)
+    cache.nodes.apply(node_obj("a", [Card(0, "GPU-a", "X", 1024, minor=0)]))
+    assert matrix.rows(["a"]).capacity.tolist()[0][0] == 1
+    wide = [Card(i, f"GPU-w{i}", "X", 2048, minor=i) for i in range(12)]
+    cache.nodes.apply(node_obj("w", wide))
+    rows = matrix.rows(["w", "a"])
+    assert rows.capacity.tolist()[0] == [2] * 12
+    assert fits(rows, placement.Shape(0, 12, True)).tolist() == [True, False]
