@@ -197,6 +197,12 @@ def patch_pod(
     return _merge_patch(f"pod {namespace}/{name}", send, patch, resource_version, retries, backoff)
 
 
+def patch_pod_status(api: client.ApiClient, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+    """Merge-patch the pod's status subresource (what kubelet reports)."""
+    send = functools.partial(client.CoreV1Api(api).patch_namespaced_pod_status, name, namespace)
+    return _merge_patch(f"pod {namespace}/{name} status", send, {"status": status}, None, 5, Backoff())
+
+
 def patch_pod_annotations(
     api: client.ApiClient, namespace: str, name: str, annotations: dict[str, str | None], **kwargs: Any
 ) -> dict[str, Any]:

@@ -55,13 +55,13 @@ def test_strategic_merge_merges_conditions_by_type_and_merge_patch_replaces(core
     drop = {"status": {"conditions": [{"type": "PodScheduled", "$patch": "delete"}]}}
     pod = core_v1.patch_namespaced_pod_status("a", "default", drop)
     assert [c.type for c in pod.status.conditions] == ["Ready"]
-    pod = core_v1.patch_namespaced_pod_status("a", "default", {"status": {"conditions": [scheduled]}}, _content_type=MERGE)
+    replace = {"status": {"conditions": [scheduled]}}
+    pod = core_v1.patch_namespaced_pod_status("a", "default", replace, _content_type=MERGE)
     assert [c.type for c in pod.status.conditions] == ["PodScheduled"]
 
 
 def test_status_subresource_keeps_metadata_and_checks_versions(core_v1: client.CoreV1Api) -> None:
     created = core_v1.create_namespaced_pod("default", make_pod("a", labels={"app": "x"}))
-    stale = created.to_dict()
     body = {"metadata": {"name": "a", "resourceVersion": created.metadata.resource_version}}
     running = core_v1.replace_namespaced_pod_status("a", "default", {**body, "status": {"phase": "Running"}})
     assert running.status.phase == "Running" and running.metadata.labels == {"app": "x"}
@@ -69,17 +69,18 @@ def test_status_subresource_keeps_metadata_and_checks_versions(core_v1: client.C
     with pytest.raises(ApiException) as err:  # the same version again is now stale
         core_v1.replace_namespaced_pod_status("a", "default", {**body, "status": {"phase": "Failed"}})
     assert failure(err) == (409, "Conflict")
-    assert stale["metadata"]["resource_version"] != running.metadata.resource_version
+    assert core_v1.read_namespaced_pod_status("a", "default").status.phase == "Running"
 
 
 def test_malformed_requests_get_the_right_status(apiserver: ApiServer, core_v1: client.CoreV1Api) -> None:
     core_v1.create_namespaced_pod("default", make_pod("a"))
     with pytest.raises(ApiException) as err:
-        core_v1.patch_namespaced_pod("a", "default", [{"op": "add"}], _content_type=MERGE)
-    assert failure(err) == (422, "Invalid")
-    with pytest.raises(ApiException) as err:
         core_v1.patch_namespaced_pod("a", "default", {"metadata": {}}, _content_type="application/apply-patch+yaml")
     assert failure(err) == (415, "UnsupportedMediaType")
+    # the refused body must not leak into the next request on the same connection
+    with pytest.raises(ApiException) as err:
+        core_v1.patch_namespaced_pod("a", "default", [{"op": "add"}], _content_type=MERGE)
+    assert failure(err) == (422, "Invalid")
     request = urllib.request.Request(
         f"{apiserver.url}/api/v1/namespaces/default/pods",
         data=b"{not json",
@@ -101,7 +102,7 @@ def test_malformed_requests_get_the_right_status(apiserver: ApiServer, core_v1: 
         ("tier notin (web)", ["b", "c"]),
         ("app==x", ["a"]),
         ("app!=x", ["b", "c"]),
-        ("app in (x, y), !tier", []),
+        ("app in (x, y), !tier", ["b"]),
         ("tier", ["a"]),
     ],
 )

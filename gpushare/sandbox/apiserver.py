@@ -60,6 +60,7 @@ def status_body(code: int, reason: str, message: str, kind: str = "", name: str 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
+    _raw = b""
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
@@ -89,14 +90,15 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(err.code, status_body(err.code, err.reason, err.message, err.kind, err.name))
 
     def _body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
         try:
-            return json.loads(raw or b"null")
+            return json.loads(self._raw or b"null")
         except ValueError as exc:
             raise StoreError(400, "BadRequest", f"request body is not valid JSON: {exc}") from None
 
     def _dispatch(self, method: str) -> None:
+        # Read the body before anything can fail: left unread it would be parsed as the next request.
+        length = int(self.headers.get("Content-Length") or 0)
+        self._raw = self.rfile.read(length) if length else b""
         url = urlparse(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         try:

@@ -28,7 +28,7 @@ from gpushare import contract as c
 from gpushare.cli import NodeSettings
 from gpushare.inspectview import build_cluster, render_details, render_table
 from gpushare.inventory import SimulatedBackend
-from gpushare.kube import bind_pod, create_event, get_pod, list_nodes, list_pods, load_api, patch_pod
+from gpushare.kube import bind_pod, create_event, get_pod, list_nodes, list_pods, load_api, patch_pod_status
 from gpushare.placement import DEFAULT_POLICY
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import AdmissionResult, KubeletEmulator
@@ -274,11 +274,11 @@ class Sandbox:
         admission = sim.kubelet.admit(pod)
         if not admission.admitted:
             outcome.state, outcome.reason = "Failed", admission.error
-            patch_pod(
+            patch_pod_status(
                 self.api,
                 meta["namespace"],
                 meta["name"],
-                {"status": {"phase": "Failed", "reason": "UnexpectedAdmissionError", "message": admission.error}},
+                {"phase": "Failed", "reason": "UnexpectedAdmissionError", "message": admission.error},
             )
             return outcome
         outcome.cards = _cards_of(get_pod(self.api, meta["namespace"], meta["name"]), sim.backend)
@@ -327,7 +327,7 @@ class Sandbox:
         try:
             outcome.env = cri.run_pod(pod, admission.containers, self.test_image)
             outcome.state, outcome.env_source = "Running", "container"
-            patch_pod(self.api, meta["namespace"], meta["name"], {"status": {"phase": "Running"}})
+            patch_pod_status(self.api, meta["namespace"], meta["name"], {"phase": "Running"})
         except grpc.RpcError as exc:
             outcome.state, outcome.reason = "CreateContainerError", exc.details() or str(exc.code())
         finally:
