@@ -20,3 +20,5 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+# pyenv only sees new console scripts (gpushare, kubectl-gpushare) after a rehash
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
