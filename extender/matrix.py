@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
@@ -55,6 +56,8 @@ class NodeMatrix:
         self._generation = np.zeros(0, dtype=np.int64)
         self._dirty: set[str] = set()
         self._dirty_lock = threading.Lock()
+        self._last_names: tuple[str, ...] = ()
+        self._last_index = np.zeros(0, dtype=np.intp)
         cache.add_change_listener(self._changed)
 
     def _changed(self, node: str) -> None:
@@ -65,7 +68,7 @@ class NodeMatrix:
     def rows(self, names: Sequence[str]) -> Rows:
         with self._lock:
             self._refresh()
-            index = np.fromiter((self._row.get(n, -1) for n in names), dtype=np.intp, count=len(names))
+            index = self._index(names)
             found = index >= 0
             index[found] = np.where(self._usable[index[found]], index[found], -1)
             safe = np.maximum(index, 0)
@@ -80,6 +83,16 @@ class NodeMatrix:
                 free=np.where(present[:, None], self._free[safe], 0),
                 generation=np.where(present, self._generation[safe], -1),
             )
+
+    def _index(self, names: Sequence[str]) -> np.ndarray:
+        """Row numbers of ``names`` (-1 for unknown names). kube-scheduler asks about the same list of
+        nodes again and again, so the last answer is kept; comparing lists is far cheaper than looking
+        every name up again."""
+        key = tuple(names)
+        if key != self._last_names:
+            self._last_names = key
+            self._last_index = np.fromiter(map(self._row.get, key, repeat(-1)), dtype=np.intp, count=len(key))
+        return self._last_index.copy()
 
     def _refresh(self) -> None:
         with self._dirty_lock:
@@ -114,6 +127,7 @@ class NodeMatrix:
             self._capacity = np.concatenate([self._capacity, pad])
             self._free = np.concatenate([self._free, pad])
         self._row[name] = row
+        self._last_names = ()  # the remembered lookup may have missed this name
         return row
 
     def _widen(self, width: int) -> None:

@@ -7,9 +7,9 @@ to since the last pod of the same shape costs one dict lookup.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Mapping, Sequence
+from itertools import compress
 from typing import Any
 
 import numpy as np
@@ -42,7 +42,7 @@ def candidate_names(body: Mapping[str, Any]) -> tuple[list[str], bool]:
     """Node names from ``NodeNames`` (nodeCacheCapable) or ``Nodes.items``; and whether Nodes was used."""
     if body.get("NodeNames") is not None:
         names = body["NodeNames"]
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        if not isinstance(names, list) or not set(map(type, names)) <= {str}:
             raise BadRequest("NodeNames must be a list of strings")
         return names, False
     nodes = body.get("Nodes")
@@ -144,17 +144,14 @@ def filter_result(engine: Placement, body: Any) -> dict[str, Any]:
     if not demands:
         return _filter_reply(names, nodes_mode, body, {}, {})
     if len(demands) == 1:
-        rows = engine.matrix.rows(names)
-        ok = fits(rows, demands[0].shape).tolist()
+        fit = fits(engine.matrix.rows(names), demands[0].shape)
+        passing = list(compress(names, fit.tolist()))
+        others = [names[i] for i in np.flatnonzero(~fit).tolist()]
     else:
-        ok = [False] * len(names)
-    passing = []
+        passing, others = [], names
     failed: dict[str, str] = {}
     unresolvable: dict[str, str] = {}
-    for name, fit in zip(names, ok, strict=True):
-        if fit:
-            passing.append(name)
-            continue
+    for name in others:
         view = engine.cache.view(name)
         if view is None:
             unresolvable[name] = f"node {name} {engine.cache.problem(name)}"
@@ -194,12 +191,21 @@ def prioritize_result(engine: Placement, body: Any) -> list[dict[str, Any]]:
     if not demands:
         return [{"Host": n, "Score": 0} for n in names]
     if len(demands) == 1:
-        cost = engine.batch_costs(engine.matrix.rows(names), demands[0].shape, policy_name, policy).tolist()
-        costs = {n: c for n, c in zip(names, cost, strict=True) if c != math.inf}
-    else:
-        costs = _node_costs(engine, names, demands, policy_name, policy)
-    scores = placement.score_nodes(costs)
+        costs = engine.batch_costs(engine.matrix.rows(names), demands[0].shape, policy_name, policy)
+        return [{"Host": n, "Score": s} for n, s in zip(names, _scores(costs), strict=True)]
+    scores = placement.score_nodes(_node_costs(engine, names, demands, policy_name, policy))
     return [{"Host": n, "Score": scores.get(n, 0)} for n in names]
+
+
+def _scores(costs: np.ndarray) -> list[int]:
+    """``score_nodes`` over an array of costs (``inf``: scores 0). Scores depend only on the distinct
+    costs, of which a large cluster has far fewer than nodes."""
+    scored = np.zeros(len(costs), dtype=np.int64)
+    finite = np.isfinite(costs)
+    distinct, position = np.unique(costs[finite], return_inverse=True)
+    by_cost = placement.score_nodes(dict(enumerate(distinct.tolist())))
+    scored[finite] = np.array([by_cost[i] for i in range(len(distinct))], dtype=np.int64)[position]
+    return scored.tolist()
 
 
 def _node_costs(

@@ -135,3 +135,13 @@ def test_nodes_with_more_cards_than_seen_so_far_widen_the_rows() -> None:
     rows = matrix.rows(["w", "a"])
     assert rows.capacity.tolist()[0] == [2] * 12
     assert fits(rows, placement.Shape(0, 12, True)).tolist() == [True, False]
+
+
+def test_a_node_that_appears_later_is_found_in_a_list_asked_before() -> None:
+    cache = ClusterCache(None)
+    matrix = NodeMatrix(cache)
+    cache.nodes.apply(node_obj("a", [Card(0, "GPU-a", "X", 1024, minor=0)]))
+    assert matrix.rows(["a", "late"]).known.tolist() == [True, False]
+    cache.nodes.apply(node_obj("late", [Card(0, "GPU-late", "X", 4096, minor=0)]))
+    rows = matrix.rows(["a", "late"])
+    assert rows.known.tolist() == [True, True] and rows.capacity.tolist()[1][0] == 4
