@@ -328,14 +328,20 @@ def _parse_slice(pod: str, container: str, raw: Any) -> CardSlice:
     return CardSlice(index=index, uuid=uuid, units=units)
 
 
-def parse_allocation(text: str, pod: str = "?") -> Allocation:
-    where = f"pod {pod} annotation {ANN_ALLOCATION}"
+def _json_object(text: str, where: str, expected: str) -> dict[str, Any]:
+    """Parse an annotation that must hold a JSON object; errors name the object and annotation."""
     try:
         raw = json.loads(text)
     except (TypeError, ValueError) as exc:
         raise AnnotationError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
-        raise AnnotationError(f"{where}: expected an object of container name -> cards")
+        raise AnnotationError(f"{where}: expected {expected}")
+    return raw
+
+
+def parse_allocation(text: str, pod: str = "?") -> Allocation:
+    where = f"pod {pod} annotation {ANN_ALLOCATION}"
+    raw = _json_object(text, where, "an object of container name -> cards")
     result: Allocation = {}
     for container, slices in raw.items():
         if not isinstance(slices, list) or not slices:
@@ -533,11 +539,8 @@ def _inventory_card(node: str, raw: Any) -> Card:
 
 def parse_inventory(text: str, node: str = "?") -> NodeInventory:
     where = f"node {node} annotation {NODE_ANN_INVENTORY}"
-    try:
-        raw = json.loads(text)
-    except (TypeError, ValueError) as exc:
-        raise AnnotationError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict) or raw.get("version") != INVENTORY_VERSION:
+    raw = _json_object(text, where, f"an object with version {INVENTORY_VERSION}")
+    if raw.get("version") != INVENTORY_VERSION:
         raise AnnotationError(f"{where}: expected an object with version {INVENTORY_VERSION}")
     try:
         unit = parse_unit(str(raw.get("unit", "")))
@@ -566,12 +569,7 @@ def parse_framework_allocation(text: str, request: PodRequest, card_uuids: Mappi
     have is an error.
     """
     where = f"pod {request.key} annotation {ANN_FRAMEWORK_ALLOCATION}"
-    try:
-        raw = json.loads(text)
-    except (TypeError, ValueError) as exc:
-        raise AnnotationError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise AnnotationError(f"{where}: expected an object of container index -> {{card index: units}}")
+    raw = _json_object(text, where, "an object of container index -> {card index: units}")
     containers = [c for c in request.containers if not c.init]
     result: Allocation = {}
     for position, cards in raw.items():
