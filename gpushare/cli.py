@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import logging
 import os
 import signal
@@ -97,13 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         sub_parser.set_defaults(module=module)
-        if _available(module):
-            _load(module).add_arguments(sub_parser)
+        _load(module).add_arguments(sub_parser)
     return parser
-
-
-def _available(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 def _load(module: str) -> ModuleType:
@@ -113,9 +107,6 @@ def _load(module: str) -> ModuleType:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    if not _available(args.module):
-        print(f"gpushare {args.command}: not available in this build", file=sys.stderr)
-        return 2
     try:
         return int(_load(args.module).run(args))
     except (UsageError, InventoryError, _kube_error()) as exc:
