@@ -11,29 +11,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from deviceplugin.devices import card_of_mem_device
+from gpushare import placement
 from gpushare.cards import Card
 from gpushare.contract import RESOURCE_MEM
 
+BINPACK = placement.POLICIES["binpack"]
+
 
 def _topology_order(available: Sequence[str], cards: Sequence[Card], size: int) -> list[str]:
-    """Pick ``size`` cards: the largest NVLink-connected group first, then the fullest NUMA node."""
-    by_uuid = {c.uuid: c for c in cards}
-    pool = sorted((u for u in available if u in by_uuid), key=lambda u: by_uuid[u].index)
-    best: list[str] = []
-    for seed in pool:
-        group = [seed] + [u for u in pool if u != seed and u in by_uuid[seed].nvlink_peers]
-        numa = by_uuid[seed].numa_node
-        group += [u for u in pool if u not in group and by_uuid[u].numa_node == numa]
-        group += [u for u in pool if u not in group]
-        if not best or _score(group[:size], by_uuid) > _score(best[:size], by_uuid):
-            best = group
-    return best[:size]
-
-
-def _score(group: list[str], by_uuid: dict[str, Card]) -> tuple[int, int]:
-    links = sum(1 for a in group for b in group if b in by_uuid[a].nvlink_peers)
-    same_numa = sum(1 for a in group for b in group if by_uuid[a].numa_node == by_uuid[b].numa_node)
-    return links, same_numa
+    """Pick ``size`` free cards with the scheduler's own rule for multi-card demands (NVLink, then NUMA)."""
+    free = set(available)
+    pool = [
+        placement.Card(c.index, c.uuid, capacity=1, used=0, numa=c.numa_node, nvlink=frozenset(c.nvlink_peers))
+        for c in cards
+        if c.uuid in free
+    ]
+    try:
+        (chosen,) = placement.place(pool, [placement.Demand("preferred", 0, size, exclusive=True)], BINPACK)
+    except placement.NoFit:
+        return []
+    return [uuid for _, uuid, _ in chosen.cards]
 
 
 def preferred_ids(
