@@ -49,6 +49,8 @@ class SimNode:
 
     def start_plugin(self) -> RunningPlugin:
         self.running = start_device_plugin(self.settings(), self.backend, self.api)
+        # the plugin's own flag first: after a restart the emulator still remembers the previous registration
+        assert self.running.plugin.wait_registered(5)
         assert self.kubelet.wait_registered(c.RESOURCE_MEM, 5) and self.kubelet.wait_registered(c.RESOURCE_COUNT, 5)
         assert self.running.cache.wait_synced(5)
         return self.running
