@@ -58,10 +58,11 @@ def shim_settings(args: argparse.Namespace) -> ShimSettings:
     from crishim.server import socket_path
     from gpushare.cli import UsageError
 
-    try:
-        socket_path(args.listen)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    for flag, address in (("--listen", args.listen), ("--runtime", args.runtime)):
+        try:
+            socket_path(address)
+        except ValueError as exc:
+            raise UsageError(f"{flag} {exc}") from None
     return ShimSettings(
         listen=args.listen,
         runtime=args.runtime,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 from prometheus_client import Counter, Histogram
+
+from gpushare.pb import cri_pb2
 
 CORRECTIONS = Counter(
     "gpushare_crishim_corrections_total",
@@ -16,7 +20,22 @@ REFUSALS = Counter(
 )
 FORWARD_LATENCY = Histogram(
     "gpushare_crishim_forward_seconds",
-    "Time from receiving a call to finishing it (runtime round trip included), by method",
+    "Time from a call's request headers to the runtime's last frame for it, by method",
     ["method"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0),
 )
+#: label for methods outside the CRI proto: their names come from clients, and labels must stay few
+OTHER_METHOD = "other"
+
+
+@cache
+def _known_methods() -> frozenset[bytes]:
+    return frozenset(
+        f"/{service.full_name}/{method.name}".encode()
+        for service in cri_pb2.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    )
+
+
+def method_label(path: bytes | None) -> str:
+    return path.decode() if path is not None and path in _known_methods() else OTHER_METHOD

@@ -1,11 +1,15 @@
-"""The CRI shim's gRPC server: every call is forwarded to the runtime, CreateContainer is checked first."""
+"""The CRI shim's listener: each kubelet connection is spliced onto its own runtime connection, and
+CreateContainer requests are checked before they go on."""
 
 from __future__ import annotations
 
 import logging
 import os
+import select
+import socket
 import stat
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -15,31 +19,36 @@ from google.protobuf.message import DecodeError
 
 from crishim.assignment import Resolver, Target
 from crishim.metrics import CORRECTIONS, REFUSALS
-from crishim.proxy import MESSAGE_OPTIONS, Forwarder, Upstream
+from crishim.reactor import Reactor
 from crishim.rewrite import RewriteOptions, rewrite
+from crishim.splice import Forward, Refuse, Splice, Verdict
 from gpushare.cards import Card
 from gpushare.contract import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID, MemoryUnit
 from gpushare.pb import cri_pb2
 
 log = logging.getLogger(__name__)
 
-CREATE_CONTAINER = "/runtime.v1.RuntimeService/CreateContainer"
 EVENT_CORRECTED = "GPUAssignmentCorrected"
 EVENT_REFUSED = "GPUAssignmentRefused"
+LISTEN_BACKLOG = 128
+#: threads settling CreateContainer calls (each may wait on the API server)
+DECIDE_WORKERS = 8
+#: connecting to the runtime's unix socket is immediate unless its backlog is full
+CONNECT_TIMEOUT = 0.5
 
 #: (pod, reason, message, type) -> records a Kubernetes Event; must not block
 EventSink = Callable[[Target, str, str, str], None]
 
 
-def socket_path(listen: str) -> Path:
+def socket_path(address: str) -> Path:
     """``unix:///run/x.sock``, ``unix:/run/x.sock`` or a bare path."""
     for prefix in ("unix://", "unix:"):
-        if listen.startswith(prefix):
-            listen = listen[len(prefix) :]
+        if address.startswith(prefix):
+            address = address[len(prefix) :]
             break
-    if not listen.startswith("/"):
-        raise ValueError(f"--listen {listen!r}: expected an absolute unix socket path")
-    return Path(listen)
+    if not address.startswith("/"):
+        raise ValueError(f"{address!r}: expected an absolute unix socket path")
+    return Path(address)
 
 
 class CreateContainerGuard:
@@ -59,11 +68,11 @@ class CreateContainerGuard:
         self._options = options
         self._events = events
 
-    def __call__(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    def __call__(self, request: bytes) -> Verdict:
         try:
             decoded = cri_pb2.CreateContainerRequest.FromString(request)
         except DecodeError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"CreateContainer request can't be decoded: {exc}")
+            return Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"CreateContainer request can't be decoded: {exc}")
         cards = list(self._cards())
         assignment = self._resolver.resolve(decoded, cards)
         outcome = rewrite(decoded.config, assignment, cards, self._unit, self._options)
@@ -71,9 +80,9 @@ class CreateContainerGuard:
             REFUSALS.labels(outcome.refusal.reason).inc()
             log.warning("refused CreateContainer (%s): %s", outcome.refusal.reason, outcome.refusal.message)
             self._event(assignment.target, EVENT_REFUSED, outcome.refusal.message, "Warning")
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, outcome.refusal.message)
+            return Refuse(grpc.StatusCode.FAILED_PRECONDITION, outcome.refusal.message)
         if outcome.config is None:
-            return request
+            return Forward(request)
         if outcome.reason:
             CORRECTIONS.labels(outcome.reason).inc()
             log.warning("corrected CreateContainer (%s): %s", outcome.reason, outcome.message)
@@ -81,7 +90,7 @@ class CreateContainerGuard:
         else:
             log.debug("%s requests no GPU: %s=%s", assignment.target, ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID)
         decoded.config.CopyFrom(outcome.config)
-        return decoded.SerializeToString()
+        return Forward(decoded.SerializeToString())
 
     def _event(self, target: Target, reason: str, message: str, type_: str) -> None:
         if self._events is not None:
@@ -89,18 +98,23 @@ class CreateContainerGuard:
 
 
 class CriShim:
-    """A gRPC server on a unix socket (mode 0600) forwarding to ``runtime``."""
+    """Listens on a unix socket (mode 0600) and splices every connection onto ``runtime``.
 
-    def __init__(self, listen: str, runtime: str, guard: CreateContainerGuard, workers: int = 64) -> None:
+    While the runtime is down, connections are accepted and closed at once, which kubelet's gRPC
+    client reports as UNAVAILABLE; once it is back, the next connection reaches it.
+    """
+
+    def __init__(self, listen: str, runtime: str, guard: CreateContainerGuard) -> None:
         self.path = socket_path(listen)
         self.runtime = runtime
-        self._upstream = Upstream(runtime)
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cri-shim"),
-            handlers=[Forwarder(self._upstream, {CREATE_CONTAINER: guard})],
-            options=MESSAGE_OPTIONS,
-            maximum_concurrent_rpcs=None,
-        )
+        self._runtime_path = str(socket_path(runtime))
+        self._guard = guard
+        self._reactor = Reactor("cri-shim-io")
+        self._pool = futures.ThreadPoolExecutor(max_workers=DECIDE_WORKERS, thread_name_prefix="cri-shim-decide")
+        self._listener: socket.socket | None = None
+        self._splices: set[Splice] = set()
+        self._runtime_down = False
+        self._stopped = threading.Event()
         self.serving = False
 
     @property
@@ -115,25 +129,75 @@ class CriShim:
             if not stat.S_ISSOCK(self.path.lstat().st_mode):
                 raise FileExistsError(f"--listen {self.path} exists and is not a socket")
             self.path.unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         private = Path(tempfile.mkdtemp(prefix=".cri-shim-", dir=self.path.parent))
         try:
             staging = private / "sock"
-            if self._server.add_insecure_port(f"unix:{staging}") == 0:
-                raise OSError(f"could not listen on {self.path}")
+            listener.bind(str(staging))
             os.chmod(staging, 0o600)
+            listener.listen(LISTEN_BACKLOG)
             os.rename(staging, self.path)
+        except BaseException:
+            listener.close()
+            raise
         finally:
+            for leftover in private.iterdir():
+                leftover.unlink()
             private.rmdir()
-        self._server.start()
+        listener.setblocking(False)
+        self._listener = listener
+        self._reactor.register(listener.fileno(), select.EPOLLIN, self._accept)
+        self._reactor.start()
         self.serving = True
         log.info("CRI shim listening on %s, forwarding to %s", self.address, self.runtime)
 
-    def stop(self, grace: float | None = 1.0) -> None:
+    def stop(self) -> None:
+        if not self.serving:
+            return
         self.serving = False
-        self._server.stop(grace).wait()
-        self._upstream.close()
+        self._reactor.call_soon(self._shut)
+        self._reactor.stop()
+        self._pool.shutdown(wait=True, cancel_futures=True)
         if self.path.exists() and stat.S_ISSOCK(self.path.lstat().st_mode):
             self.path.unlink()
+        self._stopped.set()
 
     def wait(self) -> None:
-        self._server.wait_for_termination()
+        self._stopped.wait()
+
+    def _shut(self) -> None:
+        assert self._listener is not None
+        self._reactor.unregister(self._listener.fileno())
+        self._listener.close()
+        for splice in list(self._splices):
+            splice.close()
+
+    def _accept(self, _events: int) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                kubelet, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            runtime = self._connect_runtime()
+            if runtime is None:
+                kubelet.close()
+                continue
+            splice = Splice(self._reactor, kubelet, runtime, self._guard, self._pool, self._splices.discard)
+            self._splices.add(splice)
+
+    def _connect_runtime(self) -> socket.socket | None:
+        runtime = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        runtime.settimeout(CONNECT_TIMEOUT)
+        try:
+            runtime.connect(self._runtime_path)
+        except OSError as exc:
+            runtime.close()
+            if not self._runtime_down:
+                log.warning("runtime %s unreachable (%s); answering UNAVAILABLE until it is back", self.runtime, exc)
+            self._runtime_down = True
+            return None
+        if self._runtime_down:
+            log.info("runtime %s reachable again", self.runtime)
+            self._runtime_down = False
+        return runtime

@@ -20,6 +20,7 @@ from crishim.assignment import (
 )
 from crishim.rewrite import RewriteOptions, rewrite
 from crishim.server import CreateContainerGuard
+from crishim.splice import Forward, Refuse
 from gpushare.contract import (
     ANN_ALLOCATION,
     ANN_MEM_IDX,
@@ -360,11 +361,6 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
-class AbortContext:
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise RuntimeError(code, details)
-
-
 def test_guard_keeps_unknown_fields_when_it_rewrites() -> None:
     config = plugin_config(OTHER, [slice_of(A1)])
     # field 99 of ContainerConfig and field 42 of CreateContainerRequest don't exist (yet)
@@ -374,7 +370,9 @@ def test_guard_keeps_unknown_fields_when_it_rewrites() -> None:
     request.ClearField("config")
     raw = request.SerializeToString() + b"\x12" + varint(len(config_bytes)) + config_bytes + b"\xd0\x02\x07"
     guard = CreateContainerGuard(Resolver(GIB, None), lambda: CARDS, GIB, RewriteOptions())
-    out = guard(raw, AbortContext())
+    verdict = guard(raw)
+    assert isinstance(verdict, Forward)
+    out = verdict.message
     assert unknown_config_field in out and out.endswith(b"\xd0\x02\x07")
     decoded = cri_pb2.CreateContainerRequest.FromString(out)
     assert env_of(decoded.config)[ENV_VISIBLE_DEVICES] == [A0.uuid]
@@ -384,13 +382,14 @@ def test_guard_forwards_the_original_bytes_when_nothing_changes() -> None:
     request = request_for(POD, allocation_of(worker=(slice_of(A0),)), plugin_config(POD, [slice_of(A0)]))
     raw = request.SerializeToString() + b"\xd0\x02\x07"
     guard = CreateContainerGuard(Resolver(GIB, None), lambda: CARDS, GIB, RewriteOptions())
-    assert guard(raw, AbortContext()) is raw
+    verdict = guard(raw)
+    assert isinstance(verdict, Forward) and verdict.message is raw  # not even re-encoded
 
 
 def test_guard_refuses_with_failed_precondition() -> None:
     request = request_for(POD, {}, plugin_config(POD, [slice_of(A0)]))
     guard = CreateContainerGuard(Resolver(GIB, None), lambda: CARDS, GIB, RewriteOptions())
-    with pytest.raises(RuntimeError) as info:
-        guard(request.SerializeToString(), AbortContext())
-    code, details = info.value.args
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "pod default/train container worker" in details
+    verdict = guard(request.SerializeToString())
+    assert isinstance(verdict, Refuse)
+    assert verdict.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "pod default/train container worker" in verdict.message
