@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
@@ -102,8 +103,9 @@ def start_shim(tmp_path: Path) -> Iterator[ShimFactory]:
 class Cri:
     """Runtime and image service stubs on one channel."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, options: tuple[tuple[str, Any], ...] = ()) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=options)
         self.runtime = pb_grpc.RuntimeServiceStub(self.channel)
         self.images = pb_grpc.ImageServiceStub(self.channel)
 
@@ -375,10 +377,25 @@ def test_containerd_outage_answers_unavailable_then_recovers(containerd: Contain
 # --- a scripted runtime: what containerd 1.6 can't demonstrate ---------------------------------------------------
 
 
+#: generous limits on both ends, so that the shim's own handling of large requests is what is tested
+BIG = (("grpc.max_metadata_size", 1 << 20), ("grpc.max_receive_message_length", 64 << 20))
+LISTED = 400  # containers in the scripted ListContainers answer: about 40 KB, several DATA frames
+
+
 class ScriptedRuntime(pb_grpc.RuntimeServiceServicer):
     def __init__(self) -> None:
         self.seen_metadata: dict[str, str] = {}
         self.seen_deadline: float | None = None
+        self.created: list[pb.CreateContainerRequest] = []
+
+    def CreateContainer(self, request: pb.CreateContainerRequest, context: grpc.ServicerContext) -> Any:
+        self.created.append(request)
+        return pb.CreateContainerResponse(container_id=request.config.metadata.name)
+
+    def ListContainers(self, request: pb.ListContainersRequest, context: grpc.ServicerContext) -> Any:
+        return pb.ListContainersResponse(
+            containers=[pb.Container(id=f"{n:064x}", labels={"n": str(n)}) for n in range(LISTED)]
+        )
 
     def Version(self, request: pb.VersionRequest, context: grpc.ServicerContext) -> pb.VersionResponse:
         self.seen_metadata = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
@@ -408,7 +425,7 @@ class Echo(grpc.GenericRpcHandler):
 @pytest.fixture
 def scripted(tmp_path: Path, start_shim: ShimFactory) -> Iterator[tuple[ScriptedRuntime, Cri]]:
     runtime = ScriptedRuntime()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=[Echo()])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), handlers=[Echo()], options=BIG)
     pb_grpc.add_RuntimeServiceServicer_to_server(runtime, server)
     server.add_insecure_port(f"unix:{tmp_path}/runtime.sock")
     server.start()
@@ -454,3 +471,86 @@ def test_unknown_bidirectional_method_is_relayed(scripted: tuple[ScriptedRuntime
     _, cri = scripted
     chat = cri.channel.stream_stream("/future.v9.Runtime/Chat")
     assert list(chat(iter([b"abc", b"xyz"]), timeout=5)) == [b"cba", b"zyx"]
+
+
+# --- the splice under load: held requests larger than the windows, refusals, continuation frames ------------
+
+
+def create_request(name: str, annotation_bytes: int, wants_gpu: bool = False) -> pb.CreateContainerRequest:
+    """A CreateContainer whose pod carries ``annotation_bytes`` of annotations (kubectl's last-applied
+    configuration makes them large in real clusters)."""
+    annotations = {f"example.com/blob-{n}": "x" * 50_000 for n in range(annotation_bytes // 50_000)}
+    sandbox = sandbox_config(name, f"uid-{name}", annotations)
+    answer = plugin_answer(name, f"uid-{name}", "worker", (slice_of(0),)) if wants_gpu else {"envs": {}}
+    return pb.CreateContainerRequest(
+        pod_sandbox_id="sandbox", config=container_config(name, **answer), sandbox_config=sandbox
+    )
+
+
+def env_of(request: pb.CreateContainerRequest) -> dict[str, str]:
+    return {kv.key: kv.value for kv in request.config.envs}
+
+
+def test_requests_larger_than_the_runtimes_windows_are_held_and_sent_whole(
+    scripted: tuple[ScriptedRuntime, Cri],
+) -> None:
+    runtime, cri = scripted
+    request = create_request("big", 6_000_000)  # over the runtime's 4 MiB stream window
+    assert cri.runtime.CreateContainer(request, timeout=20).container_id == "big"
+    (seen,) = runtime.created
+    assert env_of(seen)[ENV_VISIBLE_DEVICES] == VISIBLE_DEVICES_VOID  # checked, corrected
+    assert dict(seen.sandbox_config.annotations) == dict(request.sandbox_config.annotations)
+
+
+def test_concurrent_calls_keep_both_ends_flow_control_in_step(scripted: tuple[ScriptedRuntime, Cri]) -> None:
+    """Held, rewritten (longer) requests, big answers and small calls share one connection. If the
+    shim's window accounting drifted, the connection would stall or be torn down by a peer."""
+    runtime, cri = scripted
+
+    def worker(n: int) -> None:
+        for i in range(12):
+            name = f"w{n}-{i}"
+            assert cri.runtime.CreateContainer(create_request(name, 100_000 * (i % 3)), timeout=20).container_id == name
+            assert len(cri.runtime.ListContainers(pb.ListContainersRequest(), timeout=20).containers) == LISTED
+            assert cri.runtime.Version(pb.VersionRequest(), timeout=20).runtime_name == "scripted"
+
+    with futures.ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(worker, range(8)))
+    assert len(runtime.created) == 96
+    assert all(env_of(r)[ENV_VISIBLE_DEVICES] == VISIBLE_DEVICES_VOID for r in runtime.created)
+
+
+def test_refused_requests_never_reach_the_runtime_and_leave_the_connection_usable(
+    scripted: tuple[ScriptedRuntime, Cri],
+) -> None:
+    """Each refusal swallows a request bigger than the connection window; kubelet is paid back for it."""
+    runtime, cri = scripted
+    for n in range(12):
+        with pytest.raises(grpc.RpcError) as info:
+            cri.runtime.CreateContainer(create_request(f"gpu-{n}", 200_000, wants_gpu=True), timeout=20)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"pod default/gpu-{n} container gpu-{n}" in info.value.details()
+    assert runtime.created == []
+    assert cri.runtime.Version(pb.VersionRequest(), timeout=5).runtime_name == "scripted"
+    assert cri.runtime.CreateContainer(create_request("after", 10), timeout=5).container_id == "after"
+
+
+def test_header_blocks_split_over_continuation_frames_are_followed(scripted: tuple[ScriptedRuntime, Cri]) -> None:
+    runtime, cri = scripted
+    big = Cri(cri.address, options=BIG)
+    value = "v" * 40_000  # over one 16 KiB frame: HEADERS plus CONTINUATION
+    big.runtime.Version(pb.VersionRequest(), timeout=5, metadata=(("x-large", value),))
+    assert runtime.seen_metadata["x-large"] == value
+    reply = big.runtime.CreateContainer(create_request("meta", 10), timeout=5, metadata=(("x-large", value),))
+    assert reply.container_id == "meta" and len(runtime.created) == 1
+    big.channel.close()
+
+
+def test_a_client_that_does_not_speak_http2_is_disconnected(scripted: tuple[ScriptedRuntime, Cri]) -> None:
+    _, cri = scripted
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        sock.connect(cri.address.removeprefix("unix://"))
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(1024) == b""  # closed: nothing was forwarded unchecked
+    assert cri.runtime.Version(pb.VersionRequest(), timeout=5).runtime_name == "scripted"
