@@ -51,7 +51,7 @@ def _settle(cache: ClusterCache, engine: Placement) -> None:
     it, and exempt what is cached from the garbage collector's full passes (walking millions of pod
     fields stalled the verbs for a few hundred milliseconds at a time)."""
     if cache.wait_synced(SYNC_TIMEOUT):
-        engine.matrix.rows(cache.node_names())
+        engine.matrix.refresh()
         gc.freeze()
         log.info("caches synced; %d objects exempted from full garbage collections", gc.get_freeze_count())
 

@@ -15,6 +15,7 @@ from extender.bind import Binder, BindError
 from extender.cache import ClusterCache
 from extender.metrics import CARD_ALLOCATED, CARD_TOTAL, VERB_LATENCY
 from extender.verbs import BadRequest, Placement, filter_result, preempt_result, prioritize_result
+from extender.wire import encode
 from gpushare.observability import health_reply
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,7 @@ class ExtenderServer:
                     log.exception("%s failed", self.path)
                     reply = {"Error": f"{self.path}: internal error: {exc}"}
                 VERB_LATENCY.labels(verb=self.path.strip("/")).observe(time.perf_counter() - started)
-                # replies are plain trees; skipping the cycle check halves the time for 5,000 nodes
-                self._reply(200, json.dumps(reply, check_circular=False).encode())
+                self._reply(200, encode(reply))
 
             def do_GET(self) -> None:
                 path = self.path.split("?")[0].rstrip("/")
