@@ -56,7 +56,13 @@ def refresh_card_gauges(cache: ClusterCache) -> None:
 
 class ExtenderServer:
     def __init__(
-        self, port: int, cache: ClusterCache, engine: Placement, binder: Binder, host: str = "0.0.0.0"
+        self,
+        port: int,
+        cache: ClusterCache,
+        engine: Placement,
+        binder: Binder,
+        ready: Callable[[], bool],
+        host: str = "0.0.0.0",
     ) -> None:
         self.cache = cache
         routes: dict[str, Callable[[Any], Any]] = {
@@ -113,7 +119,7 @@ class ExtenderServer:
                     return
                 if path == "/metrics":
                     refresh_card_gauges(server.cache)
-                reply = health_reply(path, lambda: server.cache.synced)
+                reply = health_reply(path, ready)
                 code, content_type, body = reply or (404, "text/plain", b"not found\n")
                 self._reply(code, body, content_type)
 

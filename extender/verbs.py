@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from itertools import compress
 from typing import Any
@@ -76,10 +77,22 @@ class Placement:
         name = annotations_of(pod).get(ANN_POLICY) or self.default_policy
         if name not in placement.POLICIES:
             raise ContractError(f"pod {pod_key(pod)} annotation {ANN_POLICY}: unknown policy {name!r}")
+        return name, self._policy(name)
+
+    def _policy(self, name: str) -> placement.Policy:
         if name != "fgd":
-            return name, placement.POLICIES[name]
+            return placement.POLICIES[name]
         with self._lock:
-            return name, self._fgd_policy()
+            return self._fgd_policy()
+
+    def warm(self) -> None:
+        """Build every node's row, and the default policy's costs on every node for the demand shapes
+        seen so far (the most common first), so that the first pods don't pay for them."""
+        self.matrix.refresh()
+        names = NodeNames.of(self.cache.node_names())
+        policy = self._policy(self.default_policy)
+        for shape, _ in Counter(self.cache.observed_shapes()).most_common(BATCH_MEMO_LIMIT):
+            self.batch_costs(names, shape, self.default_policy, policy)
 
     def _fgd_policy(self) -> placement.Policy:
         """The fragmentation-aware policy with the workload observed so far.

@@ -318,7 +318,7 @@ class WatchCache:
     def synced(self) -> bool:
         return self._synced.is_set()
 
-    def wait_synced(self, timeout: float) -> bool:
+    def wait_synced(self, timeout: float | None) -> bool:
         return self._synced.wait(timeout)
 
     @property

@@ -16,6 +16,7 @@ from podfactory import container, gpu_pod
 
 from advertiser.agent import Advertiser
 from extender.runtime import RunningExtender, start_extender
+from extender.verbs import Placement
 from gpushare import contract as c
 from gpushare.inventory import SimulatedBackend
 from gpushare.usage import node_usage
@@ -242,3 +243,37 @@ def test_bad_input_gives_400_or_error_and_never_kills_the_server(cluster: Cluste
     assert [card["capacity"] for card in cards] == [80, 80, 15]
     with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=5) as reply:
         assert b"gpushare_extender_verb_seconds" in reply.read()
+
+
+def readiness(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/readyz", timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_ready_only_once_the_rows_and_costs_are_built(
+    kube_api: client.ApiClient, core_v1: client.CoreV1Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core_v1.create_node({"metadata": {"name": "n1"}})
+    Advertiser(kube_api, "n1", SimulatedBackend("n1", NODES["n1"]), c.GIB).publish_once()
+    warming, release = threading.Event(), threading.Event()
+    warm = Placement.warm
+
+    def held(engine: Placement) -> None:
+        warming.set()
+        release.wait()
+        warm(engine)
+
+    monkeypatch.setattr(Placement, "warm", held)
+    running = start_extender(kube_api, 0, "fgd", host="127.0.0.1")
+    url = f"http://127.0.0.1:{running.server.port}"
+    try:
+        assert warming.wait(5) and running.cache.synced
+        assert readiness(url) == 503
+        release.set()
+        wait_until(lambda: readiness(url) == 200, what="readiness once the warm-up is done")
+    finally:
+        release.set()
+        running.stop()
