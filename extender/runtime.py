@@ -23,9 +23,11 @@ log = logging.getLogger(__name__)
 class RunningExtender:
     cache: ClusterCache
     server: ExtenderServer
+    binder: Binder
 
     def stop(self) -> None:
         self.server.stop()
+        self.binder.events.close()
         self.cache.stop()
 
 
@@ -39,10 +41,11 @@ def start_extender(api: Any, port: int, policy: str, host: str = "0.0.0.0") -> R
     cache.start()
     settled = threading.Event()
     threading.Thread(target=_settle, args=(cache, engine, settled), name="settle", daemon=True).start()
-    server = ExtenderServer(port, cache, engine, Binder(api, cache, engine), settled.is_set, host)
+    binder = Binder(api, cache, engine)
+    server = ExtenderServer(port, cache, engine, binder, settled.is_set, host)
     server.start()
     log.info("extender serving on port %d with policy %s", server.port, policy)
-    return RunningExtender(cache, server)
+    return RunningExtender(cache, server, binder)
 
 
 def _settle(cache: ClusterCache, engine: Placement, settled: threading.Event) -> None:

@@ -130,6 +130,18 @@ def test_bind_writes_all_annotations_compatible_with_the_original_plugin(cluster
     assert ann[c.ANN_MEM_DEV] == str(cards[first.uuid].memory_mib // 1024)
 
 
+def test_a_bind_records_which_cards_the_pod_got_in_an_event(cluster: Cluster) -> None:
+    pod = cluster.pod(gpu_pod("p", [container("main", 6)]))
+    assert cluster.bind(pod, "n2")["Error"] == ""
+
+    def events() -> list[tuple[str, str]]:
+        listed = cluster.core.list_namespaced_event("default").items
+        return [(e.reason, e.message) for e in listed if e.involved_object.uid == pod["metadata"]["uid"]]
+
+    wait_until(events, what="the pod's event")
+    assert events() == [("GPUAssigned", "node n2: main: card 0 (6)")]
+
+
 def test_two_card_pod_gets_two_nvlinked_cards(cluster: Cluster) -> None:
     pod = cluster.pod(gpu_pod("pair", [container("main", 16, 2)]))
     assert cluster.filter(pod)["NodeNames"] == ["n1"]
