@@ -104,6 +104,18 @@ class NodeMatrix:
             cost = memo.costs(self._capacity[:rows], self._free[:rows], self._generation[:rows], policy, shape)
             return _pick(cost, self._lookup(names), np.inf)
 
+    def memo(self, policy: placement.Policy, shape: placement.Shape) -> CostMemo:
+        """A memo of ``policy``'s costs of ``shape`` on every node, computed on a copy of the rows so that
+        queries go on meanwhile; rows that change in between are computed again when next asked."""
+        with self._lock:
+            self._refresh()
+            rows = len(self._row)
+            capacity, free = self._capacity[:rows].copy(), self._free[:rows].copy()
+            generation = self._generation[:rows].copy()
+        memo = CostMemo()
+        memo.costs(capacity, free, generation, policy, shape)
+        return memo
+
     def _lookup(self, names: NodeNames) -> np.ndarray:
         """Row numbers of ``names`` (-1 for unknown names)."""
         key = names.text

@@ -6,12 +6,15 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import threading
 
 import pytest
+from conftest import wait_until
 from podfactory import container, gpu_pod
 
 from extender.cache import ClusterCache
 from extender.matrix import CostMemo, NodeMatrix
+from extender.verbs import Placement
 from extender.wire import NodeNames
 from gpushare import contract as c
 from gpushare import placement
@@ -86,6 +89,18 @@ def test_fits_agrees_with_check_fit_on_every_node(cluster: tuple[ClusterCache, l
     assert outcomes == {True, False}, "the random cluster should have nodes that fit and nodes that don't"
 
 
+def node_costs(cache: ClusterCache, names: list[str], policy: placement.Policy, shape: placement.Shape) -> list:
+    """Each node's cost as the per-node path computes it (``inf`` where the demand can't go)."""
+    costs = []
+    for name in names:
+        view = cache.view(name)
+        try:
+            costs.append(placement.node_cost(view.cards, [demand(shape)], policy) if view else math.inf)
+        except placement.NoFit:
+            costs.append(math.inf)
+    return costs
+
+
 @pytest.mark.parametrize("policy", ["binpack", "spread", "fgd"])
 def test_batch_costs_agree_with_node_cost(cluster: tuple[ClusterCache, list[str]], policy: str) -> None:
     cache, names = cluster
@@ -93,13 +108,38 @@ def test_batch_costs_agree_with_node_cost(cluster: tuple[ClusterCache, list[str]
     chosen = placement.POLICIES[policy]
     for shape in [s for s in SHAPES if s.cards == 1]:
         costs = matrix.costs(NodeNames.of(names), CostMemo(), chosen, shape).tolist()
-        for name, cost in zip(names, costs, strict=True):
-            view = cache.view(name)
-            try:
-                expected = placement.node_cost(view.cards, [demand(shape)], chosen) if view else math.inf
-            except placement.NoFit:
-                expected = math.inf
-            assert cost == pytest.approx(expected), (name, shape)
+        assert costs == pytest.approx(node_costs(cache, names, chosen, shape)), shape
+
+
+def test_a_rebuilt_fgd_workload_takes_over_once_its_costs_are_ready(
+    cluster: tuple[ClusterCache, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, names = cluster
+    engine = Placement(cache, "fgd")
+    asked, shape = NodeNames.of(names), placement.Shape(7)
+    before = engine.policy_for({})[1]
+    assert engine.batch_costs(asked, shape, "fgd").tolist() == pytest.approx(node_costs(cache, names, before, shape))
+    release = threading.Event()
+    memo = engine.matrix.memo
+
+    def held(policy: placement.Policy, shape: placement.Shape) -> CostMemo:
+        release.wait()
+        return memo(policy, shape)
+
+    monkeypatch.setattr(engine.matrix, "memo", held)
+    try:
+        for i in range(len(cache.observed_shapes()) // 20 + 1):  # pending pods of a new shape: a new workload
+            cache.pods.apply(gpu_pod(f"new-{i}", [container("main", 33, 3)], node=None))
+        # the rebuild waits for its costs; meanwhile the workload built before answers, without waiting
+        assert engine.policy_for({})[1] is before
+        assert engine.batch_costs(asked, shape, "fgd").tolist() == pytest.approx(
+            node_costs(cache, names, before, shape)
+        )
+    finally:
+        release.set()
+    after = wait_until(lambda: engine.policy_for({})[1] is not before and engine.policy_for({})[1])
+    assert placement.Shape(11, 3) in after.workload.shapes and placement.Shape(11, 3) not in before.workload.shapes
+    assert engine.batch_costs(asked, shape, "fgd").tolist() == pytest.approx(node_costs(cache, names, after, shape))
 
 
 def test_rows_and_memoised_costs_follow_changes(cluster: tuple[ClusterCache, list[str]]) -> None:
