@@ -54,7 +54,10 @@ def _settle(cache: ClusterCache, engine: Placement, settled: threading.Event) ->
     collector's full passes (walking millions of pod fields stalled the verbs for a few hundred
     milliseconds at a time). The extender is ready only then."""
     cache.wait_synced(None)
-    engine.warm()
+    try:
+        engine.warm()
+    except Exception:  # readiness must not hang on it: the verbs build whatever they need themselves
+        log.exception("warming the rows and costs up failed; the first pods will pay for them")
     gc.freeze()
     log.info("caches synced; %d objects exempted from full garbage collections", gc.get_freeze_count())
     settled.set()

@@ -289,3 +289,31 @@ def test_ready_only_once_the_rows_and_costs_are_built(
     finally:
         release.set()
         running.stop()
+
+
+def test_a_failed_warm_up_still_ends_in_readiness_and_the_verbs_build_what_they_need(
+    kube_api: client.ApiClient, core_v1: client.CoreV1Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core_v1.create_node({"metadata": {"name": "n2"}})
+    Advertiser(kube_api, "n2", SimulatedBackend("n2", NODES["n2"]), c.GIB).publish_once()
+
+    def broken(engine: Placement) -> None:
+        raise RuntimeError("warm-up bug")
+
+    monkeypatch.setattr(Placement, "warm", broken)
+    running = start_extender(kube_api, 0, "fgd", host="127.0.0.1")
+    url = f"http://127.0.0.1:{running.server.port}"
+    try:
+        wait_until(lambda: readiness(url) == 200, what="readiness despite the failed warm-up")
+        pod = kube_api.sanitize_for_serialization(
+            core_v1.create_namespaced_pod("default", gpu_pod("p", [container("main", 30)], node=None))
+        )
+        request = urllib.request.Request(
+            f"{url}/filter", data=json.dumps({"Pod": pod, "NodeNames": ["n2"]}).encode(), method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert json.loads(reply.read())["FailedNodes"] == {
+                "n2": "no single card has 30 GiB free (largest free: 24 GiB on card 0)"
+            }
+    finally:
+        running.stop()
