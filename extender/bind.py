@@ -45,10 +45,10 @@ from gpushare.contract import (
     parse_pod_request,
 )
 from gpushare.kube import (
+    BackgroundEvents,
     KubeConflict,
     KubeError,
     bind_pod,
-    create_event,
     get_node,
     get_pod,
     list_pods,
@@ -95,6 +95,8 @@ class Binder:
         self._api = api
         self._cache = cache
         self._engine = engine
+        #: a bind's Event is recorded after kube-scheduler has its answer
+        self.events = BackgroundEvents(api, COMPONENT)
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._locks_guard = threading.Lock()
 
@@ -218,7 +220,7 @@ class Binder:
             f"{c}: {', '.join(f'card {s.index} ({s.units})' for s in ss)}" for c, ss in allocation.items()
         )
         log.info("bound pod %s/%s to node %s: %s", namespace, name, node, cards)
-        create_event(self._api, pod, reason="GPUAssigned", message=f"node {node}: {cards}", component=COMPONENT)
+        self.events.record(pod, reason="GPUAssigned", message=f"node {node}: {cards}")
         return True
 
     def _undo(self, namespace: str, name: str, uid: str, where: str) -> None:

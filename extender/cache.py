@@ -137,7 +137,7 @@ class ClusterCache:
     def synced(self) -> bool:
         return self.nodes.synced and self.pods.synced
 
-    def wait_synced(self, timeout: float) -> bool:
+    def wait_synced(self, timeout: float | None) -> bool:
         return self.nodes.wait_synced(timeout) and self.pods.wait_synced(timeout)
 
     # --- events -----------------------------------------------------------------------------------------

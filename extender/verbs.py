@@ -6,8 +6,10 @@ to since the last pod of the same shape costs one dict lookup.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from itertools import compress
 from typing import Any
@@ -15,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from extender.cache import ClusterCache, NodeView, demands_of, placement_cards
-from extender.matrix import CostMemo, NodeMatrix, Rows, fits
+from extender.matrix import CostMemo, NodeMatrix
+from extender.wire import NodeNames, Raw
 from gpushare import placement
 from gpushare.contract import ANN_POLICY, ContractError, annotations_of, pod_key
 
@@ -38,16 +41,17 @@ def request_pod(body: Any) -> Mapping[str, Any]:
     return body["Pod"]
 
 
-def candidate_names(body: Mapping[str, Any]) -> tuple[list[str], bool]:
+def candidate_names(body: Mapping[str, Any]) -> tuple[NodeNames, bool]:
     """Node names from ``NodeNames`` (nodeCacheCapable) or ``Nodes.items``; and whether Nodes was used."""
     if body.get("NodeNames") is not None:
         names = body["NodeNames"]
-        if not isinstance(names, list) or not set(map(type, names)) <= {str}:
-            raise BadRequest("NodeNames must be a list of strings")
-        return names, False
+        if isinstance(names, list):
+            with contextlib.suppress(TypeError):  # an item that is not a string
+                return NodeNames.of(names), False
+        raise BadRequest("NodeNames must be a list of strings")
     nodes = body.get("Nodes")
     if isinstance(nodes, dict):
-        return [(n.get("metadata") or {}).get("name", "") for n in nodes.get("items") or []], True
+        return NodeNames.of([(n.get("metadata") or {}).get("name", "") for n in nodes.get("items") or []]), True
     raise BadRequest("the body must carry NodeNames or Nodes")
 
 
@@ -62,39 +66,71 @@ class Placement:
         self.matrix = NodeMatrix(cache)
         self._lock = threading.Lock()
         self._fits: dict[tuple[str, int, tuple[placement.Shape, ...]], placement.NoFit | None] = {}
-        self._costs: dict[tuple[str, int, tuple[placement.Shape, ...], str, int], float] = {}
+        self._costs: dict[tuple[str, int, tuple[placement.Shape, ...], placement.Policy], float] = {}
         self._batch_costs: dict[tuple[str, placement.Shape], tuple[placement.Policy, CostMemo]] = {}
         self._fgd: placement.Policy = placement.Fgd()
         #: the cache's shapes_version and number of observed demands the fgd workload was built from
         self._fgd_built = (-1, 0)
+        self._fgd_rebuilding = False
 
     def policy_for(self, pod: Mapping[str, Any]) -> tuple[str, placement.Policy]:
         """The pod's own policy annotation wins over the cluster-wide default."""
         name = annotations_of(pod).get(ANN_POLICY) or self.default_policy
         if name not in placement.POLICIES:
             raise ContractError(f"pod {pod_key(pod)} annotation {ANN_POLICY}: unknown policy {name!r}")
-        if name != "fgd":
-            return name, placement.POLICIES[name]
         with self._lock:
-            return name, self._fgd_policy()
+            return name, self._policy(name)
+
+    def _policy(self, name: str) -> placement.Policy:
+        """The policy called ``name`` as it is now; under the lock."""
+        return self._fgd_policy() if name == "fgd" else placement.POLICIES[name]
+
+    def warm(self) -> None:
+        """Build every node's row, and the default policy's costs on every node for the demand shapes
+        seen so far (the most common first), so that the first pods don't pay for them."""
+        self.matrix.refresh()
+        names = NodeNames.of(self.cache.node_names())
+        for shape, _ in Counter(self.cache.observed_shapes()).most_common(BATCH_MEMO_LIMIT):
+            self.batch_costs(names, shape, self.default_policy)
 
     def _fgd_policy(self) -> placement.Policy:
-        """The fragmentation-aware policy with the workload observed so far.
+        """The fragmentation-aware policy with the workload observed so far; under the lock.
 
         The workload is rebuilt once the observed demands changed by a twentieth since the last build:
         rebuilding it on every pod would recompute every node's cost on every pod, and typical
-        shapes don't move that fast.
+        shapes don't move that fast. After the first build, a rebuild runs in the background together
+        with the costs of the shapes in use (some 10 ms each at 5,000 nodes), and the workload built
+        before goes on answering until both are ready, so no pod waits for them.
         """
         version = self.cache.shapes_version
         built_version, built_count = self._fgd_built
-        if version - built_version > built_count // WORKLOAD_DRIFT:
-            shapes = self.cache.observed_shapes()
-            self._fgd = placement.Fgd(placement.Workload.from_shapes(shapes) if shapes else None)
-            self._fgd_built = (version, len(shapes))
+        if built_version < 0:
+            self._fgd, self._fgd_built = self._build_fgd()
+        elif version - built_version > built_count // WORKLOAD_DRIFT and not self._fgd_rebuilding:
+            self._fgd_rebuilding = True
+            threading.Thread(target=self._rebuild_fgd, name="fgd-rebuild", daemon=True).start()
         return self._fgd
 
-    def _policy_version(self, name: str) -> int:
-        return self._fgd_built[0] if name == "fgd" else 0
+    def _build_fgd(self) -> tuple[placement.Policy, tuple[int, int]]:
+        version = self.cache.shapes_version
+        shapes = self.cache.observed_shapes()
+        return placement.Fgd(placement.Workload.from_shapes(shapes) if shapes else None), (version, len(shapes))
+
+    def _rebuild_fgd(self) -> None:
+        try:
+            policy, built = self._build_fgd()
+            with self._lock:
+                shapes = [shape for name, shape in self._batch_costs if name == "fgd"]
+            memos = {shape: self.matrix.memo(policy, shape) for shape in shapes}
+            with self._lock:
+                self._fgd, self._fgd_built = policy, built
+                for shape, memo in memos.items():
+                    self._batch_costs[("fgd", shape)] = (policy, memo)
+        except Exception:
+            log.exception("rebuilding the fragmentation-aware policy's workload failed; the previous one stays")
+        finally:
+            with self._lock:
+                self._fgd_rebuilding = False
 
     def fit(self, view: NodeView, demands: Sequence[placement.Demand]) -> placement.NoFit | None:
         key = (view.name, view.generation, placement.shape_key(list(demands)))
@@ -105,8 +141,8 @@ class Placement:
             _remember(self._fits, key, result)
             return result
 
-    def cost(self, view: NodeView, demands: Sequence[placement.Demand], name: str, policy: placement.Policy) -> float:
-        key = (view.name, view.generation, placement.shape_key(list(demands)), name, self._policy_version(name))
+    def cost(self, view: NodeView, demands: Sequence[placement.Demand], policy: placement.Policy) -> float:
+        key = (view.name, view.generation, placement.shape_key(list(demands)), policy)
         try:
             return self._costs[key]
         except KeyError:
@@ -114,16 +150,18 @@ class Placement:
             _remember(self._costs, key, cost)
             return cost
 
-    def batch_costs(self, rows: Rows, shape: placement.Shape, name: str, policy: placement.Policy) -> np.ndarray:
-        """Per node of ``rows``: the policy's cost of one demand of ``shape`` (``inf`` where it can't go)."""
+    def batch_costs(self, names: NodeNames, shape: placement.Shape, name: str) -> np.ndarray:
+        """Per node of ``names``: the cost of one demand of ``shape`` under the policy called ``name`` as
+        it is now (``inf`` where it can't go)."""
         with self._lock:
+            policy = self._policy(name)
             held = self._batch_costs.get((name, shape))
             if held is None or held[0] is not policy:
                 if len(self._batch_costs) >= BATCH_MEMO_LIMIT:
                     self._batch_costs.clear()
                 held = (policy, CostMemo())
                 self._batch_costs[(name, shape)] = held
-            return held[1].costs(rows, policy, shape)
+        return self.matrix.costs(names, held[1], policy, shape)
 
 
 def _remember(memo: dict, key: Any, value: Any) -> None:
@@ -140,15 +178,15 @@ def filter_result(engine: Placement, body: Any) -> dict[str, Any]:
         demands = demands_of(pod)
     except (ContractError, ValueError) as exc:
         reason = f"pod {pod_key(pod)}: {exc}"
-        return _filter_reply([], nodes_mode, body, {}, dict.fromkeys(names, reason))
+        return _filter_reply(NodeNames.of([]), nodes_mode, body, {}, dict.fromkeys(names.names, reason))
     if not demands:
         return _filter_reply(names, nodes_mode, body, {}, {})
     if len(demands) == 1:
-        fit = fits(engine.matrix.rows(names), demands[0].shape)
-        passing = list(compress(names, fit.tolist()))
-        others = [names[i] for i in np.flatnonzero(~fit).tolist()]
+        fit = engine.matrix.fits(names, demands[0].shape)
+        passing = list(compress(names.names, fit.tolist()))
+        others = [names.names[i] for i in np.flatnonzero(~fit).tolist()]
     else:
-        passing, others = [], names
+        passing, others = [], names.names
     failed: dict[str, str] = {}
     unresolvable: dict[str, str] = {}
     for name in others:
@@ -162,63 +200,53 @@ def filter_result(engine: Placement, body: Any) -> dict[str, Any]:
         else:
             failed[name] = nofit.reason
     log.info("filter pod %s: %d of %d node(s) fit", pod_key(pod), len(passing), len(names))
-    return _filter_reply(passing, nodes_mode, body, failed, unresolvable)
+    kept = names if passing == names.names else NodeNames.of(passing)
+    return _filter_reply(kept, nodes_mode, body, failed, unresolvable)
 
 
 def _filter_reply(
-    passing: list[str], nodes_mode: bool, body: Mapping[str, Any], failed: dict[str, str], unresolvable: dict[str, str]
+    passing: NodeNames, nodes_mode: bool, body: Mapping[str, Any], failed: dict[str, str], unresolvable: dict[str, str]
 ) -> dict[str, Any]:
     reply: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": unresolvable, "Error": ""}
     if nodes_mode:
-        keep = set(passing)
+        keep = set(passing.names)
         items = [n for n in body["Nodes"].get("items") or [] if (n.get("metadata") or {}).get("name") in keep]
         reply["Nodes"] = {**body["Nodes"], "items": items}
         reply["NodeNames"] = None
     else:
-        reply["NodeNames"] = passing
+        reply["NodeNames"] = passing.json()
         reply["Nodes"] = None
     return reply
 
 
-def prioritize_result(engine: Placement, body: Any) -> list[dict[str, Any]]:
+def prioritize_result(engine: Placement, body: Any) -> Raw | list[dict[str, Any]]:
     pod = request_pod(body)
     names, _ = candidate_names(body)
     try:
         demands = demands_of(pod)
         policy_name, policy = engine.policy_for(pod)
     except (ContractError, ValueError):
-        return [{"Host": n, "Score": 0} for n in names]
+        demands = ()
     if not demands:
-        return [{"Host": n, "Score": 0} for n in names]
+        return names.priorities(np.zeros(len(names), dtype=np.int64))
     if len(demands) == 1:
-        costs = engine.batch_costs(engine.matrix.rows(names), demands[0].shape, policy_name, policy)
-        return [{"Host": n, "Score": s} for n, s in zip(names, _scores(costs), strict=True)]
-    scores = placement.score_nodes(_node_costs(engine, names, demands, policy_name, policy))
-    return [{"Host": n, "Score": scores.get(n, 0)} for n in names]
-
-
-def _scores(costs: np.ndarray) -> list[int]:
-    """``score_nodes`` over an array of costs (``inf``: scores 0). Scores depend only on the distinct
-    costs, of which a large cluster has far fewer than nodes."""
-    scored = np.zeros(len(costs), dtype=np.int64)
-    finite = np.isfinite(costs)
-    distinct, position = np.unique(costs[finite], return_inverse=True)
-    by_cost = placement.score_nodes(dict(enumerate(distinct.tolist())))
-    scored[finite] = np.array([by_cost[i] for i in range(len(distinct))], dtype=np.int64)[position]
-    return scored.tolist()
+        costs = engine.batch_costs(names, demands[0].shape, policy_name)
+    else:
+        costs = _node_costs(engine, names.names, demands, policy)
+    return names.priorities(placement.batch_scores(costs))
 
 
 def _node_costs(
-    engine: Placement, names: Sequence[str], demands: Sequence[placement.Demand], name: str, policy: placement.Policy
-) -> dict[str, float]:
-    """Per node, one at a time: for pods with several GPU containers."""
-    costs: dict[str, float] = {}
-    for node in names:
+    engine: Placement, names: Sequence[str], demands: Sequence[placement.Demand], policy: placement.Policy
+) -> np.ndarray:
+    """Per node, one at a time: for pods with several GPU containers (``inf`` where the pod can't go)."""
+    costs = np.full(len(names), np.inf)
+    for i, node in enumerate(names):
         view = engine.cache.view(node)
         if view is None:
             continue
         try:
-            costs[node] = engine.cost(view, demands, name, policy)
+            costs[i] = engine.cost(view, demands, policy)
         except placement.NoFit:
             continue
     return costs

@@ -15,6 +15,7 @@ import random
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -271,6 +272,25 @@ def create_event(
         log.warning("could not record event %s on %s/%s: %s", reason, namespace, meta.get("name"), exc)
 
 
+class BackgroundEvents:
+    """Records Events from one background thread, as client-go's recorder does: the caller never waits
+    for the API server, and Events keep the order they were recorded in."""
+
+    def __init__(self, api: client.ApiClient, component: str) -> None:
+        self._api = api
+        self._component = component
+        self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{component}-events")
+
+    def record(self, obj: dict[str, Any], *, reason: str, message: str, type_: str = "Normal") -> None:
+        self._pool.submit(
+            create_event, self._api, obj, reason=reason, message=message, type_=type_, component=self._component
+        )
+
+    def close(self) -> None:
+        """Record what is queued, then stop."""
+        self._pool.shutdown(wait=True)
+
+
 def _name_key(obj: dict[str, Any]) -> tuple[str, str]:
     meta = obj.get("metadata") or {}
     return meta.get("namespace") or "", meta.get("name") or ""
@@ -318,7 +338,7 @@ class WatchCache:
     def synced(self) -> bool:
         return self._synced.is_set()
 
-    def wait_synced(self, timeout: float) -> bool:
+    def wait_synced(self, timeout: float | None) -> bool:
         return self._synced.wait(timeout)
 
     @property

@@ -48,6 +48,31 @@ def test_create_get_list_with_field_and_label_selectors(core_v1: client.CoreV1Ap
     assert err.value.status == 400
 
 
+def test_node_name_selector_follows_pods_that_are_bound_moved_in_and_deleted(core_v1: client.CoreV1Api) -> None:
+    def on(node: str, namespace: str | None = None) -> list[str]:
+        selector = f"spec.nodeName={node}"
+        if namespace is None:
+            return names_of(core_v1.list_pod_for_all_namespaces(field_selector=selector))
+        return names_of(core_v1.list_namespaced_pod(namespace, field_selector=selector))
+
+    core_v1.create_namespaced_pod("default", make_pod("a"))
+    core_v1.create_namespaced_pod("default", make_pod("b", "n1"))
+    core_v1.create_namespaced_pod("other", make_pod("c", "n1"))
+    assert (on(""), on("n1"), on("n1", "other"), on("n2")) == (["a"], ["b", "c"], ["c"], [])
+    body = client.V1Binding(metadata=client.V1ObjectMeta(name="a"), target=client.V1ObjectReference(name="n2"))
+    core_v1.create_namespaced_pod_binding("a", "default", body, _preload_content=False)
+    core_v1.delete_namespaced_pod("b", "default")
+    assert (on(""), on("n1"), on("n2")) == ([], ["c"], ["a"])
+    # a pod created again under a deleted one's name is indexed afresh
+    core_v1.create_namespaced_pod("default", make_pod("b", "n2"))
+    assert on("n2") == ["a", "b"]
+    assert names_of(core_v1.list_pod_for_all_namespaces(field_selector="spec.nodeName=n2,metadata.name=b")) == ["b"]
+
+
+def names_of(pods: client.V1PodList) -> list[str]:
+    return sorted(p.metadata.name for p in pods.items)
+
+
 def test_patches_and_resource_version_preconditions(core_v1: client.CoreV1Api) -> None:
     created = core_v1.create_namespaced_pod("default", make_pod("a"))
     rv = created.metadata.resource_version

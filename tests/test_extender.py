@@ -16,6 +16,7 @@ from podfactory import container, gpu_pod
 
 from advertiser.agent import Advertiser
 from extender.runtime import RunningExtender, start_extender
+from extender.verbs import Placement
 from gpushare import contract as c
 from gpushare.inventory import SimulatedBackend
 from gpushare.usage import node_usage
@@ -127,6 +128,18 @@ def test_bind_writes_all_annotations_compatible_with_the_original_plugin(cluster
     assert ann[c.ANN_MEM_IDX] == str(first.index)
     cards = {card.uuid: card for card in cluster.backends["n1"].cards()}
     assert ann[c.ANN_MEM_DEV] == str(cards[first.uuid].memory_mib // 1024)
+
+
+def test_a_bind_records_which_cards_the_pod_got_in_an_event(cluster: Cluster) -> None:
+    pod = cluster.pod(gpu_pod("p", [container("main", 6)]))
+    assert cluster.bind(pod, "n2")["Error"] == ""
+
+    def events() -> list[tuple[str, str]]:
+        listed = cluster.core.list_namespaced_event("default").items
+        return [(e.reason, e.message) for e in listed if e.involved_object.uid == pod["metadata"]["uid"]]
+
+    wait_until(events, what="the pod's event")
+    assert events() == [("GPUAssigned", "node n2: main: card 0 (6)")]
 
 
 def test_two_card_pod_gets_two_nvlinked_cards(cluster: Cluster) -> None:
@@ -242,3 +255,65 @@ def test_bad_input_gives_400_or_error_and_never_kills_the_server(cluster: Cluste
     assert [card["capacity"] for card in cards] == [80, 80, 15]
     with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=5) as reply:
         assert b"gpushare_extender_verb_seconds" in reply.read()
+
+
+def readiness(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/readyz", timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_ready_only_once_the_rows_and_costs_are_built(
+    kube_api: client.ApiClient, core_v1: client.CoreV1Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core_v1.create_node({"metadata": {"name": "n1"}})
+    Advertiser(kube_api, "n1", SimulatedBackend("n1", NODES["n1"]), c.GIB).publish_once()
+    warming, release = threading.Event(), threading.Event()
+    warm = Placement.warm
+
+    def held(engine: Placement) -> None:
+        warming.set()
+        release.wait()
+        warm(engine)
+
+    monkeypatch.setattr(Placement, "warm", held)
+    running = start_extender(kube_api, 0, "fgd", host="127.0.0.1")
+    url = f"http://127.0.0.1:{running.server.port}"
+    try:
+        assert warming.wait(5) and running.cache.synced
+        assert readiness(url) == 503
+        release.set()
+        wait_until(lambda: readiness(url) == 200, what="readiness once the warm-up is done")
+    finally:
+        release.set()
+        running.stop()
+
+
+def test_a_failed_warm_up_still_ends_in_readiness_and_the_verbs_build_what_they_need(
+    kube_api: client.ApiClient, core_v1: client.CoreV1Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core_v1.create_node({"metadata": {"name": "n2"}})
+    Advertiser(kube_api, "n2", SimulatedBackend("n2", NODES["n2"]), c.GIB).publish_once()
+
+    def broken(engine: Placement) -> None:
+        raise RuntimeError("warm-up bug")
+
+    monkeypatch.setattr(Placement, "warm", broken)
+    running = start_extender(kube_api, 0, "fgd", host="127.0.0.1")
+    url = f"http://127.0.0.1:{running.server.port}"
+    try:
+        wait_until(lambda: readiness(url) == 200, what="readiness despite the failed warm-up")
+        pod = kube_api.sanitize_for_serialization(
+            core_v1.create_namespaced_pod("default", gpu_pod("p", [container("main", 30)], node=None))
+        )
+        request = urllib.request.Request(
+            f"{url}/filter", data=json.dumps({"Pod": pod, "NodeNames": ["n2"]}).encode(), method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert json.loads(reply.read())["FailedNodes"] == {
+                "n2": "no single card has 30 GiB free (largest free: 24 GiB on card 0)"
+            }
+    finally:
+        running.stop()

@@ -6,12 +6,16 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import threading
 
 import pytest
+from conftest import wait_until
 from podfactory import container, gpu_pod
 
 from extender.cache import ClusterCache
-from extender.matrix import CostMemo, NodeMatrix, fits
+from extender.matrix import CostMemo, NodeMatrix
+from extender.verbs import Placement
+from extender.wire import NodeNames
 from gpushare import contract as c
 from gpushare import placement
 from gpushare.cards import Card
@@ -73,33 +77,69 @@ def demand(shape: placement.Shape) -> placement.Demand:
 
 def test_fits_agrees_with_check_fit_on_every_node(cluster: tuple[ClusterCache, list[str]]) -> None:
     cache, names = cluster
-    rows = NodeMatrix(cache).rows(names)
-    assert list(rows.known) == [True] * (len(names) - 2) + [False, False]
+    matrix = NodeMatrix(cache)
     outcomes: set[bool] = set()
     for shape in SHAPES:
         expected = [
             cache.view(n) is not None and placement.check_fit(cache.view(n).cards, [demand(shape)]) is None
             for n in names
         ]
-        assert fits(rows, shape).tolist() == expected, shape
+        assert matrix.fits(NodeNames.of(names), shape).tolist() == expected, shape
         outcomes.update(expected[:-2])
     assert outcomes == {True, False}, "the random cluster should have nodes that fit and nodes that don't"
+
+
+def node_costs(cache: ClusterCache, names: list[str], policy: placement.Policy, shape: placement.Shape) -> list:
+    """Each node's cost as the per-node path computes it (``inf`` where the demand can't go)."""
+    costs = []
+    for name in names:
+        view = cache.view(name)
+        try:
+            costs.append(placement.node_cost(view.cards, [demand(shape)], policy) if view else math.inf)
+        except placement.NoFit:
+            costs.append(math.inf)
+    return costs
 
 
 @pytest.mark.parametrize("policy", ["binpack", "spread", "fgd"])
 def test_batch_costs_agree_with_node_cost(cluster: tuple[ClusterCache, list[str]], policy: str) -> None:
     cache, names = cluster
-    rows = NodeMatrix(cache).rows(names)
+    matrix = NodeMatrix(cache)
     chosen = placement.POLICIES[policy]
     for shape in [s for s in SHAPES if s.cards == 1]:
-        costs = CostMemo().costs(rows, chosen, shape).tolist()
-        for name, cost in zip(names, costs, strict=True):
-            view = cache.view(name)
-            try:
-                expected = placement.node_cost(view.cards, [demand(shape)], chosen) if view else math.inf
-            except placement.NoFit:
-                expected = math.inf
-            assert cost == pytest.approx(expected), (name, shape)
+        costs = matrix.costs(NodeNames.of(names), CostMemo(), chosen, shape).tolist()
+        assert costs == pytest.approx(node_costs(cache, names, chosen, shape)), shape
+
+
+def test_a_rebuilt_fgd_workload_takes_over_once_its_costs_are_ready(
+    cluster: tuple[ClusterCache, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, names = cluster
+    engine = Placement(cache, "fgd")
+    asked, shape = NodeNames.of(names), placement.Shape(7)
+    before = engine.policy_for({})[1]
+    assert engine.batch_costs(asked, shape, "fgd").tolist() == pytest.approx(node_costs(cache, names, before, shape))
+    release = threading.Event()
+    memo = engine.matrix.memo
+
+    def held(policy: placement.Policy, shape: placement.Shape) -> CostMemo:
+        release.wait()
+        return memo(policy, shape)
+
+    monkeypatch.setattr(engine.matrix, "memo", held)
+    try:
+        for i in range(len(cache.observed_shapes()) // 20 + 1):  # pending pods of a new shape: a new workload
+            cache.pods.apply(gpu_pod(f"new-{i}", [container("main", 33, 3)], node=None))
+        # the rebuild waits for its costs; meanwhile the workload built before answers, without waiting
+        assert engine.policy_for({})[1] is before
+        assert engine.batch_costs(asked, shape, "fgd").tolist() == pytest.approx(
+            node_costs(cache, names, before, shape)
+        )
+    finally:
+        release.set()
+    after = wait_until(lambda: engine.policy_for({})[1] is not before and engine.policy_for({})[1])
+    assert placement.Shape(11, 3) in after.workload.shapes and placement.Shape(11, 3) not in before.workload.shapes
+    assert engine.batch_costs(asked, shape, "fgd").tolist() == pytest.approx(node_costs(cache, names, after, shape))
 
 
 def test_rows_and_memoised_costs_follow_changes(cluster: tuple[ClusterCache, list[str]]) -> None:
@@ -108,40 +148,60 @@ def test_rows_and_memoised_costs_follow_changes(cluster: tuple[ClusterCache, lis
     memo = CostMemo()
     binpack = placement.POLICIES["binpack"]
     shape = placement.Shape(5)
+    new = NodeNames.of(["new"])
+
+    def fit(*shape: int | bool) -> bool:
+        return bool(matrix.fits(new, placement.Shape(*shape))[0])
+
     fresh = [Card(i, f"GPU-new-{i}", "X", 10240, minor=i) for i in range(2)]
     cache.nodes.apply(node_obj("new", fresh))
-    assert memo.costs(matrix.rows(["new"]), binpack, shape).tolist() == [15.0]
+    assert matrix.costs(new, memo, binpack, shape).tolist() == [15.0]
     cache.pods.apply(bound_pod("taker", "new", fresh[0], 8))
-    rows = matrix.rows(["new"])
-    assert rows.free.tolist()[0][:2] == [2, 10]
-    assert memo.costs(rows, binpack, shape).tolist() == [7.0]
+    assert (fit(2, 2), fit(3, 2), fit(10)) == (True, False, True)  # 2 and 10 GiB free
+    assert matrix.costs(new, memo, binpack, shape).tolist() == [7.0]
     cache.pods.apply({**bound_pod("taker", "new", fresh[0], 8), "status": {"phase": "Succeeded"}})
-    assert memo.costs(matrix.rows(["new"]), binpack, shape).tolist() == [15.0]
+    assert matrix.costs(new, memo, binpack, shape).tolist() == [15.0]
     unhealthy = [fresh[0], Card(1, fresh[1].uuid, "X", 10240, minor=1, healthy=False)]
     cache.nodes.apply(node_obj("new", unhealthy))
-    rows = matrix.rows(["new"])
-    assert rows.capacity.tolist()[0][:2] == [10, 0] and not fits(rows, placement.Shape(0, 2, True))[0]
+    assert (fit(0, 1, True), fit(0, 2, True), fit(1, 2)) == (True, False, False)
+    assert matrix.costs(new, memo, binpack, shape).tolist() == [5.0]
     cache.nodes.apply(node_obj("new", None))
-    assert memo.costs(matrix.rows(["new"]), binpack, shape).tolist() == [math.inf]
+    assert matrix.costs(new, memo, binpack, shape).tolist() == [math.inf]
+    assert not fit(1)
+    cache.nodes.apply(node_obj("new", fresh))
+    assert matrix.costs(new, memo, binpack, shape).tolist() == [15.0]
 
 
 def test_nodes_with_more_cards_than_seen_so_far_widen_the_rows() -> None:
     cache = ClusterCache(None)
     matrix = NodeMatrix(cache)
     cache.nodes.apply(node_obj("a", [Card(0, "GPU-a", "X", 1024, minor=0)]))
-    assert matrix.rows(["a"]).capacity.tolist()[0][0] == 1
+    assert matrix.fits(NodeNames.of(["a"]), placement.Shape(1)).tolist() == [True]
     wide = [Card(i, f"GPU-w{i}", "X", 2048, minor=i) for i in range(12)]
     cache.nodes.apply(node_obj("w", wide))
-    rows = matrix.rows(["w", "a"])
-    assert rows.capacity.tolist()[0] == [2] * 12
-    assert fits(rows, placement.Shape(0, 12, True)).tolist() == [True, False]
+    both = NodeNames.of(["w", "a"])
+    assert matrix.fits(both, placement.Shape(2, 12)).tolist() == [True, False]
+    assert matrix.fits(both, placement.Shape(0, 12, True)).tolist() == [True, False]
 
 
 def test_a_node_that_appears_later_is_found_in_a_list_asked_before() -> None:
     cache = ClusterCache(None)
     matrix = NodeMatrix(cache)
     cache.nodes.apply(node_obj("a", [Card(0, "GPU-a", "X", 1024, minor=0)]))
-    assert matrix.rows(["a", "late"]).known.tolist() == [True, False]
+    asked = NodeNames.of(["a", "late"])
+    assert matrix.fits(asked, placement.Shape(1)).tolist() == [True, False]
     cache.nodes.apply(node_obj("late", [Card(0, "GPU-late", "X", 4096, minor=0)]))
-    rows = matrix.rows(["a", "late"])
-    assert rows.known.tolist() == [True, True] and rows.capacity.tolist()[1][0] == 4
+    assert matrix.fits(NodeNames.of(["a", "late"]), placement.Shape(1)).tolist() == [True, True]
+    assert matrix.fits(asked, placement.Shape(4)).tolist() == [False, True]
+
+
+def test_names_that_json_escapes_are_looked_up_too() -> None:
+    cache = ClusterCache(None)
+    matrix = NodeMatrix(cache)
+    odd = ['a", "b', "a", "b"]
+    for name in odd:
+        cache.nodes.apply(node_obj(name, [Card(0, f"GPU-{name}", "X", 1024 * (1 + len(name)), minor=0)]))
+    assert NodeNames.of(odd).text is None
+    assert matrix.fits(NodeNames.of(odd), placement.Shape(2)).tolist() == [True, True, True]
+    assert matrix.fits(NodeNames.of(odd), placement.Shape(3)).tolist() == [True, False, False]
+    assert matrix.fits(NodeNames.of(["a", "b"]), placement.Shape(3)).tolist() == [False, False]

@@ -116,6 +116,19 @@ def test_create_event_records_the_object(kube_api: client.ApiClient, core_v1: cl
     assert (event.involved_object.name, event.involved_object.uid) == ("a", target["metadata"]["uid"])
 
 
+def test_background_events_are_all_recorded_in_order_by_close(
+    kube_api: client.ApiClient, core_v1: client.CoreV1Api
+) -> None:
+    target = kube.get_pod(kube_api, "default", core_v1.create_namespaced_pod("default", pod("a")).metadata.name)
+    events = kube.BackgroundEvents(kube_api, "gpushare")
+    for i in range(3):
+        events.record(target, reason="Assigned", message=f"card {i}")
+    events.close()
+    recorded = sorted(core_v1.list_namespaced_event("default").items, key=lambda e: int(e.metadata.resource_version))
+    assert [e.message for e in recorded] == ["card 0", "card 1", "card 2"]
+    assert {(e.reason, e.source.component, e.involved_object.name) for e in recorded} == {("Assigned", "gpushare", "a")}
+
+
 def test_node_cache_follows_label_scope_and_modifications(
     node_cache: kube.WatchCache, core_v1: client.CoreV1Api
 ) -> None:

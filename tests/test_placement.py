@@ -1,6 +1,7 @@
 """Placement: card choice on one node, policies, fragmentation, and the vectorised path the replay uses."""
 
 import itertools
+import math
 import random
 
 import numpy as np
@@ -16,11 +17,11 @@ from gpushare.placement import (
     Shape,
     Workload,
     batch_place,
+    batch_scores,
     check_fit,
     fragmentation,
     node_cost,
     place,
-    score_nodes,
     shape_key,
 )
 from gpushare.placement.fragmentation import batch_deltas, batch_fragmentation, most_common, placement_deltas
@@ -210,10 +211,10 @@ def test_binpack_and_spread_choose_different_cards_and_nodes() -> None:
     assert taken(place(node, [Demand("m", 3)], SPREAD)) == {"m": [(2, 3)]}
     full, empty = cards((4, 16), (0, 16)), cards((16, 16), (16, 16))
     demand = [Demand("m", 3)]
-    binpack = score_nodes({"full": node_cost(full, demand, BINPACK), "empty": node_cost(empty, demand, BINPACK)})
-    spread = score_nodes({"full": node_cost(full, demand, SPREAD), "empty": node_cost(empty, demand, SPREAD)})
-    assert binpack == {"full": 10, "empty": 0}
-    assert spread == {"full": 0, "empty": 10}
+    binpack = batch_scores(np.array([node_cost(full, demand, BINPACK), node_cost(empty, demand, BINPACK)]))
+    spread = batch_scores(np.array([node_cost(full, demand, SPREAD), node_cost(empty, demand, SPREAD)]))
+    assert binpack.tolist() == [10, 0]  # full, empty
+    assert spread.tolist() == [0, 10]
 
 
 def test_fgd_keeps_a_typical_shape_placeable() -> None:
@@ -232,9 +233,9 @@ def test_fgd_prefers_the_node_whose_fragmentation_grows_least() -> None:
     # on "lone" the 8 units break the only whole card; on "half" they fill a half-used card
     lone = cards((16, 16), (0, 16))
     half = cards((16, 16), (8, 16))
-    costs = {"lone": node_cost(lone, demand, fgd), "half": node_cost(half, demand, fgd)}
-    assert costs == {"lone": 6.0, "half": -6.0}
-    assert score_nodes(costs) == {"lone": 0, "half": 10}
+    costs = [node_cost(lone, demand, fgd), node_cost(half, demand, fgd)]
+    assert costs == [6.0, -6.0]
+    assert batch_scores(np.array(costs)).tolist() == [0, 10]
     assert taken(place(half, demand, fgd)) == {"m": [(1, 8)]}
 
 
@@ -245,10 +246,17 @@ def test_fgd_without_observed_shapes_treats_the_pod_as_typical() -> None:
     assert taken(place(node, [Demand("m", 10)], SPREAD)) == {"m": [(1, 10)]}
 
 
-def test_score_nodes_spans_zero_to_ten_and_handles_ties() -> None:
-    assert score_nodes({}) == {}
-    assert score_nodes({"a": 3.0, "b": 3.0}) == {"a": 10, "b": 10}
-    assert score_nodes({"a": -5.0, "b": 0.0, "c": 5.0}) == {"a": 10, "b": 5, "c": 0}
+def test_scores_span_zero_to_ten_round_half_to_even_and_handle_ties_and_misfits() -> None:
+    def scores(*costs: float) -> list[int]:
+        return batch_scores(np.array(costs, dtype=float)).tolist()
+
+    assert scores() == []
+    assert scores(3.0, 3.0) == [10, 10]
+    assert scores(-5.0, 0.0, 5.0) == [10, 5, 0]
+    assert scores(0.0, 0.25, 0.75, 1.0, 0.05, 0.15) == [10, 8, 2, 0, 10, 8]  # x.5 goes to the even neighbour
+    assert scores(math.inf, 2.0, math.inf, 4.0) == [0, 10, 0, 0]
+    assert scores(math.inf, 7.0) == [0, 10]
+    assert scores(math.inf, math.inf) == [0, 0]
 
 
 # --- workload and fragmentation -------------------------------------------------------------------

@@ -3,8 +3,8 @@
 No I/O here; the extender and the trace-replay benchmark both drive these functions.
 """
 
-from gpushare.placement.batch import BatchChoice, batch_place
-from gpushare.placement.fit import SEARCH_BUDGET, check_fit, node_cost, place, score_nodes
+from gpushare.placement.batch import BatchChoice, batch_place, batch_scores
+from gpushare.placement.fit import SEARCH_BUDGET, check_fit, node_cost, place
 from gpushare.placement.fragmentation import Workload, fragmentation
 from gpushare.placement.model import Assignment, Card, Demand, NoFit, Shape, shape_key
 from gpushare.placement.policies import DEFAULT_POLICY, POLICIES, Binpack, Fgd, HostFit, Policy, Spread
@@ -26,10 +26,10 @@ __all__ = [
     "Spread",
     "Workload",
     "batch_place",
+    "batch_scores",
     "check_fit",
     "fragmentation",
     "node_cost",
     "place",
-    "score_nodes",
     "shape_key",
 ]

@@ -57,3 +57,17 @@ def batch_place(
         cost[rows] = policy.batch_node_cost(capacity, free, after, pod, host)
     cards[rows] = chosen
     return BatchChoice(cost, cards)
+
+
+def batch_scores(costs: np.ndarray) -> np.ndarray:
+    """0..10 scores (MaxExtenderPriority) for the prioritize verb, one per node of ``costs``: the cheapest
+    node gets 10, the dearest 0, linearly in between (rounded half to even); a node costing ``inf`` (the
+    pod doesn't fit there) gets 0 and doesn't count. Normalising over the candidates keeps the policy's
+    ranking even when costs differ by far less than a node's size."""
+    scores = np.zeros(len(costs), dtype=np.int64)
+    finite = np.isfinite(costs)
+    if finite.any():
+        low = costs[finite].min()
+        span = costs[finite].max() - low
+        scores[finite] = 10 if span <= 0 else np.rint(10 * (1 - (costs[finite] - low) / span))
+    return scores

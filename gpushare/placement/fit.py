@@ -1,8 +1,8 @@
 """Fitting a pod's demands onto one node's cards.
 
 ``place`` picks cards with a policy, ``check_fit`` only says whether (and why not) the demands fit,
-``node_cost`` rates the node for the pod and ``score_nodes`` turns those ratings into the 0..10 scores
-of the prioritize verb. All are pure functions of their arguments; results depend only on the cards
+and ``node_cost`` rates the node for the pod (``batch_scores`` turns those ratings into the 0..10 scores
+of the prioritize verb). All are pure functions of their arguments; results depend only on the cards
 and ``shape_key(demands)`` (plus the policy), never on the order either is given in.
 
 Demands are placed most constrained first (exclusive, then multi-card, then larger), each taking the
@@ -13,7 +13,7 @@ of cards fits it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import combinations
 
 from gpushare.placement.model import Assignment, Card, Demand, NoFit, Shape
@@ -61,19 +61,6 @@ def node_cost(cards: Sequence[Card], demands: Sequence[Demand], policy: Policy, 
         for pos in chosen[demand.container]:
             after[pos] -= _take(node, demand, pos)
     return policy.node_cost(node.capacity, node.free, after, _pod(demands))
-
-
-def score_nodes(costs: Mapping[str, float]) -> dict[str, int]:
-    """0..10 scores (MaxExtenderPriority) for the prioritize verb: the cheapest node gets 10, the
-    dearest 0, linearly in between. Normalising over the candidates keeps the policy's ranking even
-    when costs differ by far less than a node's size."""
-    if not costs:
-        return {}
-    low = min(costs.values())
-    span = max(costs.values()) - low
-    if span <= 0:
-        return dict.fromkeys(costs, 10)
-    return {name: round(10 * (1 - (cost - low) / span)) for name, cost in costs.items()}
 
 
 class _Node:

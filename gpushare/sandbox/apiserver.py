@@ -27,7 +27,7 @@ import yaml
 
 from gpushare.sandbox.patching import SUPPORTED, PatchError, apply_patch
 from gpushare.sandbox.selectors import Predicate, SelectorError, parse_field_selector, parse_label_selector
-from gpushare.sandbox.store import Event, Key, Store, StoreError, invalid
+from gpushare.sandbox.store import INDEXED, Event, Key, Store, StoreError, invalid
 
 log = logging.getLogger(__name__)
 
@@ -266,20 +266,22 @@ class ApiServer:
         return {"kind": KINDS[res], "apiVersion": "v1", **obj}
 
     @staticmethod
-    def _selectors(res: str, ns: str | None, query: Mapping[str, str]) -> Predicate:
+    def _selectors(res: str, query: Mapping[str, str]) -> tuple[Predicate, str | None]:
+        """The selectors' predicate, and the value of the kind's indexed field that it requires (if any)."""
         try:
             fields = parse_field_selector(query.get("fieldSelector"))
             labels = parse_label_selector(query.get("labelSelector"))
         except SelectorError as exc:
             raise StoreError(400, "BadRequest", str(exc)) from None
-        return lambda obj: fields(obj) and labels(obj)
+        indexed = fields.required(INDEXED[res]) if res in INDEXED else None
+        return (lambda obj: fields(obj) and labels(obj)), indexed
 
     def _list_or_watch(self, h: _Handler, res: str, ns: str | None, query: Mapping[str, str]) -> None:
-        match = self._selectors(res, ns, query)
+        match, indexed = self._selectors(res, query)
         if query.get("watch") in ("true", "1"):
-            self._watch(h, res, ns, match, query)
+            self._watch(h, res, ns, match, indexed, query)
             return
-        items, rv = self.store.list(res, ns, match)
+        items, rv = self.store.list(res, ns, match, indexed)
         h._send(
             200,
             {
@@ -371,7 +373,9 @@ class ApiServer:
 
     # --- watch ------------------------------------------------------------------------------------------
 
-    def _watch(self, h: _Handler, res: str, ns: str | None, match: Predicate, query: Mapping[str, str]) -> None:
+    def _watch(
+        self, h: _Handler, res: str, ns: str | None, match: Predicate, indexed: str | None, query: Mapping[str, str]
+    ) -> None:
         deadline = time.monotonic() + float(query.get("timeoutSeconds") or 1800)
         generation = self._generation
         requested = query.get("resourceVersion") or "0"
@@ -394,7 +398,7 @@ class ApiServer:
 
         try:
             if requested == "0":
-                items, start = self.store.list(res, ns, match)
+                items, start = self.store.list(res, ns, match, indexed)
                 for obj in items:
                     send("ADDED", self._out(res, obj))
             else:

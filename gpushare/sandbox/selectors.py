@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 Predicate = Callable[[Mapping[str, Any]], bool]
@@ -20,16 +21,31 @@ class SelectorError(ValueError):
     """A selector the API server would reject with 400."""
 
 
-def _field(obj: Mapping[str, Any], path: tuple[str, ...]) -> str:
+def field_value(obj: Mapping[str, Any], path: tuple[str, ...]) -> str:
+    """The field at ``path`` as a selector compares it: a string, empty when absent."""
     value: Any = obj
     for part in path:
         value = (value or {}).get(part) if isinstance(value, Mapping) else None
     return "" if value is None else str(value)
 
 
-def parse_field_selector(text: str | None) -> Predicate:
+@dataclass(frozen=True, slots=True)
+class FieldSelector:
+    """A parsed field selector: ``(path, negated, value)`` terms that must all hold."""
+
+    terms: tuple[tuple[tuple[str, ...], bool, str], ...] = ()
+
+    def __call__(self, obj: Mapping[str, Any]) -> bool:
+        return all((field_value(obj, path) == value) != negate for path, negate, value in self.terms)
+
+    def required(self, path: tuple[str, ...]) -> str | None:
+        """The value every matching object has at ``path`` (from an ``=`` term), or None."""
+        return next((value for term, negate, value in self.terms if term == path and not negate), None)
+
+
+def parse_field_selector(text: str | None) -> FieldSelector:
     if not text:
-        return lambda _obj: True
+        return FieldSelector()
     terms = []
     for raw in text.split(","):
         m = re.fullmatch(r"\s*([A-Za-z.]+)\s*(==|!=|=)\s*([^,]*?)\s*", raw)
@@ -39,7 +55,7 @@ def parse_field_selector(text: str | None) -> Predicate:
         if key not in FIELD_PATHS:
             raise SelectorError(f'field label not supported: "{key}"')
         terms.append((FIELD_PATHS[key], op == "!=", value))
-    return lambda obj: all((_field(obj, path) == value) != negate for path, negate, value in terms)
+    return FieldSelector(tuple(terms))
 
 
 _LABEL_TERM = re.compile(

@@ -12,8 +12,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from gpushare.sandbox.selectors import field_value
+
 #: how many past events a watch may resume from before it gets 410 Gone
 HISTORY = 20000
+#: per kind, the field the store keeps an index on: listing the pods of one node (what every bind and
+#: every node component asks) then doesn't walk every pod of the cluster
+INDEXED: dict[str, tuple[str, ...]] = {"pods": ("spec", "nodeName")}
 
 Key = tuple[str, str]  # (namespace or "", name)
 
@@ -62,6 +67,8 @@ class Store:
 
     def __init__(self) -> None:
         self._objects: dict[str, dict[Key, dict[str, Any]]] = {}
+        #: kind -> value of its INDEXED field -> keys of the objects with that value
+        self._index: dict[str, dict[str, set[Key]]] = {}
         self._rv = 1  # like a real server, never "0": that value means "any version" to a watch
         self._history: deque[Event] = deque(maxlen=HISTORY)
         self.changed = threading.Condition()
@@ -70,17 +77,43 @@ class Store:
     def resource_version(self) -> int:
         return self._rv
 
-    def _record(self, kind: str, type_: str, old: dict[str, Any] | None, new: dict[str, Any]) -> None:
+    def _record(self, kind: str, key: Key, type_: str, old: dict[str, Any] | None, new: dict[str, Any]) -> None:
         self._history.append(Event(self._rv, kind, type_, old, new))
+        self._reindex(kind, key, old, None if type_ == "DELETED" else new)
         self.changed.notify_all()
 
-    def list(self, kind: str, namespace: str | None, match: Callable[[Mapping[str, Any]], bool]) -> tuple[list, int]:
+    def _reindex(self, kind: str, key: Key, old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> None:
+        path = INDEXED.get(kind)
+        if path is None:
+            return
+        before = None if old is None else field_value(old, path)
+        after = None if new is None else field_value(new, path)
+        if before == after:
+            return
+        index = self._index.setdefault(kind, {})
+        if before is not None:
+            index[before].discard(key)
+            if not index[before]:
+                del index[before]
+        if after is not None:
+            index.setdefault(after, set()).add(key)
+
+    def list(
+        self,
+        kind: str,
+        namespace: str | None,
+        match: Callable[[Mapping[str, Any]], bool],
+        indexed: str | None = None,
+    ) -> tuple[list, int]:
+        """The objects ``match`` accepts, by key. ``indexed`` narrows the search to the objects whose
+        INDEXED field has that value (``match`` must then require the same)."""
         with self.changed:
-            items = [
-                obj
-                for (ns, _), obj in sorted(self._objects.get(kind, {}).items())
-                if (namespace is None or ns == namespace) and match(obj)
-            ]
+            objects = self._objects.get(kind, {})
+            if indexed is not None and kind in INDEXED:
+                keys = sorted(self._index.get(kind, {}).get(indexed, ()))
+            else:
+                keys = sorted(objects)
+            items = [objects[key] for key in keys if (namespace is None or key[0] == namespace) and match(objects[key])]
             return items, self._rv
 
     def get(self, kind: str, key: Key) -> dict[str, Any]:
@@ -101,7 +134,7 @@ class Store:
             meta.setdefault("uid", str(uuidlib.uuid4()))
             meta.setdefault("creationTimestamp", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
             objects[key] = obj
-            self._record(kind, "ADDED", None, obj)
+            self._record(kind, key, "ADDED", None, obj)
             return obj
 
     def update(self, kind: str, key: Key, change: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
@@ -130,7 +163,7 @@ class Store:
             self._rv += 1
             meta["resourceVersion"] = str(self._rv)
             objects[key] = updated
-            self._record(kind, "MODIFIED", current, updated)
+            self._record(kind, key, "MODIFIED", current, updated)
             return updated
 
     def delete(self, kind: str, key: Key) -> dict[str, Any]:
@@ -140,7 +173,7 @@ class Store:
                 raise not_found(kind, key[1])
             self._rv += 1
             gone = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self._rv)}}
-            self._record(kind, "DELETED", obj, gone)
+            self._record(kind, key, "DELETED", obj, gone)
             return gone
 
     def events_since(self, rv: int) -> list[Event] | None:
