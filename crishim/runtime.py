@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +11,7 @@ from crishim.rewrite import RewriteOptions
 from crishim.server import CreateContainerGuard, CriShim
 from gpushare.cli import NodeSettings, wait_for_termination
 from gpushare.inventory import GpuBackend, open_backend
-from gpushare.kube import KubeConfigError, WatchCache, create_event, load_api, node_pod_cache
+from gpushare.kube import BackgroundEvents, KubeConfigError, WatchCache, load_api, node_pod_cache
 from gpushare.observability import serve_http
 
 log = logging.getLogger(__name__)
@@ -29,20 +28,17 @@ class ShimSettings:
 
 
 class EventRecorder:
-    """Posts pod Events from one background thread, so CreateContainer never waits on the API."""
+    """Posts pod Events in the background, so CreateContainer never waits on the API."""
 
     def __init__(self, api: Any) -> None:
-        self._api = api
-        self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cri-shim-events")
+        self._events = BackgroundEvents(api, COMPONENT)
 
     def __call__(self, target: Target, reason: str, message: str, type_: str) -> None:
         pod = {"kind": "Pod", "metadata": {"name": target.pod, "namespace": target.namespace, "uid": target.uid}}
-        self._pool.submit(
-            create_event, self._api, pod, reason=reason, message=message, type_=type_, component=COMPONENT
-        )
+        self._events.record(pod, reason=reason, message=message, type_=type_)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._events.close()
 
 
 @dataclass
