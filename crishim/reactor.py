@@ -35,15 +35,21 @@ class Reactor:
         self._epoll.register(self._wakeup, _IN)
         self._calls: deque[Callable[[], None]] = deque()
         self._stopping = False
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Run what was handed in so far, then stop."""
+        """Run what was handed in so far, then stop. :meth:`close` once no other thread calls in any more."""
         self.call_soon(self._stop)
         self._thread.join(timeout)
+
+    def close(self) -> None:
+        self._closed = True
+        self._epoll.close()
+        os.close(self._wakeup)
 
     def _stop(self) -> None:
         self._stopping = True
@@ -53,7 +59,9 @@ class Reactor:
         return threading.current_thread() is self._thread
 
     def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the reactor's thread; safe from any thread."""
+        """Run ``fn`` on the reactor's thread; safe from any thread. Ignored once the reactor is closed."""
+        if self._closed:
+            return
         self._calls.append(fn)
         os.eventfd_write(self._wakeup, 1)
 
@@ -69,20 +77,16 @@ class Reactor:
             self._epoll.unregister(fd)
 
     def _run(self) -> None:
-        try:
-            while not self._stopping:
-                for fd, events in self._epoll.poll():
-                    if fd == self._wakeup:
-                        os.eventfd_read(self._wakeup)
-                        continue
-                    handler = self._handlers.get(fd)
-                    if handler is not None:
-                        self._guarded(handler, events)
-                while self._calls:
-                    self._guarded(self._calls.popleft())
-        finally:
-            self._epoll.close()
-            os.close(self._wakeup)
+        while not self._stopping:
+            for fd, events in self._epoll.poll():
+                if fd == self._wakeup:
+                    os.eventfd_read(self._wakeup)
+                    continue
+                handler = self._handlers.get(fd)
+                if handler is not None:
+                    self._guarded(handler, events)
+            while self._calls:
+                self._guarded(self._calls.popleft())
 
     @staticmethod
     def _guarded(fn: Callable[..., None], *args: int) -> None:

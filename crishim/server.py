@@ -9,7 +9,6 @@ import select
 import socket
 import stat
 import tempfile
-import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -114,7 +113,6 @@ class CriShim:
         self._listener: socket.socket | None = None
         self._splices: set[Splice] = set()
         self._runtime_down = False
-        self._stopped = threading.Event()
         self.serving = False
 
     @property
@@ -157,13 +155,10 @@ class CriShim:
         self.serving = False
         self._reactor.call_soon(self._shut)
         self._reactor.stop()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)  # checks under way hand their verdicts to nobody
+        self._reactor.close()
         if self.path.exists() and stat.S_ISSOCK(self.path.lstat().st_mode):
             self.path.unlink()
-        self._stopped.set()
-
-    def wait(self) -> None:
-        self._stopped.wait()
 
     def _shut(self) -> None:
         assert self._listener is not None
