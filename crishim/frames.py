@@ -109,16 +109,23 @@ def single_grpc_message(body: bytes) -> bytes:
     return body[GRPC_PREFIX:]
 
 
+def frame_at(buf: bytes, pos: int) -> tuple[int, int, int, int] | None:
+    """The frame starting at ``pos``: where it ends, its type, flags and stream; None until it has all arrived."""
+    if len(buf) - pos < FRAME_HEADER:
+        return None
+    end = pos + FRAME_HEADER + int.from_bytes(buf[pos : pos + 3], "big")
+    if end > len(buf):
+        return None
+    return end, buf[pos + 3], buf[pos + 4], int.from_bytes(buf[pos + 5 : pos + 9], "big") & MAX_WINDOW
+
+
 def header_block(buf: bytes, pos: int) -> tuple[bytes, int] | None:
     """The header block whose HEADERS frame starts at ``pos``: its fragments joined, and where its last
     frame ends; None while its CONTINUATION frames haven't all arrived."""
     fragments = []
     first = True
-    while len(buf) - pos >= FRAME_HEADER:
-        end = pos + FRAME_HEADER + int.from_bytes(buf[pos : pos + 3], "big")
-        if end > len(buf):
-            return None
-        kind, flags = buf[pos + 3], buf[pos + 4]
+    while (found := frame_at(buf, pos)) is not None:
+        end, kind, flags, _ = found
         if kind != (HEADERS if first else CONTINUATION):
             raise FrameError("a header block is interrupted by another frame")
         payload = buf[pos + FRAME_HEADER : end]

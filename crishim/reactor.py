@@ -130,14 +130,8 @@ class Endpoint:
         if self.closed or not data:
             return
         if not self._out:
-            try:
-                sent = self._sock.send(data)
-            except BlockingIOError:
-                sent = 0
-            except OSError:
-                self.close()
-                return
-            if sent == len(data):
+            sent = self._send(data)
+            if sent is None or sent == len(data):
                 return
             data = data[sent:]
         self._out.append(data)
@@ -200,12 +194,8 @@ class Endpoint:
     def _flush(self) -> None:
         while self._out:
             chunk = self._out[0]
-            try:
-                sent = self._sock.send(chunk)
-            except BlockingIOError:
-                return
-            except OSError:
-                self.close()
+            sent = self._send(chunk)
+            if not sent:
                 return
             self.buffered -= sent
             if sent < len(chunk):
@@ -214,3 +204,13 @@ class Endpoint:
             self._out.popleft()
         self._update()
         self._on_drain()
+
+    def _send(self, data: bytes) -> int | None:
+        """Bytes the kernel took (0 when its buffer is full); None when the socket failed and is closed now."""
+        try:
+            return self._sock.send(data)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            self.close()
+            return None

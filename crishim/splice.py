@@ -42,7 +42,6 @@ from crishim.frames import (
     ERROR_CANCEL,
     FRAME_HEADER,
     HEADERS,
-    MAX_WINDOW,
     MIN_MAX_FRAME_SIZE,
     PREFACE,
     RST_STREAM,
@@ -51,6 +50,7 @@ from crishim.frames import (
     FrameError,
     GrpcFramingError,
     frame,
+    frame_at,
     grpc_message,
     header_block,
     headers_frame,
@@ -176,15 +176,9 @@ class Splice:
         grants: list[bytes] = []
         settle: list[int] = []  # held calls now whole, settled once their HEADERS are on the wire
         run = pos = 0
-        size = len(buf)
         self._gated = False
-        while size - pos >= FRAME_HEADER:
-            length = int.from_bytes(buf[pos : pos + 3], "big")
-            end = pos + FRAME_HEADER + length
-            if end > size:
-                break
-            kind, flags = buf[pos + 3], buf[pos + 4]
-            stream = int.from_bytes(buf[pos + 5 : pos + 9], "big") & MAX_WINDOW
+        while (found := frame_at(buf, pos)) is not None:
+            end, kind, flags, stream = found
             if kind == DATA:
                 held = self._held.get(stream)
                 if held is not None:
@@ -192,7 +186,7 @@ class Splice:
                     run = end
                     if self._hold(held, stream, flags, buf[pos + FRAME_HEADER : end], grants):
                         settle.append(stream)
-                elif not self._windows.try_consume(length):
+                elif not self._windows.try_consume(end - pos - FRAME_HEADER):
                     self._gated = True  # until the runtime's next window update (see crishim.flow)
                     break
             elif kind == HEADERS:
@@ -275,14 +269,8 @@ class Splice:
     def _runtime_frames(self, buf: bytes) -> bytes:
         out: list[bytes] = []
         run = pos = 0
-        size = len(buf)
-        while size - pos >= FRAME_HEADER:
-            length = int.from_bytes(buf[pos : pos + 3], "big")
-            end = pos + FRAME_HEADER + length
-            if end > size:
-                break
-            kind, flags = buf[pos + 3], buf[pos + 4]
-            stream = int.from_bytes(buf[pos + 5 : pos + 9], "big") & MAX_WINDOW
+        while (found := frame_at(buf, pos)) is not None:
+            end, kind, flags, stream = found
             if kind == HEADERS and not flags & END_HEADERS:
                 block = header_block(buf, pos)  # the shim may write between frames, never inside a block
                 if block is None:
