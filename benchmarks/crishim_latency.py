@@ -123,7 +123,7 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=1000, help="sequential calls per path and round")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=4.0, help="throughput run per path and round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; the paths swap order every round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; the paths swap order every round")
     args = parser.parse_args()
     reason = containerd_available()
     if reason:

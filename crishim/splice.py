@@ -62,7 +62,7 @@ from crishim.frames import (
     window_update,
 )
 from crishim.headers import HeaderBlockError, PathDecoder, trailers_only_block
-from crishim.metrics import FORWARD_LATENCY, method_label
+from crishim.metrics import call_timer
 from crishim.reactor import Endpoint, Reactor
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,8 @@ class Splice:
             pos = end
         out.append(buf[run:pos])
         self._runtime.write(b"".join(out))
-        self._kubelet.write(b"".join(grants))
+        if grants:
+            self._kubelet.write(b"".join(grants))
         for stream in settle:
             self._pool.submit(self._settle, stream, self._held[stream])
         return buf[pos:]
@@ -215,7 +216,7 @@ class Splice:
         if stream <= self._last_stream:
             return False  # trailers of a call already open
         self._last_stream = stream
-        self._started[stream] = (FORWARD_LATENCY.labels(method_label(path)), time.perf_counter())
+        self._started[stream] = (call_timer(path), time.perf_counter())
         if path not in INTERCEPTED:
             return False
         self._windows.track(stream)
