@@ -12,6 +12,7 @@ import os
 import socket
 import stat
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 from conftest import wait_until
 from kubernetes import client
 
+from crishim.frames import PING, PREFACE, SETTINGS, frame
 from crishim.metrics import CORRECTIONS, REFUSALS
 from crishim.rewrite import RewriteOptions
 from crishim.runtime import RunningShim, ShimSettings, start_cri_shim
@@ -546,11 +548,59 @@ def test_header_blocks_split_over_continuation_frames_are_followed(scripted: tup
     big.channel.close()
 
 
-def test_a_client_that_does_not_speak_http2_is_disconnected(scripted: tuple[ScriptedRuntime, Cri]) -> None:
-    _, cri = scripted
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(5)
-        sock.connect(cri.address.removeprefix("unix://"))
-        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert sock.recv(1024) == b""  # closed: nothing was forwarded unchecked
-    assert cri.runtime.Version(pb.VersionRequest(), timeout=5).runtime_name == "scripted"
+class RecordingRuntime:
+    """A runtime socket that only records the bytes the shim sends it, one connection at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.received = bytearray()
+        self.ended = threading.Event()
+        self._listener = socket.socket(socket.AF_UNIX)
+        self._listener.bind(str(path))
+        self._listener.listen(1)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self._listener.accept()
+        with conn:
+            while chunk := conn.recv(65536):
+                self.received += chunk
+        self.ended.set()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.fixture
+def recording(tmp_path: Path, start_shim: ShimFactory) -> Iterator[tuple[RecordingRuntime, str]]:
+    runtime = RecordingRuntime(tmp_path / "recording.sock")
+    yield runtime, start_shim(f"unix://{runtime.path}").shim.address.removeprefix("unix://")
+    runtime.close()
+
+
+def talk(address: str, data: bytes) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(5)
+    sock.connect(address)
+    sock.sendall(data)
+    return sock
+
+
+def test_a_client_that_does_not_speak_http2_is_cut_off_before_the_runtime_sees_a_byte(
+    recording: tuple[RecordingRuntime, str],
+) -> None:
+    runtime, address = recording
+    with talk(address, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n") as sock:
+        assert sock.recv(1024) == b""  # closed by the shim
+    assert runtime.ended.wait(5) and runtime.received == b""
+
+
+def test_frames_reach_the_runtime_byte_for_byte(recording: tuple[RecordingRuntime, str]) -> None:
+    runtime, address = recording
+    settings = frame(SETTINGS, 0, 0, b"\x00\x04\x00\x10\x00\x00")
+    ping = frame(PING, 0, 0, b"12345678")
+    unknown = frame(0xFA, 0x3, 0, b"an extension frame type")  # peers must ignore types they don't know
+    sent = PREFACE + settings + ping + unknown
+    with talk(address, sent):
+        wait_until(lambda: len(runtime.received) >= len(sent), what="the frames at the runtime")
+    assert runtime.received == sent
