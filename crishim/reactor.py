@@ -118,6 +118,7 @@ class Endpoint:
         self._out: deque[bytes] = deque()
         self.buffered = 0
         self._reading = True
+        self._finishing = False
         self._registered = 0
         self.closed = False
         self._update()
@@ -147,6 +148,14 @@ class Endpoint:
         if not self._reading and not self.closed:
             self._reading = True
             self._update()
+
+    def finish(self) -> None:
+        """Close once what is buffered has been written (reading stops now)."""
+        if not self._out:
+            self.close()
+            return
+        self._finishing = True
+        self.pause_reading()
 
     def close(self) -> None:
         if self.closed:
@@ -202,6 +211,9 @@ class Endpoint:
                 self._out[0] = chunk[sent:]
                 return
             self._out.popleft()
+        if self._finishing:
+            self.close()
+            return
         self._update()
         self._on_drain()
 

@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 from crishim.assignment import Resolver, Target
 from crishim.metrics import CORRECTIONS, REFUSALS
 from crishim.reactor import Reactor
-from crishim.rewrite import RewriteOptions, rewrite
+from crishim.rewrite import RewriteOptions, describe, rewrite
 from crishim.splice import Forward, Refuse, Splice, Verdict
 from gpushare.cards import Card
 from gpushare.contract import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID, MemoryUnit
@@ -81,6 +81,8 @@ class CreateContainerGuard:
             self._event(assignment.target, EVENT_REFUSED, outcome.refusal.message, "Warning")
             return Refuse(grpc.StatusCode.FAILED_PRECONDITION, outcome.refusal.message)
         if outcome.config is None:
+            if assignment.wants_gpu:
+                log.info("%s: %s as assigned (%s)", assignment.target, describe(assignment.slices), assignment.source)
             return Forward(request)
         if outcome.reason:
             CORRECTIONS.labels(outcome.reason).inc()

@@ -131,15 +131,24 @@ class Splice:
         self._runtime_buf = b""
         self._gated = False  # kubelet's next DATA frame waits for the runtime's window
         self.closed = False
-        self._kubelet = Endpoint(reactor, kubelet, self._on_kubelet_data, self.close, self._kubelet_drained)
-        self._runtime = Endpoint(reactor, runtime, self._on_runtime_data, self.close, self._runtime_drained)
+        self._kubelet = Endpoint(reactor, kubelet, self._on_kubelet_data, self._hung_up, self._kubelet_drained)
+        self._runtime = Endpoint(reactor, runtime, self._on_runtime_data, self._hung_up, self._runtime_drained)
 
     def close(self) -> None:
+        """End both connections now."""
+        self._end(Endpoint.close)
+
+    def _hung_up(self) -> None:
+        """One side went away: the other still gets what was already relayed to it (a runtime's GOAWAY,
+        say), then is closed too."""
+        self._end(Endpoint.finish)
+
+    def _end(self, how: Callable[[Endpoint], None]) -> None:
         if self.closed:
             return
         self.closed = True
-        self._kubelet.close()
-        self._runtime.close()
+        how(self._kubelet)
+        how(self._runtime)
         self._on_close(self)
 
     # --- kubelet -> runtime -------------------------------------------------------------------------------

@@ -549,10 +549,12 @@ def test_header_blocks_split_over_continuation_frames_are_followed(scripted: tup
 
 
 class RecordingRuntime:
-    """A runtime socket that only records the bytes the shim sends it, one connection at a time."""
+    """A runtime socket that records the bytes the shim sends it; or, given ``last_words``, sends those
+    and hangs up. One connection."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, last_words: bytes = b"") -> None:
         self.path = path
+        self.last_words = last_words
         self.received = bytearray()
         self.ended = threading.Event()
         self._listener = socket.socket(socket.AF_UNIX)
@@ -563,8 +565,11 @@ class RecordingRuntime:
     def _serve(self) -> None:
         conn, _ = self._listener.accept()
         with conn:
-            while chunk := conn.recv(65536):
-                self.received += chunk
+            if self.last_words:
+                conn.sendall(self.last_words)
+            else:
+                while chunk := conn.recv(65536):
+                    self.received += chunk
         self.ended.set()
 
     def close(self) -> None:
@@ -604,3 +609,17 @@ def test_frames_reach_the_runtime_byte_for_byte(recording: tuple[RecordingRuntim
     with talk(address, sent):
         wait_until(lambda: len(runtime.received) >= len(sent), what="the frames at the runtime")
     assert runtime.received == sent
+
+
+def test_what_the_runtime_said_before_hanging_up_still_reaches_kubelet(tmp_path: Path, start_shim: ShimFactory) -> None:
+    """A runtime going away (GOAWAY, then close) while kubelet is slow to read: nothing relayed is lost."""
+    last_words = b"".join(frame(0xFA, 0, 0, bytes([n]) * 16_000) for n in range(200))  # 3.2 MB peers ignore
+    runtime = RecordingRuntime(tmp_path / "leaving.sock", last_words)
+    address = start_shim(f"unix://{runtime.path}").shim.address.removeprefix("unix://")
+    with talk(address, PREFACE) as sock:
+        assert runtime.ended.wait(10)  # all written to the shim and gone, while we haven't read a byte
+        received = bytearray()
+        while chunk := sock.recv(1 << 20):
+            received += chunk
+    runtime.close()
+    assert received == last_words

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -378,12 +379,16 @@ def test_guard_keeps_unknown_fields_when_it_rewrites() -> None:
     assert env_of(decoded.config)[ENV_VISIBLE_DEVICES] == [A0.uuid]
 
 
-def test_guard_forwards_the_original_bytes_when_nothing_changes() -> None:
+def test_guard_forwards_the_original_bytes_when_nothing_changes(caplog: pytest.LogCaptureFixture) -> None:
     request = request_for(POD, allocation_of(worker=(slice_of(A0),)), plugin_config(POD, [slice_of(A0)]))
     raw = request.SerializeToString() + b"\xd0\x02\x07"
     guard = CreateContainerGuard(Resolver(GIB, None), lambda: CARDS, GIB, RewriteOptions())
-    verdict = guard(raw)
+    with caplog.at_level(logging.INFO, logger="crishim.server"):
+        verdict = guard(raw)
     assert isinstance(verdict, Forward) and verdict.message is raw  # not even re-encoded
+    assert [r.getMessage() for r in caplog.records] == [
+        f"pod default/train container worker: card 0 ({A0.uuid}) as assigned (pod annotations)"
+    ]
 
 
 def test_guard_refuses_with_failed_precondition() -> None:
