@@ -49,15 +49,6 @@ def rst_stream(stream: int, error_code: int) -> bytes:
     return frame(RST_STREAM, 0, stream, error_code.to_bytes(4, "big"))
 
 
-def data_frames(stream: int, payload: bytes, end_stream: bool) -> bytes:
-    """``payload`` as DATA frames no larger than any peer must accept."""
-    chunks = [payload[at : at + MIN_MAX_FRAME_SIZE] for at in range(0, len(payload), MIN_MAX_FRAME_SIZE)] or [b""]
-    last = len(chunks) - 1
-    return b"".join(
-        frame(DATA, END_STREAM if end_stream and n == last else 0, stream, chunk) for n, chunk in enumerate(chunks)
-    )
-
-
 def headers_frame(stream: int, block: bytes, end_stream: bool) -> bytes:
     """One HEADERS frame with the whole block (the shim's own blocks are a few dozen bytes)."""
     return frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), stream, block)
