@@ -137,4 +137,8 @@ def kubectl_main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the imported module's main: its errors are the classes the subcommands raise, whereas this
+    # copy of the module (__main__) has classes of its own
+    from gpushare.cli import main as imported_main
+
+    sys.exit(imported_main())

@@ -181,6 +181,6 @@ def test_a_held_call_waits_for_its_stream_window_and_follows_settings_changes() 
     assert windows.on_update(3, 7) == 7 and windows.stream(3) == 0
 
 
-def test_grpc_data_frames_respect_end_stream() -> None:
+def test_a_frame_is_length_type_flags_stream_then_payload() -> None:
     data = frame(DATA, END_STREAM, 1, b"abc")
     assert data[:9] == b"\x00\x00\x03\x00\x01\x00\x00\x00\x01" and data[9:] == b"abc"

@@ -63,3 +63,15 @@ def test_node_agent_runs_all_node_components(
             proc.kill()
         kubelet.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_cri_shim_flags_that_are_not_unix_sockets_are_refused_by_name() -> None:
+    for flag, value in (("--listen", "relative.sock"), ("--runtime", "tcp://10.0.0.1:1234")):
+        done = subprocess.run(
+            [sys.executable, "-m", "gpushare.cli", "cri-shim", "--node-name", "n1", "--gpus", "sim:1xT4:15360",
+             "--no-api-fetch", "--metrics-port", "0", flag, value],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2
+        assert f"{flag} '{value}': expected an absolute unix socket path" in done.stderr
+        assert "Traceback" not in done.stderr
