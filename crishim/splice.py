@@ -254,6 +254,7 @@ class Splice:
         held = self._held.get(stream)
         if held is not None:
             held.cancelled = True
+        self._drop_queued(stream)
 
     def _runtime_drained(self) -> None:
         """The runtime caught up with what we wrote it: kubelet may be read again."""
@@ -307,6 +308,7 @@ class Splice:
         held = self._held.get(stream)
         if held is not None:
             held.answered = True
+        self._drop_queued(stream)
         started = self._started.pop(stream, None)
         if started is not None:
             timer, began = started
@@ -363,6 +365,14 @@ class Splice:
             self._runtime.write(frame(DATA, flags, stream, chunk))
             if flags & END_STREAM:
                 self._windows.forget(stream)
+
+    def _drop_queued(self, stream: int) -> None:
+        """``stream`` ended while its held DATA was still waiting for window, which will never come now:
+        the rest goes nowhere, and must not hold up the calls queued behind it."""
+        if any(queued == stream for queued, _, _ in self._sending):
+            self._sending = deque(item for item in self._sending if item[0] != stream)
+            self._windows.forget(stream)
+            self._send_held()
 
     def _fail(self, reason: str) -> None:
         log.warning("closing a CRI connection: can't follow its HTTP/2 stream (%s)", reason)

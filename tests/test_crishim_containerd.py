@@ -21,9 +21,24 @@ from typing import Any
 import grpc
 import pytest
 from conftest import wait_until
+from hpack import Encoder
 from kubernetes import client
 
-from crishim.frames import PING, PREFACE, SETTINGS, frame
+from crishim.frames import (
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    ERROR_CANCEL,
+    HEADERS,
+    PING,
+    PREFACE,
+    SETTINGS,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    frame,
+    frame_at,
+    grpc_message,
+    rst_stream,
+)
 from crishim.metrics import CORRECTIONS, REFUSALS
 from crishim.rewrite import RewriteOptions
 from crishim.runtime import RunningShim, ShimSettings, start_cri_shim
@@ -623,3 +638,51 @@ def test_what_the_runtime_said_before_hanging_up_still_reaches_kubelet(tmp_path:
             received += chunk
     runtime.close()
     assert received == last_words
+
+
+class FrameReader:
+    """Frames as they arrive on a raw socket, read up to the one a test waits for."""
+
+    def __init__(self, sock: socket.socket, skip: int = 0) -> None:
+        self._sock, self._buf, self._pos = sock, b"", skip
+
+    def until(self, wanted: Callable[[int, int, int], bool]) -> None:
+        """Read until a frame whose (type, flags, stream) ``wanted`` accepts."""
+        while True:
+            while (found := frame_at(self._buf, self._pos)) is not None:
+                self._pos, kind, flags, stream = found
+                if wanted(kind, flags, stream):
+                    return
+            chunk = self._sock.recv(65536)
+            assert chunk, "the connection closed first"
+            self._buf += chunk
+
+
+def test_a_held_call_the_runtime_resets_midway_holds_up_no_later_call(tmp_path: Path, start_shim: ShimFactory) -> None:
+    """The runtime's stream window lets only part of a rewritten request through, then the runtime
+    resets that stream (its deadline, say). The next CreateContainer must still reach it."""
+    path = tmp_path / "raw-runtime.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        listener.settimeout(5)
+        address = start_shim(f"unix://{path}").shim.address.removeprefix("unix://")
+        encoder = Encoder()
+
+        def call(stream: int, request: pb.CreateContainerRequest) -> bytes:
+            block = encoder.encode([(":method", "POST"), (":path", "/runtime.v1.RuntimeService/CreateContainer")])
+            message = grpc_message(request.SerializeToString())
+            return frame(HEADERS, END_HEADERS, stream, block) + frame(DATA, END_STREAM, stream, message)
+
+        with talk(address, PREFACE + frame(SETTINGS, 0, 0)) as kubelet:
+            runtime, _ = listener.accept()
+            with runtime:
+                runtime.settimeout(5)
+                window = SETTINGS_INITIAL_WINDOW_SIZE.to_bytes(2, "big") + (20_000).to_bytes(4, "big")
+                runtime.sendall(frame(SETTINGS, 0, 0, window))
+                kubelet.sendall(call(1, create_request("big", 50_000)))  # 50 KB against a 20,000-byte window
+                seen = FrameReader(runtime, skip=len(PREFACE))
+                seen.until(lambda kind, _flags, stream: kind == DATA and stream == 1)
+                runtime.sendall(rst_stream(1, ERROR_CANCEL))
+                kubelet.sendall(call(3, create_request("small", 0)))
+                seen.until(lambda kind, flags, stream: kind == DATA and stream == 3 and bool(flags & END_STREAM))
