@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from functools import cache, lru_cache
-from typing import Any
 
 from prometheus_client import Counter, Histogram
 
@@ -43,6 +42,6 @@ def method_label(path: bytes | None) -> str:
 
 
 @lru_cache(maxsize=256)
-def call_timer(path: bytes | None) -> Any:
+def call_timer(path: bytes | None) -> Histogram:
     """The latency histogram of ``path``'s label; looked up once per method, not once per call."""
     return FORWARD_LATENCY.labels(method_label(path))

@@ -31,6 +31,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import grpc
+from prometheus_client import Histogram
 
 from crishim.flow import Windows
 from crishim.frames import (
@@ -124,7 +125,7 @@ class Splice:
         self._paths = PathDecoder()
         self._held: dict[int, _Held] = {}
         self._sending: deque[tuple[int, bytes, int]] = deque()  # held DATA waiting for window
-        self._started: dict[int, tuple[object, float]] = {}
+        self._started: dict[int, tuple[Histogram, float]] = {}
         self._last_stream = 0
         self._preface_seen = False
         self._kubelet_buf = b""
@@ -312,7 +313,7 @@ class Splice:
         started = self._started.pop(stream, None)
         if started is not None:
             timer, began = started
-            timer.observe(time.perf_counter() - began)  # type: ignore[attr-defined]
+            timer.observe(time.perf_counter() - began)
 
     def _kubelet_drained(self) -> None:
         self._runtime.resume_reading()
@@ -369,7 +370,7 @@ class Splice:
     def _drop_queued(self, stream: int) -> None:
         """``stream`` ended while its held DATA was still waiting for window, which will never come now:
         the rest goes nowhere, and must not hold up the calls queued behind it."""
-        if any(queued == stream for queued, _, _ in self._sending):
+        if self._sending and any(queued == stream for queued, _, _ in self._sending):  # every call ends here
             self._sending = deque(item for item in self._sending if item[0] != stream)
             self._windows.forget(stream)
             self._send_held()
