@@ -46,6 +46,11 @@ def published_inventory(api: client.ApiClient, node: str) -> c.NodeInventory | N
     return c.parse_inventory(text, node) if text else None
 
 
+def annotated_health(api: client.ApiClient, node: str, index: int) -> bool | None:
+    inventory = published_inventory(api, node)
+    return None if inventory is None else inventory.cards[index].healthy
+
+
 # --- what each machine presents ----------------------------------------------------------------------------
 
 
@@ -219,16 +224,19 @@ def test_xids_reach_kubelet_and_the_card_recovers(dgx: NvmlNode, kube_api) -> No
         fake.xid(cards[1].uuid, 48)
         failed = time.monotonic()
         # events are handled in order: by the time card 1 flips, card 0's XIDs have been judged
-        assert dgx.kubelet.wait_for(lambda k: dgx.health(cards[1].uuid) == "Unhealthy", 10)
-        assert dgx.health(cards[0].uuid) == "Healthy"
-        assert dgx.kubelet.allocatable(c.RESOURCE_COUNT) == 7 and dgx.kubelet.allocatable(c.RESOURCE_MEM) == 7 * 80
-        wait_until(
-            lambda: not published_inventory(kube_api, "n1").cards[1].healthy, 10, "card 1 unhealthy in the annotation"
+        # both resources' device lists carry the flip (they are separate streams)
+        assert dgx.kubelet.wait_for(
+            lambda k: dgx.health(cards[1].uuid) == "Unhealthy" and k.allocatable(c.RESOURCE_MEM) == 7 * 80, 10
         )
+        assert dgx.health(cards[0].uuid) == "Healthy" and dgx.kubelet.allocatable(c.RESOURCE_COUNT) == 7
+        wait_until(lambda: annotated_health(kube_api, "n1", 1) is False, 10, "card 1 unhealthy in the annotation")
         # back, after the recovery time without a further fault
-        assert dgx.kubelet.wait_for(lambda k: dgx.health(cards[1].uuid) == "Healthy", 10)
+        assert dgx.kubelet.wait_for(
+            lambda k: dgx.health(cards[1].uuid) == "Healthy" and k.allocatable(c.RESOURCE_MEM) == 8 * 80, 10
+        )
         assert time.monotonic() - failed >= 1.0
-        wait_until(lambda: published_inventory(kube_api, "n1").cards[1].healthy, 10, "card 1 healthy again")
+        wait_until(lambda: annotated_health(kube_api, "n1", 1), 10, "card 1 healthy again in the annotation")
+        wait_until(lambda: len(seen) == 2, 5, "both health events")
         assert [(e.uuid, e.healthy, e.reason.split(" for")[0]) for e in seen] == [
             (cards[1].uuid, False, "XID 48"),
             (cards[1].uuid, True, "no fault"),
@@ -244,7 +252,8 @@ def test_a_card_that_falls_off_the_bus_turns_unhealthy_and_back(dgx: NvmlNode) -
     lost = dgx.backend.cards()[5].uuid
     fake.lose(lost)
     assert dgx.kubelet.wait_for(lambda k: dgx.health(lost) == "Unhealthy", 10)
-    assert seen[0].reason == "nvmlDeviceGetMemoryInfo failed: GPU is lost"
+    wait_until(lambda: seen, 5, "the health event")  # kubelet may hear of it before this subscriber does
+    assert (seen[0].uuid, seen[0].reason) == (lost, "nvmlDeviceGetMemoryInfo failed: GPU is lost")
     fake.restore(lost)
     assert dgx.kubelet.wait_for(lambda k: dgx.health(lost) == "Healthy", 10)
     assert sum(1 for card in dgx.backend.cards() if card.healthy) == 8
