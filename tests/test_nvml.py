@@ -24,7 +24,7 @@ from deviceplugin.plugin import SOCKETS
 from deviceplugin.runtime import RunningPlugin, start_device_plugin
 from gpushare import contract as c
 from gpushare.cli import NodeSettings
-from gpushare.inventory import HealthEvent, NvmlBackend, _single_node, parse_ignored_xids
+from gpushare.inventory import HealthEvent, InventoryError, NvmlBackend, _single_node, parse_ignored_xids
 from gpushare.kube import get_node
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
@@ -104,6 +104,33 @@ def test_a_card_lost_before_start_is_left_out_naming_the_call(tmp_path, monkeypa
     assert [card.index for card in cards] == [0, 2]  # indices stay NVML's
     assert all(card.healthy and card.numa_node is None for card in cards)
     assert "card at NVML index 1: nvmlDeviceGetHandleByIndex failed: GPU is lost; not advertised" in caplog.messages
+
+
+def test_faults_at_start_name_the_card_and_the_call(tmp_path, monkeypatch, caplog) -> None:
+    ok, no_events, unreadable = (d["uuid"] for d in described_cards("faulty"))
+    caplog.set_level(logging.WARNING, logger="gpushare.inventory")
+    with nvml_backend("faulty", tmp_path, monkeypatch, **FAST) as (backend, _):
+        cards = backend.cards()
+    # a card that can't report XIDs is not trusted with work; one that can't be read is not offered
+    assert [(card.uuid, card.healthy) for card in cards] == [(ok, True), (no_events, False)]
+    assert (
+        f"card {unreadable} (NVML index 2): nvmlDeviceGetMemoryInfo failed: Unknown Error; not advertised"
+        in caplog.messages
+    )
+    assert (
+        f"card {no_events} (index 1) is now Unhealthy: nvmlDeviceRegisterEvents failed: Not Supported: "
+        "its XID events can't be watched" in caplog.messages
+    )
+    assert (
+        f"cards {ok} and {no_events}: nvmlDeviceGetP2PStatus failed: Unknown Error; taken as not NVLink-connected"
+        in caplog.messages
+    )
+
+
+def test_driver_not_loaded_is_one_error_naming_the_call(tmp_path, monkeypatch) -> None:
+    error = r"nvmlInit failed: Driver Not Loaded\. On a GPU node"
+    with pytest.raises(InventoryError, match=error), nvml_backend("no-driver", tmp_path, monkeypatch):
+        pass
 
 
 def test_memory_affinity_masks() -> None:
@@ -294,3 +321,15 @@ def test_node_agent_runs_on_the_fake_library(tmp_path, kubeconfig, kube_api, cor
         if proc.poll() is None:
             proc.kill()
         kubelet.stop()
+
+
+def test_sandbox_runs_the_examples_on_a_fake_nvml_node(tmp_path) -> None:
+    fake_machine("mixed", tmp_path)  # skips without gcc
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpushare.cli", "sandbox", "--nvml-fake", "mixed", "--no-containers"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shared = next(line for line in proc.stdout.splitlines() if line.startswith("shared-1 "))
+    assert "nvml-mixed" in shared and "Admitted" in shared
+    assert "Total:      135 GiB" in proc.stdout  # 3 x 40 GiB A100 + 15 GiB T4, as NVML reported them

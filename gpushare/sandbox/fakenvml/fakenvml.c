@@ -15,6 +15,8 @@
  *       nvlink BUSID|switch [COUNT]     COUNT active links to that GPU or to the NVSwitch fabric;
  *                                       "nvlink unsupported": the card has no NVLink at all
  *       state lost                      the card is off the bus from the start
+ *       fail CALL CODE                  CALL (the exported name, e.g. nvmlDeviceRegisterEvents) answers
+ *                                       CODE for this card: not-supported, gpu-is-lost or unknown
  * Health is scripted through the file named by $GPUSHARE_FAKE_NVML_CONTROL: lines
  * appended to it are applied on the next NVML call, one command per line:
  *     xid <uuid> <n>     raise XID <n> on the card (an nvmlEventTypeXidCriticalError event)
@@ -81,6 +83,7 @@ typedef struct {
 #define MAX_DEVICES 32
 #define MAX_LINKS 18
 #define MAX_QUEUE 64
+#define MAX_FAILS 4
 
 struct fake_device {
     char uuid[96];
@@ -94,6 +97,9 @@ struct fake_device {
     int links;          /* active links */
     char link_peer[MAX_LINKS][32]; /* remote bus ID of each active link; "switch" for an NVSwitch */
     int lost;
+    int fails;
+    char fail_call[MAX_FAILS][64];
+    nvmlReturn_t fail_code[MAX_FAILS];
 };
 
 struct fake_event_set {
@@ -180,6 +186,17 @@ static int load_machine(const char *path) {
                 bad = lineno;
             } else {
                 while (count--) copy_field(d->link_peer[d->links++], sizeof d->link_peer[0], peer);
+            }
+        } else if (!strcmp(s, "fail")) {
+            char call[64], code[32];
+            nvmlReturn_t ret = NVML_ERROR_UNKNOWN;
+            if (sscanf(value, "%63s %31s", call, code) != 2 || d->fails == MAX_FAILS) bad = lineno;
+            else if (!strcmp(code, "not-supported")) ret = NVML_ERROR_NOT_SUPPORTED;
+            else if (!strcmp(code, "gpu-is-lost")) ret = NVML_ERROR_GPU_IS_LOST;
+            else if (strcmp(code, "unknown")) bad = lineno;
+            if (!bad) {
+                copy_field(d->fail_call[d->fails], sizeof d->fail_call[0], call);
+                d->fail_code[d->fails++] = ret;
             }
         } else if (!strcmp(s, "state")) {
             d->lost = !strcmp(value, "lost");
@@ -312,14 +329,20 @@ nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
 
 /* --- devices --------------------------------------------------------------------------------------- */
 
-/* Every device query starts here: initialised, a known handle, the card still on the bus. */
-static nvmlReturn_t enter(nvmlDevice_t device) {
+/* Every device query starts here: initialised, a known handle, the card still on the bus, and the
+ * call not one the description makes fail. Takes the lock; leave() releases it. */
+static nvmlReturn_t enter_call(nvmlDevice_t device, const char *call) {
     pthread_mutex_lock(&lock);
     if (!init_count) return NVML_ERROR_UNINITIALIZED;
     poll_control();
     if (device < devices || device >= devices + device_count) return NVML_ERROR_INVALID_ARGUMENT;
-    return device->lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
+    if (device->lost) return NVML_ERROR_GPU_IS_LOST;
+    for (int i = 0; i < device->fails; i++)
+        if (!strcmp(device->fail_call[i], call)) return device->fail_code[i];
+    return NVML_SUCCESS;
 }
+
+#define enter(device) enter_call(device, __func__)
 
 static nvmlReturn_t leave(nvmlReturn_t ret) {
     pthread_mutex_unlock(&lock);
