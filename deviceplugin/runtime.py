@@ -23,6 +23,12 @@ class RunningPlugin:
     allocator: Allocator
     cache: WatchCache
 
+    def alive(self) -> bool:
+        return self.plugin.alive()
+
+    def ready(self) -> bool:
+        return self.plugin.registered and self.cache.synced
+
     def stop(self) -> None:
         self.plugin.stop()
         self.cache.stop()
@@ -50,9 +56,7 @@ def run_device_plugin(settings: NodeSettings, metrics_port: int) -> int:
     backend = open_backend(settings.gpus, settings.node_name, settings.ignored_xids)
     check_unit(backend, settings.memory_unit)
     running = start_device_plugin(settings, backend, load_api(settings.kubeconfig))
-    server = (
-        serve_http(metrics_port, lambda: running.plugin.registered and running.cache.synced) if metrics_port else None
-    )
+    server = serve_http(metrics_port, running.ready) if metrics_port else None
     log.info(
         "device plugin for node %s serving %d card(s) from %s",
         settings.node_name,
