@@ -46,7 +46,7 @@ def start_device_plugin(settings: NodeSettings, backend: GpuBackend, api: object
     check_unit(backend, settings.memory_unit)
     cache = node_pod_cache(api, settings.node_name)
     cache.start()
-    allocator = Allocator(api, settings.node_name, cache, backend.cards, settings.memory_unit)
+    allocator = Allocator(api, settings.node_name, cache, backend.cards, settings.memory_unit, settings.reread)
     plugin = DevicePlugin(settings.device_plugin_dir, backend, allocator, settings.memory_unit)
     plugin.start()
     return RunningPlugin(plugin, allocator, cache)

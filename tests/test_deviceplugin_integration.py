@@ -18,11 +18,13 @@ from conftest import wait_until
 from kubernetes import client
 from podfactory import container, gpu_pod, slices
 
+from deviceplugin import runtime as deviceplugin_runtime
 from deviceplugin.plugin import SOCKETS
 from deviceplugin.runtime import RunningPlugin, start_device_plugin
 from gpushare import contract as c
 from gpushare.cli import NodeSettings, UsageError
 from gpushare.inventory import SimulatedBackend
+from gpushare.kube import WatchCache
 from gpushare.observability import serve_http
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
@@ -229,11 +231,57 @@ def test_bad_annotations_are_refused_as_invalid_argument(
     assert any(message in m for m in refusal_events(node.core, "bad"))
 
 
-def test_a_request_no_pod_is_waiting_for_is_refused_not_faked(node: SimNode) -> None:
+def test_a_request_no_pod_is_waiting_for_is_refused_not_faked_within_a_bounded_time(node: SimNode) -> None:
+    started = time.monotonic()
     with pytest.raises(grpc.RpcError) as error:
         allocate(node, c.RESOURCE_MEM, 5)
+    assert time.monotonic() - started < 3.0
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "no pending pod on node n1" in error.value.details()
+    assert "re-read from the API server 4 time(s)" in error.value.details()
+
+
+class LaggingCache(WatchCache):
+    """The node's pod cache with a watch that hasn't delivered some pods yet (``unseen`` names)."""
+
+    def __init__(self, api: client.ApiClient, node: str) -> None:
+        super().__init__(api, "pods", field_selector=f"spec.nodeName={node}")
+        self.unseen: set[str] = set()
+
+    def items(self) -> list[dict[str, Any]]:
+        return [p for p in super().items() if p["metadata"]["name"] not in self.unseen]
+
+    def get(self, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        return None if name in self.unseen else super().get(name, namespace)
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        self.unseen.discard(obj["metadata"]["name"])
+        super().apply(obj)
+
+
+def test_a_pod_kubelet_knows_before_the_plugin_cache_does_is_admitted(
+    kube_api: client.ApiClient, core_v1: client.CoreV1Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lagging = LaggingCache(kube_api, "n1")
+    lagging.unseen.add("two-cards")
+    monkeypatch.setattr(deviceplugin_runtime, "node_pod_cache", lambda api, node: lagging)
+    directory = Path(tempfile.mkdtemp(prefix="dp", dir="/tmp"))
+    sim = SimNode(kube_api, core_v1, directory)
+    try:
+        sim.start_plugin()
+        _, a1, t4 = sim.cards
+        pod = gpu_pod("two-cards", [container("main", 8, 2)], allocation={"main": slices([a1, t4], 4)})
+        core_v1.create_namespaced_pod("default", pod)
+        # kubelet admits the pod as its own watch delivers it: straight from the API server
+        seen_by_kubelet = kube_api.sanitize_for_serialization(core_v1.read_namespaced_pod("two-cards", "default"))
+        assert lagging.get("two-cards", "default") is None
+        admission = sim.kubelet.admit(seen_by_kubelet)
+        assert visible(admission) == f"{a1.uuid},{t4.uuid}"
+        assert sim.annotations("two-cards")[c.ANN_MEM_ASSIGNED] == "true"
+    finally:
+        sim.stop_plugin()
+        sim.kubelet.stop()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 # --- health ---------------------------------------------------------------------------------------------
