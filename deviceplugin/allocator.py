@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from deviceplugin.allocate import Decision, Refusal, decide, describe, preferred_cards
+from deviceplugin.allocate import Decision, Refusal, booked_cards_note, decide, describe, preferred_cards
 from deviceplugin.metrics import ALLOCATE_FAILURES, ALLOCATE_LATENCY, publish_card_usage
 from gpushare.cards import Card
 from gpushare.cli import DEFAULT_REREAD, Reread
-from gpushare.contract import MemoryUnit
+from gpushare.contract import MemoryUnit, pod_key
 from gpushare.kube import KubeError, KubeUnavailable, WatchCache, create_event, list_pods, patch_pod
 from gpushare.usage import node_usage
 
@@ -67,8 +67,10 @@ class Allocator:
         except KubeError as exc:
             raise Unavailable(f"node {self._node}: listing pods failed: {exc}") from None
 
-    def allocate(self, resource: str, units: int) -> Decision:
+    def allocate(self, resource: str, device_ids: Sequence[str]) -> Decision:
+        """Serve one container's Allocate: ``device_ids`` are the devices kubelet booked for it."""
         started = time.perf_counter()
+        units = len(device_ids)
         with self._lock:
             try:
                 decision = self._allocate(resource, units)
@@ -90,6 +92,9 @@ class Allocator:
                 log.warning("node %s: %s x%d unavailable: %s", self._node, resource, units, exc)
                 raise
         ALLOCATE_LATENCY.labels(resource=resource).observe(time.perf_counter() - started)
+        note = booked_cards_note(resource, device_ids, decision.slices)
+        if note:
+            log.warning("node %s: pod %s container %s: %s", self._node, pod_key(decision.pod), decision.container, note)
         return decision
 
     def _fresh_pods(self) -> list[Mapping[str, Any]]:

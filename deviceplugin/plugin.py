@@ -59,11 +59,14 @@ class _Served:
 
 
 class DevicePlugin:
-    def __init__(self, directory: Path, backend: GpuBackend, allocator: Allocator, unit: MemoryUnit) -> None:
+    def __init__(
+        self, directory: Path, backend: GpuBackend, allocator: Allocator, unit: MemoryUnit, count_replicas: int = 0
+    ) -> None:
         self._dir = Path(directory)
         self._backend = backend
         self._allocator = allocator
         self._unit = unit
+        self._count_replicas = count_replicas
         self.state = DeviceState(backend.cards)
         self._served: list[_Served] = []
         self._kubelet_identity: tuple[int, int] | None = None
@@ -113,7 +116,7 @@ class DevicePlugin:
         for resource, name in SOCKETS.items():
             path = self._dir / name
             path.unlink(missing_ok=True)
-            service = ResourceService(resource, self.state, self._allocator, self._unit)
+            service = ResourceService(resource, self.state, self._allocator, self._unit, self._count_replicas)
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"dp-{name}"))
             pb_grpc.add_DevicePluginServicer_to_server(service, server)
             server.add_insecure_port(f"unix://{path}")

@@ -70,6 +70,8 @@ class NodeSettings:
     memory_unit: MemoryUnit
     ignored_xids: frozenset[int]
     reread: Reread = DEFAULT_REREAD
+    #: gpu-count replicas listed per card; 0: one per memory unit of the card (never runs out)
+    count_replicas: int = 0
 
 
 def add_node_flags(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +84,13 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         "--ignore-xids",
         default=",".join(str(x) for x in sorted(DEFAULT_IGNORED_XIDS)),
         help="XIDs that don't mark a card unhealthy (application errors)",
+    )
+    parser.add_argument(
+        "--count-replicas",
+        type=int,
+        default=0,
+        help="aliyun.com/gpu-count devices listed per card; 0 (default): one per memory unit of the card, "
+        "so the node never runs out of gpu-count before its cards run out of memory",
     )
     parser.add_argument(
         "--allocate-rereads",
@@ -100,8 +109,8 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
 def node_settings(args: argparse.Namespace) -> NodeSettings:
     if not args.node_name:
         raise UsageError("--node-name is required (or set $NODE_NAME)")
-    if args.allocate_rereads < 0 or args.allocate_reread_wait < 0:
-        raise UsageError("--allocate-rereads and --allocate-reread-wait must not be negative")
+    if args.allocate_rereads < 0 or args.allocate_reread_wait < 0 or args.count_replicas < 0:
+        raise UsageError("--allocate-rereads, --allocate-reread-wait and --count-replicas must not be negative")
     try:
         unit = parse_unit(args.memory_unit)
         ignored = parse_ignored_xids(args.ignore_xids)
@@ -115,6 +124,7 @@ def node_settings(args: argparse.Namespace) -> NodeSettings:
         memory_unit=unit,
         ignored_xids=ignored,
         reread=Reread(args.allocate_rereads, args.allocate_reread_wait),
+        count_replicas=args.count_replicas,
     )
 
 

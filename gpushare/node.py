@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     settings = node_settings(args)
     shim = None if args.no_cri_shim else shim_settings(args)
     backend = open_backend(settings.gpus, settings.node_name, settings.ignored_xids)
-    check_unit(backend, settings.memory_unit)
+    check_unit(backend, settings.memory_unit, settings.count_replicas)
     api = load_api(settings.kubeconfig)
     supervisor = Supervisor(components(settings, shim, backend, api, args.advertise_interval))
     server = None
