@@ -4,16 +4,11 @@ sockets, the kubelet emulator, and the API stand-in through the official client.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import readiness, wait_until
 from kubernetes import client
 from podfactory import container, gpu_pod
 
@@ -30,21 +25,6 @@ from gpushare.sandbox.kubelet import KubeletEmulator
 from gpushare.supervisor import Supervisor
 
 SPEC = "2xA100-80GB:81920"
-
-
-@pytest.fixture
-def directory() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="sv", dir="/tmp"))  # unix socket paths must stay short
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def kubelet(directory: Path) -> Iterator[KubeletEmulator]:
-    emulator = KubeletEmulator(directory)
-    emulator.start()
-    yield emulator
-    emulator.stop()
 
 
 def settings(directory: Path) -> NodeSettings:
@@ -91,11 +71,7 @@ class FlakyBackend(SimulatedBackend):
 
 
 def readyz(port: int) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as reply:
-            return reply.status
-    except urllib.error.HTTPError as error:
-        return error.code
+    return readiness(f"http://127.0.0.1:{port}")
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the deaths are the point
