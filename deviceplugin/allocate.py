@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from deviceplugin.devices import card_of_device
 from deviceplugin.matching import Match, fully_served, match_container
 from gpushare.cards import Card
 from gpushare.contract import (
@@ -22,6 +23,7 @@ from gpushare.contract import (
     CTR_ANN_CONTAINER,
     CTR_ANN_POD,
     CTR_ANN_POD_UID,
+    RESOURCE_COUNT,
     AnnotationError,
     CardSlice,
     ContractError,
@@ -169,6 +171,21 @@ def decide(
         pod_patch={"metadata": {"annotations": annotations}},
         usage=usage,
     )
+
+
+def booked_cards_note(resource: str, device_ids: Sequence[str], slices: Sequence[CardSlice]) -> str | None:
+    """When kubelet booked gpu-count replicas of other cards than the container gets, what differs.
+
+    The container always gets the scheduler's cards; kubelet's books only decide how many replicas
+    it counts as free, and replicas never run short, so a difference is worth a log line only.
+    """
+    if resource != RESOURCE_COUNT:
+        return None
+    booked = sorted(card_of_device(d) for d in device_ids)
+    assigned = sorted(s.uuid for s in slices)
+    if booked == assigned:
+        return None
+    return f"kubelet booked {RESOURCE_COUNT} replicas of {', '.join(booked)}; the container gets {describe(slices)}"
 
 
 def preferred_cards(

@@ -49,6 +49,8 @@ class GpuBackend(Protocol):
 
     def subscribe(self, callback: HealthCallback) -> None: ...
 
+    def unsubscribe(self, callback: HealthCallback) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -72,6 +74,11 @@ class _Subscribers:
     def add(self, callback: HealthCallback) -> None:
         with self._lock:
             self._callbacks.append(callback)
+
+    def remove(self, callback: HealthCallback) -> None:
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
 
     def emit(self, event: HealthEvent) -> None:
         with self._lock:
@@ -97,6 +104,10 @@ class _CardBook:
 
     def subscribe(self, callback: HealthCallback) -> None:
         self._subscribers.add(callback)
+
+    def unsubscribe(self, callback: HealthCallback) -> None:
+        """A stopped component hears of no more changes (a restarted one subscribes afresh)."""
+        self._subscribers.remove(callback)
 
     def _set(self, uuid: str, healthy: bool, reason: str) -> bool:
         """Record a card's health; returns whether it changed (subscribers hear only of changes)."""
