@@ -20,6 +20,7 @@ from kubernetes import client
 from support.nvml import described_cards, fake_machine, nvml_backend
 
 from advertiser.agent import Advertiser
+from deviceplugin.devices import card_of_device, device_id
 from deviceplugin.plugin import SOCKETS
 from deviceplugin.runtime import RunningPlugin, start_device_plugin
 from gpushare import contract as c
@@ -161,6 +162,14 @@ def test_driver_not_loaded_refuses_to_start_with_the_reason(tmp_path, kubeconfig
 # --- the device plugin and kubelet ----------------------------------------------------------------------
 
 
+def card_health(devices: dict[str, str]) -> dict[str, str]:
+    """Each card's health as kubelet sees it through its gpu-count replicas ("mixed" if they disagree)."""
+    states: dict[str, set[str]] = {}
+    for listed, health in devices.items():
+        states.setdefault(card_of_device(listed), set()).add(health)
+    return {card: next(iter(s)) if len(s) == 1 else "mixed" for card, s in states.items()}
+
+
 class NvmlNode:
     """The NVML backend on a fake machine, the device plugin and the kubelet emulator, in this process."""
 
@@ -176,7 +185,9 @@ class NvmlNode:
     def stub(self, resource: str) -> pb_grpc.DevicePluginStub:
         return pb_grpc.DevicePluginStub(grpc.insecure_channel(f"unix://{self.dir / SOCKETS[resource]}"))
 
-    def preferred(self, available: list[str], size: int) -> set[str]:
+    def preferred(self, cards: list[str], size: int) -> set[str]:
+        """The cards GetPreferredAllocation picks when kubelet offers three gpu-count replicas of each."""
+        available = [device_id(uuid, n) for uuid in cards for n in range(3)]
         reply = self.stub(c.RESOURCE_COUNT).GetPreferredAllocation(
             pb.PreferredAllocationRequest(
                 container_requests=[
@@ -185,10 +196,12 @@ class NvmlNode:
             ),
             timeout=10,
         )
-        return set(reply.container_responses[0].deviceIDs)
+        chosen = [card_of_device(d) for d in reply.container_responses[0].deviceIDs]
+        assert len(chosen) == len(set(chosen)) == size, f"not {size} distinct cards: {chosen}"
+        return set(chosen)
 
     def health(self, uuid: str) -> str:
-        return self.kubelet.devices(c.RESOURCE_COUNT).get(uuid, "absent")
+        return card_health(self.kubelet.devices(c.RESOURCE_COUNT)).get(uuid, "absent")
 
     def stop(self) -> None:
         self.running.stop()
@@ -206,11 +219,11 @@ def dgx(tmp_path, monkeypatch, kube_api, core_v1, short_dir) -> Iterator[NvmlNod
 
 def test_list_and_watch_lists_every_dgx_card_with_its_numa_node(dgx: NvmlNode) -> None:
     cards = dgx.backend.cards()
-    assert dgx.kubelet.devices(c.RESOURCE_COUNT) == {card.uuid: "Healthy" for card in cards}
-    assert dgx.kubelet.capacity(c.RESOURCE_MEM) == 8 * 80
+    assert card_health(dgx.kubelet.devices(c.RESOURCE_COUNT)) == {card.uuid: "Healthy" for card in cards}
+    assert dgx.kubelet.capacity(c.RESOURCE_MEM) == dgx.kubelet.capacity(c.RESOURCE_COUNT) == 8 * 80
     first = next(iter(dgx.stub(c.RESOURCE_COUNT).ListAndWatch(pb.Empty(), timeout=10)))
-    numa = {d.ID: [n.ID for n in d.topology.nodes] for d in first.devices}
-    assert numa == {card.uuid: [card.numa_node] for card in cards}
+    numa = {(card_of_device(d.ID), n.ID) for d in first.devices for n in d.topology.nodes}
+    assert numa == {(card.uuid, card.numa_node) for card in cards}
 
 
 def test_preferred_allocation_on_the_dgx_keeps_a_group_on_one_numa_node(dgx: NvmlNode) -> None:
@@ -255,7 +268,7 @@ def test_xids_reach_kubelet_and_the_card_recovers(dgx: NvmlNode, kube_api) -> No
         assert dgx.kubelet.wait_for(
             lambda k: dgx.health(cards[1].uuid) == "Unhealthy" and k.allocatable(c.RESOURCE_MEM) == 7 * 80, 10
         )
-        assert dgx.health(cards[0].uuid) == "Healthy" and dgx.kubelet.allocatable(c.RESOURCE_COUNT) == 7
+        assert dgx.health(cards[0].uuid) == "Healthy" and dgx.kubelet.allocatable(c.RESOURCE_COUNT) == 7 * 80
         wait_until(lambda: annotated_health(kube_api, "n1", 1) is False, 10, "card 1 unhealthy in the annotation")
         # back, after the recovery time without a further fault
         assert dgx.kubelet.wait_for(
@@ -307,14 +320,14 @@ def test_node_agent_runs_on_the_fake_library(tmp_path, kubeconfig, kube_api, cor
     kubelet.start()
     proc = node_agent(kubeconfig, short_dir, fake.env())
     try:
-        assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_COUNT) == 4, 30), "the agent did not register"
+        assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_COUNT) == 135, 30), "the agent did not register"
         described = [d["uuid"] for d in described_cards("mixed")]
-        assert set(kubelet.devices(c.RESOURCE_COUNT)) == set(described)
+        assert set(card_health(kubelet.devices(c.RESOURCE_COUNT))) == set(described)
         assert kubelet.capacity(c.RESOURCE_MEM) == 40 + 40 + 15 + 40
         inventory = wait_until(lambda: published_inventory(kube_api, "n1"), 10, "the inventory annotation")
         assert [card.uuid for card in inventory.cards] == described
         fake.xid(described[2], 79)
-        assert kubelet.wait_for(lambda k: k.devices(c.RESOURCE_COUNT)[described[2]] == "Unhealthy", 10)
+        assert kubelet.wait_for(lambda k: card_health(k.devices(c.RESOURCE_COUNT))[described[2]] == "Unhealthy", 10)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, proc.stderr.read()
     finally:
