@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sandbox": ("gpushare.sandbox.cmd", "run a whole simulated cluster on this machine"),
     "inspect": ("gpushare.inspect", "show per-card GPU allocation across the cluster"),
     "apiserver": ("gpushare.sandbox.apiserver_cmd", "serve the Kubernetes API stand-in"),
+    "simulate": ("gpushare.simulate.cmd", "replay a cluster's GPU pods under placement policies (what-if)"),
 }
 
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
