@@ -177,7 +177,7 @@ def filter_result(engine: Placement, body: Any) -> dict[str, Any]:
     try:
         demands = demands_of(pod)
     except (ContractError, ValueError) as exc:
-        reason = f"pod {pod_key(pod)}: {exc}"
+        reason = str(exc)  # names the pod already
         return _filter_reply(NodeNames.of([]), nodes_mode, body, {}, dict.fromkeys(names.names, reason))
     if not demands:
         return _filter_reply(names, nodes_mode, body, {}, {})
