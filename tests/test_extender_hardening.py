@@ -103,9 +103,7 @@ def test_binds_to_made_up_nodes_leave_no_locks_behind(cluster: Cluster) -> None:
 # --- point 1: a failed bind leaves nothing behind, whatever the error --------------------------------
 
 
-def test_a_forbidden_node_patch_takes_the_assignment_back(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_forbidden_node_patch_takes_the_assignment_back(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     original = standin.ApiServer._patch
 
     def forbid_nodes(self: standin.ApiServer, h: Any, res: str, key: Any, status_only: bool) -> None:
