@@ -467,8 +467,7 @@ def pod_allocation(
         unknown = sorted(set(allocation) - {c.name for c in request.gpu_containers})
         if unknown:
             raise AnnotationError(
-                f"pod {key} annotation {ANN_ALLOCATION}: names container(s) {quoted(', '.join(unknown))} "
-                "that request no GPU"
+                f"pod {key} annotation {ANN_ALLOCATION}: names container(s) {quoted(unknown)} that request no GPU"
             )
         return allocation
     if ANN_MEM_IDX not in ann:
@@ -623,8 +622,7 @@ def format_framework_allocation(allocation: Mapping[str, tuple[CardSlice, ...]],
     positions = {c.name: i for i, c in enumerate(c for c in request.containers if not c.init)}
     if unknown := sorted(set(allocation) - set(positions)):
         raise AnnotationError(
-            f"pod {request.key}: {ANN_FRAMEWORK_ALLOCATION} can't name init or unknown containers "
-            f"{quoted(', '.join(unknown))}"
+            f"pod {request.key}: {ANN_FRAMEWORK_ALLOCATION} can't name init or unknown containers {quoted(unknown)}"
         )
     return json.dumps(
         {
