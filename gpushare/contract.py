@@ -40,6 +40,17 @@ ANN_ALLOCATION = "gpushare.io/allocation"
 ANN_ASSIGNED_CONTAINERS = "gpushare.io/assigned-containers"
 #: per-pod placement policy override
 ANN_POLICY = "gpushare.io/policy"
+#: pod annotations only gpushare's extender and node agent may write (admission webhook and policy)
+PROTECTED_ANNOTATION_PREFIXES = ("gpushare.io/", "ALIYUN_COM_GPU_MEM_")
+#: protected by prefix, but the pod's owner chooses it
+TENANT_ANNOTATIONS = frozenset({ANN_POLICY})
+
+
+def protected_annotation(key: str) -> bool:
+    return key == ANN_FRAMEWORK_ALLOCATION or (
+        key.startswith(PROTECTED_ANNOTATION_PREFIXES) and key not in TENANT_ANNOTATIONS
+    )
+
 
 # --- container annotations, from the device plugin to the CRI shim --------------------------------
 
