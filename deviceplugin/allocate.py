@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deviceplugin.devices import card_of_device
-from deviceplugin.matching import Match, fully_served, match_container
+from deviceplugin.matching import Match, Skipped, fully_served, match_container
 from gpushare.cards import Card
 from gpushare.contract import (
     ANN_ALLOCATION,
@@ -63,6 +63,8 @@ class Decision:
     pod_patch: dict[str, Any]
     #: units held per card UUID by the node's live pods, this container included
     usage: dict[str, int]
+    #: pending pods passed over because they can't be read (each gets an Event)
+    skipped: tuple[Skipped, ...] = ()
 
 
 def describe(slices: Sequence[CardSlice]) -> str:
@@ -170,6 +172,7 @@ def decide(
         },
         pod_patch={"metadata": {"annotations": annotations}},
         usage=usage,
+        skipped=match.skipped,
     )
 
 

@@ -91,6 +91,16 @@ class Allocator:
                 ALLOCATE_FAILURES.labels(resource=resource, reason="api-unavailable").inc()
                 log.warning("node %s: %s x%d unavailable: %s", self._node, resource, units, exc)
                 raise
+        for skipped in decision.skipped:
+            log.warning("node %s: passed over in Allocate: %s", self._node, skipped.reason)
+            create_event(
+                self._api,
+                dict(skipped.pod),
+                reason=REFUSAL_EVENT_REASON,
+                message=f"passed over in Allocate on node {self._node}: {skipped.reason}",
+                type_="Warning",
+                component=COMPONENT,
+            )
         ALLOCATE_LATENCY.labels(resource=resource).observe(time.perf_counter() - started)
         note = booked_cards_note(resource, device_ids, decision.slices)
         if note:

@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "cri-shim": ("crishim.cmd", "proxy CRI between kubelet and containerd, enforcing card assignments"),
     "advertiser": ("advertiser.cmd", "publish this node's card inventory as a node annotation"),
     "extender": ("extender.cmd", "serve the kube-scheduler extender (filter, prioritize, bind, preempt)"),
+    "webhook": ("webhook.cmd", "serve the admission webhook guarding gpushare's pod annotations"),
     "node": ("gpushare.node", "run advertiser, device plugin and CRI shim in one process"),
     "sandbox": ("gpushare.sandbox.cmd", "run a whole simulated cluster on this machine"),
     "inspect": ("gpushare.inspect", "show per-card GPU allocation across the cluster"),
