@@ -201,7 +201,7 @@ def test_a_two_card_container_gets_the_scheduler_cards_through_both_resources(no
 
 def test_a_pod_carrying_only_the_original_annotations_works(node: SimNode) -> None:
     t4 = node.cards[2]
-    admission = node.admit(gpu_pod("legacy", [container("main", 6)], original_index=2))
+    admission = node.admit(gpu_pod("legacy", [container("main", 6)], original_index=t4.minor))
     assert visible(admission) == t4.uuid
     assert admission.containers["main"].envs[c.ENV_MEM_IDX] == "2"
     assert admission.containers["main"].envs[c.ENV_MEM_POD] == "6"
@@ -224,8 +224,11 @@ def test_an_over_commit_attempt_is_refused_and_reported_on_the_pod(node: SimNode
     ("annotations", "message"),
     [
         ({c.ANN_MEM_IDX: "two"}, "'two' is not an integer"),
-        ({c.ANN_MEM_IDX: "7"}, "card index 7 is not on this node"),
-        ({c.ANN_MEM_ASSUME_TIME: "1"}, "neither gpushare.io/allocation nor ALIYUN_COM_GPU_MEM_IDX"),
+        ({c.ANN_MEM_IDX: "7"}, "card 7 (a /dev/nvidia minor number) is not on this node"),
+        (
+            {c.ANN_MEM_ASSUME_TIME: "1"},
+            "none of gpushare.io/allocation, scheduler.framework.gpushare.allocation or ALIYUN_COM_GPU_MEM_IDX",
+        ),
         ({c.ANN_ALLOCATION: "{garbage", c.ANN_MEM_IDX: "0"}, "gpushare.io/allocation: not valid JSON"),
     ],
     ids=["non-integer", "out-of-range", "missing-index", "garbage-json"],
@@ -341,7 +344,10 @@ def test_kubelet_restart_leads_to_registration_within_two_seconds(node: SimNode)
     )
     wait_until(lambda: node.running.plugin.registrations == before + 1, 2.0, "the plugin to count the registration")
     assert time.monotonic() - started < 2.0
-    assert visible(node.admit(gpu_pod("after", [container("main", 1)], original_index=0))) == node.cards[0].uuid
+    assert (
+        visible(node.admit(gpu_pod("after", [container("main", 1)], original_index=node.cards[0].minor)))
+        == node.cards[0].uuid
+    )
 
 
 def test_a_vanished_plugin_socket_is_served_again(node: SimNode) -> None:

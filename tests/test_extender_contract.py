@@ -16,8 +16,10 @@ from podfactory import container, gpu_pod
 from advertiser.agent import Advertiser
 from extender.runtime import RunningExtender, start_extender
 from gpushare import contract as c
+from gpushare.cards import Card
 from gpushare.inventory import SimulatedBackend
 from gpushare.kube import get_pod, list_nodes
+from gpushare.usage import pod_allocation
 
 NODES = {"mixed": "2xA100-80GB:81920,1xT4:15360", "small": "1xA10:24576"}
 FILTER_KEYS = {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
@@ -132,7 +134,10 @@ def test_nodes_without_inventory_or_pods_that_can_never_fit_are_unresolvable(ext
     reply = ext.call("filter", {"Pod": pod, "NodeNames": ["small", "cpu-only", "ghost"]})
     assert reply["NodeNames"] == ["small"]
     assert set(reply["FailedAndUnresolvableNodes"]) == {"cpu-only", "ghost"}
-    assert "no gpushare inventory" in reply["FailedAndUnresolvableNodes"]["cpu-only"]
+    assert (
+        "has no gpushare.io/inventory annotation and advertises no aliyun.com/gpu-mem"
+        in (reply["FailedAndUnresolvableNodes"]["cpu-only"])
+    )
 
 
 # --- prioritize ------------------------------------------------------------------------------------------
@@ -187,13 +192,14 @@ def test_bind_writes_annotations_the_original_device_plugin_matches(ext: Extende
     # equal requests are served in bind order; different sizes each find their own pod
     assert original_plugin_pick(pods, "mixed", 6)["metadata"]["name"] == "first"
     assert original_plugin_pick(pods, "mixed", 3)["metadata"]["name"] == "third"
-    cards = {card.index: card for card in ext.backends["mixed"].cards()}
+    cards = {card.minor: card for card in ext.backends["mixed"].cards()}
+    per_card = sum(card.memory_mib // 1024 for card in cards.values()) // len(cards)
     for pod in pods:
         ann = pod["metadata"]["annotations"]
         allocation = c.parse_allocation(ann[c.ANN_ALLOCATION])
         card = cards[int(ann[c.ANN_MEM_IDX])]
-        assert allocation["main"][0].uuid == card.uuid  # IDX is the NVML index of the chosen card
-        assert ann[c.ANN_MEM_DEV] == str(card.memory_mib // 1024)
+        assert allocation["main"][0].uuid == card.uuid  # IDX is the /dev/nvidia minor of the chosen card
+        assert ann[c.ANN_MEM_DEV] == str(per_card)
         assert pod["spec"]["nodeName"] == "mixed"
     times = [int(p["metadata"]["annotations"][c.ANN_MEM_ASSUME_TIME]) for p in reversed(pods)]
     assert times == sorted(times) and all(t > 10**18 for t in times)  # nanoseconds since the epoch
@@ -217,9 +223,16 @@ def test_multi_card_and_multi_container_pods_get_distinct_whole_shapes(ext: Exte
     assert not {s.uuid for s in pair} & {s.uuid for s in solo}
     capacity = {card.uuid: card.memory_mib // 1024 for card in ext.backends["mixed"].cards()}
     assert solo[0].units == capacity[solo[0].uuid]  # an exclusive card is taken whole
-    # the original keys name the first card of the first GPU container and the pod's whole gpu-mem
-    assert ann[c.ANN_MEM_IDX] == str(allocation["warmup"][0].index)
-    assert ann[c.ANN_MEM_POD] == "18"
+    # the original keys name the first card of the first app container (by minor) and what the pod
+    # holds there: the init container runs before, so it adds nothing to the pair's 8
+    minors = {card.uuid: card.minor for card in ext.backends["mixed"].cards()}
+    assert ann[c.ANN_MEM_IDX] == str(minors[pair[0].uuid])
+    assert ann[c.ANN_MEM_POD] == "8"
+    per_card = sum(capacity.values()) // len(capacity)
+    assert json.loads(ann[c.ANN_FRAMEWORK_ALLOCATION]) == {
+        "0": {str(minors[s.uuid]): 8 for s in pair},
+        "1": {str(minors[solo[0].uuid]): per_card},
+    }
 
 
 def test_unknown_policy_or_unknown_pod_come_back_in_error(ext: Extender) -> None:
@@ -235,13 +248,14 @@ def test_unknown_policy_or_unknown_pod_come_back_in_error(ext: Extender) -> None
 
 
 def test_pods_annotated_by_the_original_extender_are_counted(ext: Extender) -> None:
-    legacy = gpu_pod("legacy", [container("main", 75)], node="mixed", original_index=1)
+    minor = [card.minor for card in ext.backends["mixed"].cards()]  # the original numbers cards by minor
+    legacy = gpu_pod("legacy", [container("main", 75)], node="mixed", original_index=minor[1])
     framework = gpu_pod(
         "framework",
         [container("a", 10), container("b", 5)],
         node="mixed",
-        original_index=0,
-        extra_annotations={c.ANN_FRAMEWORK_ALLOCATION: json.dumps({"0": {"0": 10}, "1": {"2": 5}})},
+        original_index=minor[0],
+        extra_annotations={c.ANN_FRAMEWORK_ALLOCATION: json.dumps({"0": {str(minor[0]): 10}, "1": {str(minor[2]): 5}})},
     )
     for pod in (legacy, framework):
         ext.core.create_namespaced_pod("default", pod)
@@ -253,22 +267,28 @@ def test_pods_annotated_by_the_original_extender_are_counted(ext: Extender) -> N
     wait_counted(ext, "mixed", [0, 75, 0])
 
 
-def test_framework_allocation_round_trips_by_container_position() -> None:
+def test_framework_allocation_round_trips_by_container_position_and_minor() -> None:
     pod = gpu_pod("p", [container("a", 10), container("b", 4, 2)], init=[container("i", 1)])
     request = c.parse_pod_request(pod)
-    uuids = {0: "GPU-0", 1: "GPU-1", 2: "GPU-2"}
-    text = json.dumps({"0": {"1": 10}, "1": {"0": 2, "2": 2}})
-    allocation = c.parse_framework_allocation(text, request, uuids)
-    assert allocation == {
+    cards = [Card(i, f"GPU-{i}", "T4", 16384, minor=10 + i) for i in range(3)]
+    text = c.format_framework_allocation({"a": {11: 10}, "b": {10: 2, 12: 2}}, request)
+    assert json.loads(text) == {"0": {"11": 10}, "1": {"10": 2, "12": 2}}
+    assert pod_allocation(
+        {**pod, "metadata": {**pod["metadata"], "annotations": {c.ANN_FRAMEWORK_ALLOCATION: text}}}, cards
+    ) == {
         "a": (c.CardSlice(1, "GPU-1", 10),),
         "b": (c.CardSlice(0, "GPU-0", 2), c.CardSlice(2, "GPU-2", 2)),
     }
-    text = c.format_framework_allocation(allocation, request)
-    assert c.parse_framework_allocation(text, request, uuids) == allocation
-    with pytest.raises(c.AnnotationError, match="container index '2'"):
-        c.parse_framework_allocation(json.dumps({"2": {"0": 1}}), request, uuids)
-    with pytest.raises(c.AnnotationError, match="card index 7 is not on the pod's node"):
-        c.parse_framework_allocation(json.dumps({"0": {"7": 1}}), request, uuids)
+    with pytest.raises(c.AnnotationError, match="can't name init or unknown containers"):
+        c.format_framework_allocation({"i": {10: 1}}, request)
+
+    def annotated(value: dict) -> dict:
+        return {**pod, "metadata": {**pod["metadata"], "annotations": {c.ANN_FRAMEWORK_ALLOCATION: json.dumps(value)}}}
+
+    with pytest.raises(c.AnnotationError, match="'2' is not an app container's position"):
+        pod_allocation(annotated({"2": {"10": 1}}), cards)
+    with pytest.raises(c.ContractError, match=r"card 7 \(a /dev/nvidia minor number\) is not on this node"):
+        pod_allocation(annotated({"0": {"7": 1}}), cards)
 
 
 # --- preempt --------------------------------------------------------------------------------------------

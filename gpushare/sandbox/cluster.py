@@ -422,9 +422,9 @@ def _ready(url: str) -> bool:
 
 
 def _cards_of(pod: Mapping[str, Any], backend: SimulatedBackend | PublishedCards) -> str:
-    from gpushare.usage import resolve_allocation
+    from gpushare.usage import pod_allocation
 
-    allocation = resolve_allocation(pod, backend.cards()) or {}
+    allocation = pod_allocation(pod, backend.cards()) or {}
     return "; ".join(
         f"{name}: " + ",".join(f"card {s.index} ({s.units} GiB)" for s in slices)
         for name, slices in sorted(allocation.items())
