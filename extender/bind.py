@@ -107,21 +107,24 @@ def pod_annotations(pod: Mapping[str, Any], allocation: Allocation, inventory: N
     The original extender and inspect take every card to hold the node's total / its card count
     (``_DEV``), number cards by their /dev/nvidia minor, and the extender counts ``_POD`` on the
     ``_IDX`` card only. So: ``_IDX`` is the minor of the pod's first card; ``_POD`` what the pod holds
-    there (at most ``_DEV``, which the original's unsigned arithmetic would wrap past); the framework
-    annotation lists each app container's cards by minor, a whole card as ``_DEV``. Their device
-    plugin matches a pod by its spec, never by ``_POD``.
+    there (``_DEV`` for a whole card, and never more: the original's unsigned arithmetic would wrap
+    past it); the framework annotation lists each app container's cards by minor, a whole card as
+    ``_DEV``. Their device plugin matches a pod by its spec, never by ``_POD``.
     """
     request = parse_pod_request(pod)
     by_uuid = {c.uuid: c for c in inventory.cards}
     per_card = alibaba_total_per_card(inventory)
     apps = [c for c in request.gpu_containers if not c.init and c.name in allocation]
     first = allocation[apps[0].name][0] if apps else next(iter(allocation.values()))[0]
+    whole = {s.uuid for c in request.gpu_containers if c.exclusive for s in allocation.get(c.name, ())}
     amounts = {
         c.name: {by_uuid[s.uuid].minor: per_card if c.exclusive else s.units for s in allocation[c.name]} for c in apps
     }
     annotations = {
         ANN_MEM_IDX: str(by_uuid[first.uuid].minor),
-        ANN_MEM_POD: str(min(held_units(allocation, request)[first.uuid], per_card)),
+        ANN_MEM_POD: str(
+            per_card if first.uuid in whole else min(held_units(allocation, request)[first.uuid], per_card)
+        ),
         ANN_MEM_DEV: str(per_card),
         ANN_MEM_ASSIGNED: format_bool(False),
         ANN_MEM_ASSUME_TIME: format_assume_time(time.time_ns()),
