@@ -40,6 +40,10 @@ EXTENDER_GRANTS = {
     ("", "nodes", "list"),
     ("", "nodes", "watch"),
     ("", "events", "create"),
+    # the original gpushare's fenced cards, only in kube-system
+    ("", "configmaps", "get"),
+    ("", "configmaps", "list"),
+    ("", "configmaps", "watch"),
 }
 
 

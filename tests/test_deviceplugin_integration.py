@@ -431,3 +431,34 @@ def test_metrics_show_card_usage_and_refusals_and_probes_follow_readiness(node: 
         assert 'gpushare_allocate_seconds_count{resource="aliyun.com/gpu-mem"}' in body
     finally:
         server.stop()
+
+
+# --- moving from the original gpushare (see test_migration.py) -------------------------------------------
+
+
+def test_the_cgpu_label_puts_cgpu_disable_in_the_env(node: SimNode) -> None:
+    node.core.create_node({"metadata": {"name": "n1", "labels": {c.NODE_LABEL_CGPU_DISABLE: "true"}}})
+    card = node.cards[0]
+    admission = node.admit(
+        gpu_pod("isolated-off", [container("main", 2)], allocation={"main": (c.CardSlice(card.index, card.uuid, 2),)})
+    )
+    assert visible(admission) == card.uuid
+    assert admission.containers["main"].envs[c.ENV_CGPU_DISABLE] == "true"
+    node.core.patch_node("n1", {"metadata": {"labels": {c.NODE_LABEL_CGPU_DISABLE: None}}})
+    admission = node.admit(
+        gpu_pod("isolated", [container("main", 2)], allocation={"main": (c.CardSlice(card.index, card.uuid, 2),)})
+    )
+    assert c.ENV_CGPU_DISABLE not in admission.containers["main"].envs
+
+
+def test_allocate_env_and_inspect_use_the_effective_request(node: SimNode) -> None:
+    card = node.cards[2]
+    slices = {name: (c.CardSlice(card.index, card.uuid, units),) for name, units in (("init", 9), ("main", 6))}
+    pod = gpu_pod("p", [container("main", 6)], init=[container("init", 9)], allocation=slices)
+    admission = node.admit(pod)
+    assert admission.admitted, admission.error
+    assert admission.containers["main"].envs[c.ENV_MEM_POD] == "9" == admission.containers["init"].envs[c.ENV_MEM_POD]
+    # a second pod fits next to it: the card holds max(6, 9) = 9 of 15, not 15
+    assert node.admit(
+        gpu_pod("q", [container("main", 6)], allocation={"main": (c.CardSlice(card.index, card.uuid, 6),)})
+    ).admitted
