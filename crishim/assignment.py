@@ -16,8 +16,8 @@ from typing import Any, Protocol
 from gpushare.cards import Card
 from gpushare.contract import (
     ANN_ALLOCATION,
+    ANN_FRAMEWORK_ALLOCATION,
     ANN_MEM_IDX,
-    ANN_MEM_POD,
     CRI_LABEL_CONTAINER_NAME,
     CRI_LABEL_POD_NAME,
     CRI_LABEL_POD_NAMESPACE,
@@ -26,6 +26,7 @@ from gpushare.contract import (
     CTR_ANN_CONTAINER,
     CTR_ANN_POD_UID,
     ENV_MEM_CONTAINER,
+    ENV_MEM_POD,
     ENV_VISIBLE_DEVICES,
     CardSlice,
     ContractError,
@@ -36,7 +37,7 @@ from gpushare.contract import (
 )
 from gpushare.kube import KubeError, KubeNotFound, get_pod
 from gpushare.pb import cri_pb2
-from gpushare.usage import node_usage, overcommitted, resolve_allocation
+from gpushare.usage import card_by_minor, node_usage, overcommitted, pod_allocation
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class PluginView:
     pod_uid: str
     units: int | None
     env_only: bool = False
+    #: the plugin's ALIYUN_COM_GPU_MEM_POD (the pod's effective gpu-mem), when it gave one
+    pod_mem: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +97,6 @@ class Assignment:
     wants_gpu: bool
     slices: tuple[CardSlice, ...] = ()
     pod_mem: int = 0
-    #: every slice the pod holds on this node, for the over-commit check
-    pod_slices: tuple[CardSlice, ...] = ()
     source: str = SOURCE_ANNOTATIONS
     refusal: Refusal | None = None
 
@@ -125,17 +126,19 @@ def plugin_view(config: cri_pb2.ContainerConfig) -> PluginView:
     only its env (see :class:`PluginView` for how far each is trusted)."""
     env = {kv.key: kv.value for kv in config.envs}
     annotations = config.annotations
-    try:
-        units: int | None = int(env[ENV_MEM_CONTAINER])
-    except (KeyError, ValueError):
-        units = None
+    units, pod_mem = (_int_or(env.get(key), None) for key in (ENV_MEM_CONTAINER, ENV_MEM_POD))
     served = CTR_ANN_CARDS in annotations or CTR_ANN_CONTAINER in annotations
     env_only = not served and units is not None
     cards = _split(annotations.get(CTR_ANN_CARDS, "")) or (
         _split(env.get(ENV_VISIBLE_DEVICES, "")) if served or env_only else ()
     )
     return PluginView(
-        served=served, cards=cards, pod_uid=annotations.get(CTR_ANN_POD_UID, ""), units=units, env_only=env_only
+        served=served,
+        cards=cards,
+        pod_uid=annotations.get(CTR_ANN_POD_UID, ""),
+        units=units,
+        env_only=env_only,
+        pod_mem=pod_mem,
     )
 
 
@@ -161,23 +164,18 @@ def from_annotations(
         slices = allocation.get(target.container)
         if slices is None:
             return None
-        pod_slices = tuple(s for group in allocation.values() for s in group)
-        default_mem = sum(s.units for s in pod_slices)
-    elif ANN_MEM_IDX in annotations:
+    elif ANN_MEM_IDX in annotations and ANN_FRAMEWORK_ALLOCATION not in annotations:
+        # placed by the original extender alone: one card, named by its /dev/nvidia minor
         if plugin.units is None:
             return None
         try:
-            index = parse_card_index(annotations[ANN_MEM_IDX], target.pod_key)
+            number = parse_card_index(annotations[ANN_MEM_IDX], target.pod_key)
+            card = card_by_minor(cards, number, target.pod_key, f"annotation {ANN_MEM_IDX}")
         except ContractError:
             return None
-        card = next((c for c in cards if c.index == index), None)
-        if card is None:
-            return None
-        slices = (CardSlice(index=index, uuid=card.uuid, units=plugin.units),)
-        pod_slices = ()  # the other containers' amounts aren't in the annotations
-        default_mem = plugin.units
+        slices = (CardSlice(index=card.index, uuid=card.uuid, units=plugin.units),)
     else:
-        return None
+        return None  # the framework annotation needs the pod spec (container positions): ask the API
     known = {c.uuid for c in cards}
     if any(s.uuid not in known for s in slices):
         return None
@@ -185,13 +183,12 @@ def from_annotations(
         target=target,
         wants_gpu=True,
         slices=slices,
-        pod_mem=_int_or(annotations.get(ANN_MEM_POD), default_mem),
-        pod_slices=pod_slices,
+        pod_mem=plugin.pod_mem if plugin.pod_mem is not None else sum(s.units for s in slices),
         source=SOURCE_ANNOTATIONS,
     )
 
 
-def _int_or(text: str | None, default: int) -> int:
+def _int_or(text: str | None, default: int | None) -> int | None:
     try:
         return int(text) if text is not None else default
     except ValueError:
@@ -207,7 +204,7 @@ def from_pod(target: Target, pod: Mapping[str, Any], cards: Sequence[Card]) -> A
             return refuse(target, "bad-annotation", "the pod from the API server has no such container")
         if not container.wants_gpu:
             return Assignment(target=target, wants_gpu=False, source=SOURCE_API)
-        allocation = resolve_allocation(pod, cards)
+        allocation = pod_allocation(pod, cards)
     except ContractError as exc:
         return refuse(target, "bad-annotation", str(exc))
     if not allocation or target.container not in allocation:
@@ -216,8 +213,7 @@ def from_pod(target: Target, pod: Mapping[str, Any], cards: Sequence[Card]) -> A
         target=target,
         wants_gpu=True,
         slices=allocation[target.container],
-        pod_mem=request.total_mem,
-        pod_slices=tuple(s for group in allocation.values() for s in group),
+        pod_mem=request.effective_mem,
         source=SOURCE_API,
     )
 
@@ -275,8 +271,11 @@ class Resolver:
                 "the node's pods have not been listed from the API server yet, so the cards can't be "
                 "checked for over-commit",
             )
-        used, _, _ = node_usage(pods, cards, exclude_uid=found.target.uid or None)
-        why = overcommitted(found.pod_slices or found.slices, used, {c.uuid: c for c in cards}, self._unit)
+        used, counted, _ = node_usage(pods, cards)
+        # the pod's own hold is in ``used`` once its annotations are readable; else add this container's
+        counted_already = bool(found.target.uid) and any(p.uid == found.target.uid for p in counted)
+        extra = {s.uuid: 0 if counted_already else s.units for s in found.slices}
+        why = overcommitted(extra, used, {c.uuid: c for c in cards}, self._unit)
         return found if why is None else refuse(found.target, "overcommit", why)
 
 

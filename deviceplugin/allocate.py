@@ -17,12 +17,15 @@ from gpushare.cards import Card
 from gpushare.contract import (
     ANN_ALLOCATION,
     ANN_ASSIGNED_CONTAINERS,
+    ANN_FRAMEWORK_ALLOCATION,
     ANN_MEM_ASSIGNED,
     ANN_MEM_IDX,
     CTR_ANN_CARDS,
     CTR_ANN_CONTAINER,
     CTR_ANN_POD,
     CTR_ANN_POD_UID,
+    ENV_CGPU_DISABLE,
+    NODE_LABEL_CGPU_DISABLE,
     RESOURCE_COUNT,
     AnnotationError,
     CardSlice,
@@ -31,9 +34,10 @@ from gpushare.contract import (
     assigned_env,
     format_assigned_containers,
     format_bool,
+    parse_bool,
     validate_allocation,
 )
-from gpushare.usage import PodCards, node_usage, resolve_allocation
+from gpushare.usage import PodCards, node_usage, pod_allocation
 
 
 class Refusal(Exception):
@@ -72,10 +76,7 @@ def describe(slices: Sequence[CardSlice]) -> str:
 
 
 def _holders(counted: Sequence[PodCards], uuid: str) -> str:
-    held = sorted(
-        (pod.key, sum(s.units for slices in pod.allocation.values() for s in slices if s.uuid == uuid))
-        for pod in counted
-    )
+    held = sorted((pod.key, pod.held.get(uuid, 0)) for pod in counted)
     return ", ".join(f"{key} ({units})" for key, units in held if units)
 
 
@@ -142,9 +143,11 @@ def decide(
         )
     key, name = match.request.key, match.container.name
     try:
-        allocation = resolve_allocation(match.pod, cards)
+        allocation = pod_allocation(match.pod, cards)
         if allocation is None:
-            raise ContractError(f"pod {key} has neither {ANN_ALLOCATION} nor {ANN_MEM_IDX}: no card assigned")
+            raise ContractError(
+                f"pod {key} has none of {ANN_ALLOCATION}, {ANN_FRAMEWORK_ALLOCATION} or {ANN_MEM_IDX}: no card assigned"
+            )
         validate_allocation(match.request, allocation)
     except ContractError as exc:
         raise Refusal(
@@ -163,7 +166,7 @@ def decide(
         pod=match.pod,
         container=name,
         slices=slices,
-        envs=assigned_env(slices, match.request.total_mem, card_units),
+        envs=assigned_env(slices, match.request.effective_mem, card_units),
         annotations={
             CTR_ANN_POD_UID: meta.get("uid", ""),
             CTR_ANN_POD: key,
@@ -174,6 +177,12 @@ def decide(
         usage=usage,
         skipped=match.skipped,
     )
+
+
+def node_env(labels: Mapping[str, str]) -> dict[str, str]:
+    """Env every GPU container on the node gets from the node's labels: ``cgpu.disable.isolation=true``
+    turns cGPU's memory isolation off (``CGPU_DISABLE=true``), as the original plugin does."""
+    return {ENV_CGPU_DISABLE: "true"} if parse_bool(labels.get(NODE_LABEL_CGPU_DISABLE)) else {}
 
 
 def booked_cards_note(resource: str, device_ids: Sequence[str], slices: Sequence[CardSlice]) -> str | None:
@@ -197,7 +206,7 @@ def preferred_cards(
     """The card UUIDs the scheduler chose for the container the next Allocate would match, if any."""
     try:
         match = match_container(pods, node, resource, size)
-        allocation = resolve_allocation(match.pod, cards) if match else None
+        allocation = pod_allocation(match.pod, cards) if match else None
     except ContractError:
         return ()
     if match is None or allocation is None or match.container.name not in allocation:

@@ -11,18 +11,19 @@ API server (bounded by :class:`gpushare.cli.Reread`); the decision itself stays 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from deviceplugin.allocate import Decision, Refusal, booked_cards_note, decide, describe, preferred_cards
+from deviceplugin.allocate import Decision, Refusal, booked_cards_note, decide, describe, node_env, preferred_cards
 from deviceplugin.metrics import ALLOCATE_FAILURES, ALLOCATE_LATENCY, publish_card_usage
 from gpushare.cards import Card
 from gpushare.cli import DEFAULT_REREAD, Reread
-from gpushare.contract import MemoryUnit, pod_key
-from gpushare.kube import KubeError, KubeUnavailable, WatchCache, create_event, list_pods, patch_pod
+from gpushare.contract import ENV_CGPU_DISABLE, MemoryUnit, pod_key
+from gpushare.kube import KubeError, KubeUnavailable, WatchCache, create_event, get_node, list_pods, patch_pod
 from gpushare.usage import node_usage
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class Allocator:
         self._unit = unit
         self._reread = reread
         self._lock = threading.Lock()
+        #: the node's labels as last read (read again on every Allocate)
+        self._labels: Mapping[str, str] = {}
 
     def pods(self) -> list[Mapping[str, Any]]:
         """The node's pods: from the watch cache; a LIST only while the cache has never synced."""
@@ -152,9 +155,19 @@ class Allocator:
             pod=last.pod,
         )
 
+    def _node_labels(self) -> Mapping[str, str]:
+        """The node's labels now; the last ones read when the API server can't say."""
+        try:
+            self._labels = (get_node(self._api, self._node).get("metadata") or {}).get("labels") or {}
+        except KubeError as exc:
+            log.warning("node %s: reading the node's labels failed, using the last ones read: %s", self._node, exc)
+        return self._labels
+
     def _allocate(self, resource: str, units: int) -> Decision:
         cards = self._cards()
         decision = self._decide(resource, units, cards)
+        if extra := node_env(self._node_labels()):
+            decision = dataclasses.replace(decision, envs={**decision.envs, **extra})
         meta = decision.pod.get("metadata") or {}
         namespace, name = meta.get("namespace", "default"), meta.get("name", "")
         where = f"pod {namespace}/{name} container {decision.container}"
@@ -172,13 +185,14 @@ class Allocator:
             ) from None
         self._cache.apply(updated)
         log.info(
-            "node %s: pod %s container %s gets %s (%s x%d)",
+            "node %s: pod %s container %s gets %s (%s x%d)%s",
             self._node,
             f"{namespace}/{name}",
             decision.container,
             describe(decision.slices),
             resource,
             units,
+            "".join(f", {key}={value}" for key, value in sorted(decision.envs.items()) if key == ENV_CGPU_DISABLE),
         )
         publish_card_usage(self._node, cards, decision.usage, self._unit)
         return decision

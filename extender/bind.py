@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from extender import podfit
 from extender.cache import ClusterCache, demands_of, placement_cards
 from extender.metrics import BIND_FAILURES
 from extender.verbs import Placement
@@ -33,20 +34,22 @@ from gpushare import placement
 from gpushare.contract import (
     ANN_ALLOCATION,
     ANN_ASSIGNED_CONTAINERS,
+    ANN_FRAMEWORK_ALLOCATION,
     ANN_MEM_ASSIGNED,
     ANN_MEM_ASSUME_TIME,
     ANN_MEM_DEV,
     ANN_MEM_IDX,
     ANN_MEM_POD,
-    NODE_ANN_INVENTORY,
+    PLACEMENT_ANNOTATIONS,
     Allocation,
     CardSlice,
     ContractError,
+    NodeInventory,
     annotations_of,
     format_allocation,
     format_assume_time,
     format_bool,
-    parse_inventory,
+    format_framework_allocation,
     parse_pod_request,
     quoted,
 )
@@ -61,6 +64,7 @@ from gpushare.kube import (
     patch_node,
     patch_pod,
 )
+from gpushare.usage import alibaba_total_per_card, held_units, node_inventory
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +72,15 @@ COMPONENT = "gpushare-extender"
 #: node annotation bumped by every bind: the compare-and-swap that orders binds across replicas
 NODE_ANN_BIND_SEQUENCE = "gpushare.io/bind-sequence"
 ATTEMPTS = 8
-OUR_KEYS = (ANN_ALLOCATION, ANN_MEM_IDX, ANN_MEM_POD, ANN_MEM_DEV, ANN_MEM_ASSIGNED, ANN_MEM_ASSUME_TIME)
+OUR_KEYS = (
+    ANN_ALLOCATION,
+    ANN_FRAMEWORK_ALLOCATION,
+    ANN_MEM_IDX,
+    ANN_MEM_POD,
+    ANN_MEM_DEV,
+    ANN_MEM_ASSIGNED,
+    ANN_MEM_ASSUME_TIME,
+)
 
 
 def selector_mismatch(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | None:
@@ -88,21 +100,40 @@ def allocation_of(assignments: tuple[placement.Assignment, ...]) -> Allocation:
     return {a.container: tuple(CardSlice(index, uuid, taken) for index, uuid, taken in a.cards) for a in assignments}
 
 
-def pod_annotations(pod: Mapping[str, Any], allocation: Allocation, units: Mapping[str, int]) -> dict[str, str]:
-    """Our allocation plus the original gpushare keys, so original device plugins still match the pod.
+def pod_annotations(pod: Mapping[str, Any], allocation: Allocation, inventory: NodeInventory) -> dict[str, str]:
+    """Our allocation (on nodes whose cards we know by UUID) and the original keys, written the way
+    the original components read them, so that they count the pod right after a rollback or beside us.
 
-    The original keys name one card; for multi-card or multi-container pods that is the first
-    container's first card (original device plugins can only serve single-card pods anyway).
+    The original extender and inspect take every card to hold the node's total / its card count
+    (``_DEV``), number cards by their /dev/nvidia minor, and the extender counts ``_POD`` on the
+    ``_IDX`` card only. So: ``_IDX`` is the minor of the pod's first card; ``_POD`` what the pod holds
+    there (``_DEV`` for a whole card, and never more: the original's unsigned arithmetic would wrap
+    past it); the framework annotation lists each app container's cards by minor, a whole card as
+    ``_DEV``. Their device plugin matches a pod by its spec, never by ``_POD``.
     """
-    first = next(iter(allocation.values()))[0]
-    return {
-        ANN_ALLOCATION: format_allocation(allocation),
-        ANN_MEM_IDX: str(first.index),
-        ANN_MEM_POD: str(parse_pod_request(pod).total_mem),
-        ANN_MEM_DEV: str(units[first.uuid]),
+    request = parse_pod_request(pod)
+    by_uuid = {c.uuid: c for c in inventory.cards}
+    per_card = alibaba_total_per_card(inventory)
+    apps = [c for c in request.gpu_containers if not c.init and c.name in allocation]
+    first = allocation[apps[0].name][0] if apps else next(iter(allocation.values()))[0]
+    whole = {s.uuid for c in request.gpu_containers if c.exclusive for s in allocation.get(c.name, ())}
+    amounts = {
+        c.name: {by_uuid[s.uuid].minor: per_card if c.exclusive else s.units for s in allocation[c.name]} for c in apps
+    }
+    annotations = {
+        ANN_MEM_IDX: str(by_uuid[first.uuid].minor),
+        ANN_MEM_POD: str(
+            per_card if first.uuid in whole else min(held_units(allocation, request)[first.uuid], per_card)
+        ),
+        ANN_MEM_DEV: str(per_card),
         ANN_MEM_ASSIGNED: format_bool(False),
         ANN_MEM_ASSUME_TIME: format_assume_time(time.time_ns()),
     }
+    if amounts:
+        annotations[ANN_FRAMEWORK_ALLOCATION] = format_framework_allocation(amounts, request)
+    if inventory.inferred is None:
+        annotations[ANN_ALLOCATION] = format_allocation(allocation)
+    return annotations
 
 
 class Binder:
@@ -168,10 +199,10 @@ class Binder:
                     pod = get_pod(self._api, namespace, name)
                 _, policy = self._engine.policy_for(pod)
                 node_obj = get_node(self._api, node)
-                text = annotations_of(node_obj).get(NODE_ANN_INVENTORY)
-                if not text:
-                    raise BindError(f"bind {where}: node {node} has no gpushare inventory")
-                inventory = parse_inventory(text, node)
+                inventory = node_inventory(node_obj)
+                if inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(demands)):
+                    BIND_FAILURES.labels(reason="original-plugin").inc()
+                    raise BindError(f"bind {where}: node {node} {refusal}")
                 if mismatch := selector_mismatch(pod, node_obj):
                     BIND_FAILURES.labels(reason="node-selector").inc()
                     raise BindError(f"bind {where}: the node doesn't match the pod's nodeSelector ({mismatch})")
@@ -180,16 +211,22 @@ class Binder:
                     for p in list_pods(self._api, field_selector=f"spec.nodeName={node}")
                     if (p.get("metadata") or {}).get("uid") != uid
                 ]
-                in_flight = [alloc for other, alloc in self._cache.assumed_on(node) if other != uid]
-                cards = placement_cards(inventory, others, in_flight)
+                # a pod the fresh read shows placed is counted from its annotations, not again as in flight
+                placed = {
+                    (p.get("metadata") or {}).get("uid")
+                    for p in others
+                    if any(key in annotations_of(p) for key in PLACEMENT_ANNOTATIONS)
+                }
+                in_flight = [held for other, held in self._cache.assumed_on(node) if other not in placed | {uid}]
+                cards = placement_cards(inventory, others, in_flight, self._cache.fenced(node))
                 try:
-                    assignments = placement.place(cards, demands, policy, unit=inventory.unit.name)
+                    init = podfit.init_names(pod)
+                    assignments = podfit.place(cards, demands, init, policy, inventory.unit.name)
                 except placement.NoFit as nofit:
                     BIND_FAILURES.labels(reason="no-fit").inc()
                     raise BindError(f"bind {where}: {nofit.reason}") from None
-                units = {c.uuid: inventory.units_of(c) for c in inventory.cards}
                 allocation = allocation_of(assignments)
-                if self._write(pod, node, node_obj, allocation, pod_annotations(pod, allocation, units), where):
+                if self._write(pod, node, node_obj, allocation, pod_annotations(pod, allocation, inventory), where):
                     return
             except ContractError as exc:
                 BIND_FAILURES.labels(reason="bad-annotation").inc()
@@ -212,7 +249,7 @@ class Binder:
         """Steps 3 to 5 of the module doc. False when another writer got to the node first."""
         meta = pod["metadata"]
         namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
-        self._cache.assume(uid, node, allocation)
+        self._cache.assume(uid, node, held_units(allocation, parse_pod_request(pod)))
         try:
             patch_pod(
                 self._api,

@@ -17,20 +17,19 @@ from typing import Any
 
 from gpushare import placement
 from gpushare.contract import (
-    ANN_ALLOCATION,
-    ANN_FRAMEWORK_ALLOCATION,
-    NODE_ANN_INVENTORY,
-    Allocation,
+    FENCE_CONFIGMAP_KEY,
+    FENCE_CONFIGMAP_NAMESPACE,
+    FENCE_CONFIGMAP_PREFIX,
+    PLACEMENT_ANNOTATIONS,
     ContractError,
     NodeInventory,
     annotations_of,
-    parse_framework_allocation,
-    parse_inventory,
+    parse_fenced_cards,
     parse_pod_request,
     pod_key,
 )
 from gpushare.kube import WatchCache
-from gpushare.usage import holds_resources, node_usage
+from gpushare.usage import holds_resources, node_inventory, node_usage
 
 log = logging.getLogger(__name__)
 
@@ -53,49 +52,28 @@ def demands_of(pod: Mapping[str, Any]) -> tuple[placement.Demand, ...]:
     )
 
 
-def framework_allocation(pod: Mapping[str, Any], inventory: NodeInventory) -> Allocation | None:
-    """The allocation of a live pod annotated only by the newer original extender (its per-container
-    ``{"<containerIndex>": {"<gpuIndex>": units}}``), or None for any other pod."""
-    ann = annotations_of(pod)
-    if ANN_ALLOCATION in ann or ANN_FRAMEWORK_ALLOCATION not in ann or not holds_resources(pod):
-        return None
-    uuids = {card.index: card.uuid for card in inventory.cards}
-    return parse_framework_allocation(ann[ANN_FRAMEWORK_ALLOCATION], parse_pod_request(pod), uuids)
-
-
 def placement_cards(
-    inventory: NodeInventory, pods: Iterable[Mapping[str, Any]], extra: Iterable[Allocation] = ()
+    inventory: NodeInventory,
+    pods: Iterable[Mapping[str, Any]],
+    extra: Iterable[Mapping[str, int]] = (),
+    fenced: frozenset[int] = frozenset(),
 ) -> tuple[placement.Card, ...]:
-    """The node's cards with the units held by ``pods`` (and ``extra`` allocations) marked used.
-
-    Pods carry one of three annotation sets: ours, the newer original extender's per-container map,
-    or only the original card index; each is counted once, from the most precise set it has.
-    """
-    indexed, extra = [], list(extra)
-    for pod in pods:
-        try:
-            framework = framework_allocation(pod, inventory)
-        except ContractError as exc:
-            log.warning("GPU annotations can't be read, their cards are not counted: %s", exc)
-            continue
-        if framework is None:
-            indexed.append(pod)
-        else:
-            extra.append(framework)
-    used, _, bad = node_usage(indexed, inventory.cards)
+    """The node's cards with the units held by ``pods`` (and ``extra``: units per card UUID of binds in
+    flight) marked used, by the one rule of :mod:`gpushare.usage`. Cards whose minor is in ``fenced``
+    (the original extender's unhealthy-GPU ConfigMap) take no new pods."""
+    used, _, bad = node_usage(pods, inventory.cards, inferred=inventory.inferred is not None)
     for pod in bad:
         log.warning("GPU annotations can't be read, their cards are not counted: %s", pod.reason)
-    for allocation in extra:
-        for slices in allocation.values():
-            for s in slices:
-                used[s.uuid] = used.get(s.uuid, 0) + s.units
+    for held in extra:
+        for uuid, units in held.items():
+            used[uuid] = used.get(uuid, 0) + units
     return tuple(
         placement.Card(
             index=card.index,
             uuid=card.uuid,
             capacity=inventory.units_of(card),
             used=used.get(card.uuid, 0),
-            healthy=card.healthy,
+            healthy=card.healthy and card.minor not in fenced,
             numa=card.numa_node,
             nvlink=frozenset(card.nvlink_peers),
             model=card.model,
@@ -108,13 +86,16 @@ class ClusterCache:
     def __init__(self, api: Any) -> None:
         self.nodes = WatchCache(api, "nodes")
         self.pods = WatchCache(api, "pods")
+        self.configmaps = WatchCache(api, "configmaps", namespace=FENCE_CONFIGMAP_NAMESPACE)
         self._lock = threading.RLock()
         self._counter = itertools.count(1)
         self._generation: dict[str, int] = {}
         self._inventory: dict[str, NodeInventory | str] = {}
         self._pods_by_node: dict[str, dict[str, Mapping[str, Any]]] = {}
         self._node_of_pod: dict[str, str] = {}
-        self._assumed: dict[str, tuple[str, Allocation]] = {}
+        self._assumed: dict[str, tuple[str, Mapping[str, int]]] = {}
+        #: node -> card minors fenced by the original extender's unhealthy-GPU ConfigMap
+        self._fenced: dict[str, frozenset[int]] = {}
         self._views: dict[str, NodeView] = {}
         self._shapes: Counter[placement.Shape] = Counter()
         self._shapes_of_pod: dict[str, tuple[placement.Shape, ...]] = {}
@@ -122,23 +103,28 @@ class ClusterCache:
         self._change_listeners: list[Callable[[str], None]] = []
         self.nodes.add_listener(self._on_node)
         self.pods.add_listener(self._on_pod)
+        self.configmaps.add_listener(self._on_configmap)
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> None:
         self.nodes.start()
         self.pods.start()
+        self.configmaps.start()
 
     def stop(self) -> None:
         self.nodes.stop()
         self.pods.stop()
+        self.configmaps.stop()
 
     @property
     def synced(self) -> bool:
-        return self.nodes.synced and self.pods.synced
+        return self.nodes.synced and self.pods.synced and self.configmaps.synced
 
     def wait_synced(self, timeout: float | None) -> bool:
-        return self.nodes.wait_synced(timeout) and self.pods.wait_synced(timeout)
+        return (
+            self.nodes.wait_synced(timeout) and self.pods.wait_synced(timeout) and self.configmaps.wait_synced(timeout)
+        )
 
     # --- events -----------------------------------------------------------------------------------------
 
@@ -162,16 +148,27 @@ class ClusterCache:
             if kind == "DELETED":
                 self._inventory.pop(name, None)
             else:
-                text = annotations_of(node).get(NODE_ANN_INVENTORY)
                 try:
-                    self._inventory[name] = (
-                        parse_inventory(text, name)
-                        if text
-                        else "has no gpushare inventory (is the advertiser running?)"
-                    )
+                    self._inventory[name] = node_inventory(node)
                 except ContractError as exc:
                     self._inventory[name] = str(exc)
             self._bump(name)
+
+    def _on_configmap(self, kind: str, configmap: Mapping[str, Any]) -> None:
+        name = (configmap.get("metadata") or {}).get("name", "")
+        if not name.startswith(FENCE_CONFIGMAP_PREFIX):
+            return
+        node = name[len(FENCE_CONFIGMAP_PREFIX) :]
+        fenced = (
+            frozenset()
+            if kind == "DELETED"
+            else parse_fenced_cards((configmap.get("data") or {}).get(FENCE_CONFIGMAP_KEY))
+        )
+        with self._lock:
+            if fenced != self._fenced.get(node, frozenset()):
+                log.info("node %s: cards fenced by ConfigMap %s: %s", node, name, sorted(fenced) or "none")
+            self._fenced[node] = fenced
+            self._bump(node)
 
     def _on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
         key = pod_key(pod)
@@ -186,7 +183,8 @@ class ClusterCache:
                 self._pods_by_node.setdefault(node, {})[key] = pod
                 self._node_of_pod[key] = node
                 self._bump(node)
-            if kind == "DELETED" or ANN_ALLOCATION in annotations_of(pod) or not holds_resources(pod):
+            placed = any(key in annotations_of(pod) for key in PLACEMENT_ANNOTATIONS)
+            if kind == "DELETED" or placed or not holds_resources(pod):
                 # the pod's own annotation (or its end) now speaks for what we assumed
                 assumed = self._assumed.pop(uid, None)
                 if assumed is not None:
@@ -234,7 +232,8 @@ class ClusterCache:
                 return None
             pods = list(self._pods_by_node.get(node, {}).values())
             extra = [alloc for (n, alloc) in self._assumed.values() if n == node]
-            view = NodeView(node, inventory, placement_cards(inventory, pods, extra), self._generation.get(node, 0))
+            cards = placement_cards(inventory, pods, extra, self._fenced.get(node, frozenset()))
+            view = NodeView(node, inventory, cards, self._generation.get(node, 0))
             self._views[node] = view
             return view
 
@@ -248,9 +247,14 @@ class ClusterCache:
 
     # --- in-flight binds ------------------------------------------------------------------------------
 
-    def assume(self, uid: str, node: str, allocation: Allocation) -> None:
+    def fenced(self, node: str) -> frozenset[int]:
         with self._lock:
-            self._assumed[uid] = (node, allocation)
+            return self._fenced.get(node, frozenset())
+
+    def assume(self, uid: str, node: str, held: Mapping[str, int]) -> None:
+        """Count ``held`` (units per card UUID) on ``node`` until the pod's own annotations speak for it."""
+        with self._lock:
+            self._assumed[uid] = (node, held)
             self._bump(node)
 
     def forget(self, uid: str) -> None:
@@ -259,6 +263,6 @@ class ClusterCache:
             if assumed is not None:
                 self._bump(assumed[0])
 
-    def assumed_on(self, node: str) -> list[tuple[str, Allocation]]:
+    def assumed_on(self, node: str) -> list[tuple[str, Mapping[str, int]]]:
         with self._lock:
             return [(uid, alloc) for uid, (n, alloc) in self._assumed.items() if n == node]

@@ -19,8 +19,12 @@ from extender.wire import encode
 from gpushare.contract import quoted
 from gpushare.observability import health_reply
 from gpushare.tlshttp import HttpServer, Limits, Reply, Request
+from gpushare.usage import node_usage
 
 log = logging.getLogger(__name__)
+
+#: the original extender's URL prefix (``http://<host>:32766/gpushare-scheduler/{filter,bind}``)
+ORIGINAL_PREFIX = "/gpushare-scheduler"
 
 
 def inspect_nodes(cache: ClusterCache, only: str | None = None) -> dict[str, Any]:
@@ -46,6 +50,44 @@ def inspect_nodes(cache: ClusterCache, only: str | None = None) -> dict[str, Any
             ],
         }
     return {"nodes": nodes}
+
+
+def original_inspect(cache: ClusterCache, only: str | None = None) -> dict[str, Any]:
+    """The original extender's ``/gpushare-scheduler/inspect`` body: per node its total and used
+    gpu-mem and per card (``id`` is the card's /dev/nvidia minor, the original's numbering) the pods
+    on it with what each holds there."""
+    nodes = []
+    errors = []
+    for name in [only] if only else cache.node_names():
+        view = cache.view(name)
+        if view is None:
+            errors.append(f"node {name} {cache.problem(name)}")
+            continue
+        inferred = view.inventory.inferred is not None
+        _, counted, _ = node_usage(cache.pods_on(name), view.inventory.cards, inferred=inferred)
+        minors = {c.uuid: c.minor for c in view.inventory.cards}
+        devs = [
+            {
+                "id": minors[card.uuid],
+                "totalGPU": card.capacity,
+                "usedGPU": card.used,
+                "pods": [
+                    {"name": p.key.split("/", 1)[1], "namespace": p.key.split("/", 1)[0], "usedGPU": p.held[card.uuid]}
+                    for p in counted
+                    if p.held.get(card.uuid)
+                ],
+            }
+            for card in view.cards
+        ]
+        nodes.append(
+            {
+                "name": name,
+                "totalGPU": sum(d["totalGPU"] for d in devs),
+                "usedGPU": sum(d["usedGPU"] for d in devs),
+                "devs": devs,
+            }
+        )
+    return {"nodes": nodes, **({"error": "; ".join(errors)} if errors else {})}
 
 
 def refresh_card_gauges(cache: ClusterCache) -> None:
@@ -86,10 +128,16 @@ class ExtenderServer:
 
     def _handle(self, request: Request) -> Reply:
         path = request.path.rstrip("/")
+        original = path == ORIGINAL_PREFIX or path.startswith(f"{ORIGINAL_PREFIX}/")
+        if original:  # the original extender's paths, which old scheduler configurations point at
+            path = path[len(ORIGINAL_PREFIX) :]
         if request.method == "POST":
             return self._verb(path, request.body)
         if request.method != "GET":
             return Reply(405, b"only GET and POST\n", "text/plain")
+        if original and (path == "/inspect" or path.startswith("/inspect/")):
+            body = original_inspect(self.cache, path[len("/inspect/") :] or None)
+            return Reply(404 if body.get("error") and not body["nodes"] else 200, json.dumps(body).encode())
         if path == "/inspect" or path.startswith("/inspect/"):
             return Reply(200, json.dumps(inspect_nodes(self.cache, path[len("/inspect/") :] or None)).encode())
         if path == "/metrics":

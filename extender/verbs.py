@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from extender import podfit
 from extender.cache import ClusterCache, NodeView, demands_of, placement_cards
 from extender.matrix import CostMemo, NodeMatrix
 from extender.wire import NodeNames, Raw
@@ -173,7 +174,13 @@ class Placement:
             with self._lock:
                 self._fgd_rebuilding = False
 
-    def fit(self, view: NodeView, demands: Sequence[placement.Demand]) -> placement.NoFit | None:
+    def fit(
+        self, view: NodeView, demands: Sequence[placement.Demand], init: frozenset[str] = frozenset()
+    ) -> placement.NoFit | None:
+        if view.inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(demands)):
+            return placement.NoFit(f"node {view.name} {refusal}")
+        if podfit.has_init(demands, init):
+            return podfit.fit(view.cards, demands, init, view.inventory.unit.name)
         key = (view.name, view.generation, placement.shape_key(list(demands)))
         try:
             return self._fits[key]
@@ -182,7 +189,15 @@ class Placement:
             _remember(self._fits, key, result)
             return result
 
-    def cost(self, view: NodeView, demands: Sequence[placement.Demand], policy: placement.Policy) -> float:
+    def cost(
+        self,
+        view: NodeView,
+        demands: Sequence[placement.Demand],
+        policy: placement.Policy,
+        init: frozenset[str] = frozenset(),
+    ) -> float:
+        if podfit.has_init(demands, init):
+            return podfit.cost(view.cards, demands, init, policy, view.inventory.unit.name)
         key = (view.name, view.generation, placement.shape_key(list(demands)), policy)
         try:
             return self._costs[key]
@@ -217,15 +232,22 @@ def filter_result(engine: Placement, body: Any) -> dict[str, Any]:
     names, nodes_mode = candidate_names(body)
     try:
         demands = demands_of(pod)
+        init = podfit.init_names(pod)
     except (ContractError, ValueError) as exc:
         reason = str(exc)  # names the pod already
         return _filter_reply(NodeNames.of([]), nodes_mode, body, {}, dict.fromkeys(names.names, reason))
     if not demands:
         return _filter_reply(names, nodes_mode, body, {}, {})
-    if len(demands) == 1:
+    if len(demands) == 1 and podfit.original_plugin_refusal(demands) is None:
+        # one shared single-card container: the node matrix answers, on every kind of node
         fit = engine.matrix.fits(names, demands[0].shape)
         passing = list(compress(names.names, fit.tolist()))
         others = [names.names[i] for i in np.flatnonzero(~fit).tolist()]
+    elif len(demands) == 1:
+        fit = engine.matrix.fits(names, demands[0].shape)
+        passing = [n for n in compress(names.names, fit.tolist()) if not _inferred(engine.cache, n)]
+        kept = set(passing)
+        others = [n for n in names.names if n not in kept]
     else:
         passing, others = [], names.names
     failed: dict[str, str] = {}
@@ -235,7 +257,7 @@ def filter_result(engine: Placement, body: Any) -> dict[str, Any]:
         if view is None:
             unresolvable[name] = f"node {name} {engine.cache.problem(name)}"
             continue
-        nofit = engine.fit(view, demands)
+        nofit = engine.fit(view, demands, init)
         if nofit is None:
             passing.append(name)
         else:
@@ -243,6 +265,11 @@ def filter_result(engine: Placement, body: Any) -> dict[str, Any]:
     log.info("filter pod %s: %d of %d node(s) fit", pod_key(pod), len(passing), len(names))
     kept = names if passing == names.names else NodeNames.of(passing)
     return _filter_reply(kept, nodes_mode, body, failed, unresolvable)
+
+
+def _inferred(cache: ClusterCache, name: str) -> bool:
+    view = cache.view(name)
+    return view is not None and view.inventory.inferred is not None
 
 
 def _filter_reply(
@@ -265,6 +292,7 @@ def prioritize_result(engine: Placement, body: Any) -> Raw | list[dict[str, Any]
     names, _ = candidate_names(body)
     try:
         demands = demands_of(pod)
+        init = podfit.init_names(pod)
         policy_name, policy = engine.policy_for(pod)
     except (ContractError, ValueError):
         demands = ()
@@ -273,12 +301,16 @@ def prioritize_result(engine: Placement, body: Any) -> Raw | list[dict[str, Any]
     if len(demands) == 1:
         costs = engine.batch_costs(names, demands[0].shape, policy_name)
     else:
-        costs = _node_costs(engine, names.names, demands, policy)
+        costs = _node_costs(engine, names.names, demands, policy, init)
     return names.priorities(placement.batch_scores(costs))
 
 
 def _node_costs(
-    engine: Placement, names: Sequence[str], demands: Sequence[placement.Demand], policy: placement.Policy
+    engine: Placement,
+    names: Sequence[str],
+    demands: Sequence[placement.Demand],
+    policy: placement.Policy,
+    init: frozenset[str],
 ) -> np.ndarray:
     """Per node, one at a time: for pods with several GPU containers (``inf`` where the pod can't go)."""
     costs = np.full(len(names), np.inf)
@@ -287,7 +319,7 @@ def _node_costs(
         if view is None:
             continue
         try:
-            costs[i] = engine.cost(view, demands, policy)
+            costs[i] = engine.cost(view, demands, policy, init)
         except placement.NoFit:
             continue
     return costs
@@ -313,6 +345,7 @@ def preempt_result(engine: Placement, body: Any) -> dict[str, Any]:
     _check_victims(body)
     try:
         demands = demands_of(pod)
+        init = podfit.init_names(pod)
     except (ContractError, ValueError):
         return {"NodeNameToMetaVictims": {}}
     names = sorted(set(body.get("NodeNameToMetaVictims") or {}) | set(body.get("NodeNameToVictims") or {}))
@@ -323,12 +356,15 @@ def preempt_result(engine: Placement, body: Any) -> dict[str, Any]:
             continue
         victims = _victim_uids(body, name)
         pods = engine.cache.pods_on(name)
-        extra = [alloc for _, alloc in engine.cache.assumed_on(name)]
+        extra = [held for _, held in engine.cache.assumed_on(name)]
+        fenced = engine.cache.fenced(name)
 
-        def fits_without(evicted: set[str], view: NodeView = view, pods: list = pods, extra: list = extra) -> bool:
+        def fits_without(
+            evicted: set[str], view: NodeView = view, pods: list = pods, extra: list = extra, fenced: frozenset = fenced
+        ) -> bool:
             remaining = [p for p in pods if (p.get("metadata") or {}).get("uid") not in evicted]
-            cards = placement_cards(view.inventory, remaining, extra)
-            return not demands or placement.check_fit(cards, demands) is None
+            cards = placement_cards(view.inventory, remaining, extra, fenced)
+            return not demands or podfit.fit(cards, demands, init, view.inventory.unit.name) is None
 
         needed = set(victims)
         if not fits_without(needed):

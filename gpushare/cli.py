@@ -184,6 +184,11 @@ def kubectl_main() -> int:
     return main(["inspect", *sys.argv[1:]])
 
 
+def kubectl_inspect_main(argv: list[str] | None = None) -> int:
+    """``kubectl inspect gpushare [-d] [NODE]``: the original plugin's name and, by default, its layout."""
+    return main(["inspect", "--layout", "original", *(sys.argv[1:] if argv is None else argv)])
+
+
 if __name__ == "__main__":
     # run the imported module's main: its errors are the classes the subcommands raise, whereas this
     # copy of the module (__main__) has classes of its own

@@ -36,6 +36,8 @@ ANN_FRAMEWORK_ALLOCATION = "scheduler.framework.gpushare.allocation"
 
 #: JSON: container name -> [{"index": i, "uuid": "GPU-...", "units": n}, ...]
 ANN_ALLOCATION = "gpushare.io/allocation"
+#: annotations whose presence shows that a scheduler (ours or the original) chose the pod's cards
+PLACEMENT_ANNOTATIONS = (ANN_ALLOCATION, ANN_FRAMEWORK_ALLOCATION, ANN_MEM_IDX)
 #: JSON: container name -> [gpushare resources the device plugin has already served to it]
 ANN_ASSIGNED_CONTAINERS = "gpushare.io/assigned-containers"
 #: per-pod placement policy override
@@ -50,6 +52,32 @@ def protected_annotation(key: str) -> bool:
     return key == ANN_FRAMEWORK_ALLOCATION or (
         key.startswith(PROTECTED_ANNOTATION_PREFIXES) and key not in TENANT_ANNOTATIONS
     )
+
+
+# --- the original extender's fenced cards, and the original plugin's isolation switch --------------
+
+#: ConfigMap in kube-system named ``unhealthy-gpu-<node>``; its key ``gpus`` lists fenced card numbers
+FENCE_CONFIGMAP_NAMESPACE = "kube-system"
+FENCE_CONFIGMAP_PREFIX = "unhealthy-gpu-"
+FENCE_CONFIGMAP_KEY = "gpus"
+#: node label; "true" makes the device plugin add ENV_CGPU_DISABLE to every GPU container
+NODE_LABEL_CGPU_DISABLE = "cgpu.disable.isolation"
+ENV_CGPU_DISABLE = "CGPU_DISABLE"
+
+
+def fence_configmap_name(node: str) -> str:
+    return f"{FENCE_CONFIGMAP_PREFIX}{node}"
+
+
+def parse_fenced_cards(text: str | None) -> frozenset[int]:
+    """The card numbers in a fence ConfigMap's ``gpus`` value (``"0,2"``). Entries that aren't numbers
+    are skipped, as the original extender skips them."""
+    fenced = set()
+    for part in (text or "").split(","):
+        part = part.strip()
+        if part.isdigit():
+            fenced.add(int(part))
+    return frozenset(fenced)
 
 
 # --- container annotations, from the device plugin to the CRI shim --------------------------------
@@ -230,8 +258,15 @@ class PodRequest:
         return tuple(c for c in self.containers if c.wants_gpu)
 
     @property
-    def total_mem(self) -> int:
-        return sum(c.mem for c in self.containers)
+    def app_mem(self) -> int:
+        """gpu-mem over the app containers; what the original components count for a pod."""
+        return sum(c.mem for c in self.containers if not c.init)
+
+    @property
+    def effective_mem(self) -> int:
+        """Kubernetes' rule for a pod's request: init containers run one at a time before the app
+        containers, so the pod needs the larger of the app containers' sum and its largest init container."""
+        return max([self.app_mem, *(c.mem for c in self.containers if c.init)])
 
     def container(self, name: str) -> ContainerRequest | None:
         return next((c for c in self.containers if c.name == name), None)
@@ -368,7 +403,7 @@ def _parse_slice(pod: str, container: str, raw: Any) -> CardSlice:
     return CardSlice(index=index, uuid=uuid, units=units)
 
 
-def _json_object(text: str, where: str, expected: str) -> dict[str, Any]:
+def json_object(text: str, where: str, expected: str) -> dict[str, Any]:
     """Parse an annotation that must hold a JSON object; errors name the object and annotation."""
     try:
         raw = json.loads(text)
@@ -381,7 +416,7 @@ def _json_object(text: str, where: str, expected: str) -> dict[str, Any]:
 
 def parse_allocation(text: str, pod: str = "?") -> Allocation:
     where = f"pod {pod} annotation {ANN_ALLOCATION}"
-    raw = _json_object(text, where, "an object of container name -> cards")
+    raw = json_object(text, where, "an object of container name -> cards")
     result: Allocation = {}
     for container, slices in raw.items():
         if not isinstance(slices, list) or not slices:
@@ -461,37 +496,6 @@ def annotations_of(pod: Mapping[str, Any]) -> Mapping[str, str]:
     return (pod.get("metadata") or {}).get("annotations") or {}
 
 
-def pod_allocation(
-    pod: Mapping[str, Any], request: PodRequest, card_uuids: Mapping[int, str] | None = None
-) -> Allocation | None:
-    """The per-container card assignment the scheduler recorded on ``pod``, or None when it has none.
-
-    Reads our own annotation when present. Pods annotated only by the original extender carry one
-    card index for the whole pod; every gpu-mem container then shares that card. ``card_uuids``
-    maps index -> UUID on the pod's node so those pods can be expressed by UUID too; without it
-    the UUID is left empty for the caller to resolve.
-    """
-    ann = annotations_of(pod)
-    key = request.key
-    if ANN_ALLOCATION in ann:
-        allocation = parse_allocation(ann[ANN_ALLOCATION], key)
-        unknown = sorted(set(allocation) - {c.name for c in request.gpu_containers})
-        if unknown:
-            raise AnnotationError(
-                f"pod {key} annotation {ANN_ALLOCATION}: names container(s) {quoted(unknown)} that request no GPU"
-            )
-        return allocation
-    if ANN_MEM_IDX not in ann:
-        return None
-    index = parse_card_index(ann[ANN_MEM_IDX], key)
-    uuid = (card_uuids or {}).get(index, "")
-    return {
-        c.name: (CardSlice(index=index, uuid=uuid, units=c.mem),)
-        for c in request.gpu_containers
-        if c.mem and not c.count
-    }
-
-
 def validate_allocation(request: PodRequest, allocation: Allocation) -> None:
     """Check that an allocation is shaped like the request it claims to serve."""
     for c in request.gpu_containers:
@@ -525,6 +529,8 @@ def assigned_env(slices: tuple[CardSlice, ...], pod_mem: int, card_units: Mappin
 class NodeInventory:
     unit: MemoryUnit
     cards: tuple[Card, ...]
+    #: set when the cards were inferred from the node's status (no inventory annotation): how
+    inferred: str | None = None
 
     def units_of(self, card: Card) -> int:
         return self.unit.units_of(card.memory_mib)
@@ -579,7 +585,7 @@ def _inventory_card(node: str, raw: Any) -> Card:
 
 def parse_inventory(text: str, node: str = "?") -> NodeInventory:
     where = f"node {node} annotation {NODE_ANN_INVENTORY}"
-    raw = _json_object(text, where, f"an object with version {INVENTORY_VERSION}")
+    raw = json_object(text, where, f"an object with version {INVENTORY_VERSION}")
     if raw.get("version") != INVENTORY_VERSION:
         raise AnnotationError(f"{where}: expected an object with version {INVENTORY_VERSION}")
     try:
@@ -601,44 +607,19 @@ def format_model_label(cards: Iterable[Card]) -> str:
 # --- framework allocation annotation (newer variant of the original extender) ----------------------
 
 
-def parse_framework_allocation(text: str, request: PodRequest, card_uuids: Mapping[int, str]) -> Allocation:
-    """``{"<containerIndex>": {"<gpuIndex>": <units>}}`` as an allocation keyed by container name.
-
-    The container index counts ``spec.containers`` only (the original extender ignores init
-    containers); ``card_uuids`` maps the node's card indexes to UUIDs, and an index the node doesn't
-    have is an error.
-    """
-    where = f"pod {request.key} annotation {ANN_FRAMEWORK_ALLOCATION}"
-    raw = _json_object(text, where, "an object of container index -> {card index: units}")
-    containers = [c for c in request.containers if not c.init]
-    result: Allocation = {}
-    for position, cards in raw.items():
-        if not str(position).isdigit() or int(position) >= len(containers):
-            raise AnnotationError(f"{where}: container index {quoted(position)} is not a container of the pod")
-        if not isinstance(cards, dict) or not cards:
-            raise AnnotationError(f"{where}: container {position} has no card map")
-        slices = []
-        for index_text, units in cards.items():
-            index = parse_card_index(index_text, request.key)
-            if not isinstance(units, int) or isinstance(units, bool) or units <= 0:
-                raise AnnotationError(f"{where}: units {quoted(units)} on card {index} is not a positive integer")
-            if index not in card_uuids:
-                raise AnnotationError(f"{where}: card index {index} is not on the pod's node")
-            slices.append(CardSlice(index=index, uuid=card_uuids[index], units=units))
-        result[containers[int(position)].name] = tuple(sorted(slices))
-    return result
-
-
-def format_framework_allocation(allocation: Mapping[str, tuple[CardSlice, ...]], request: PodRequest) -> str:
+def format_framework_allocation(amounts: Mapping[str, Mapping[int, int]], request: PodRequest) -> str:
+    """``{"<app container position>": {"<card number>": units}}`` from container name -> card number ->
+    units. The original components count containers in ``spec.containers`` only, so init containers
+    can't be named, and number cards by their /dev/nvidia minor."""
     positions = {c.name: i for i, c in enumerate(c for c in request.containers if not c.init)}
-    if unknown := sorted(set(allocation) - set(positions)):
+    if unknown := sorted(set(amounts) - set(positions)):
         raise AnnotationError(
             f"pod {request.key}: {ANN_FRAMEWORK_ALLOCATION} can't name init or unknown containers {quoted(unknown)}"
         )
     return json.dumps(
         {
-            str(positions[name]): {str(s.index): s.units for s in slices}
-            for name, slices in sorted(allocation.items(), key=lambda item: positions[item[0]])
+            str(positions[name]): {str(number): units for number, units in sorted(cards.items())}
+            for name, cards in sorted(amounts.items(), key=lambda item: positions[item[0]])
         },
         separators=(",", ":"),
     )

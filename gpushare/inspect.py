@@ -1,13 +1,27 @@
-"""``gpushare inspect [-d] [NODE]``: per-card GPU allocation, read from any cluster's API server."""
+"""``gpushare inspect [-d] [NODE]``: per-card GPU allocation, read from any cluster's API server.
+
+``kubectl inspect gpushare`` (the ``kubectl-inspect-gpushare`` plugin the original project installed)
+runs the same with ``--layout original`` as its default, so that scripts parsing its columns keep
+working; ``--layout gpushare`` gives our view there too.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+LAYOUTS = ("gpushare", "original")
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+
+def add_arguments(parser: argparse.ArgumentParser, layout: str = "gpushare") -> None:
     parser.add_argument("-d", "--details", action="store_true", help="list every pod with its units on each card")
+    parser.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default=layout,
+        help="gpushare: each node in its own unit, with health, over-commitment and notes; original: the "
+        f"columns and totals lines of the original kubectl-inspect-gpushare (default: {layout})",
+    )
     parser.add_argument("node", nargs="?", default=None, metavar="NODE", help="show only this node")
     parser.add_argument(
         "--kubeconfig", default=None, help="default: in-cluster config, then $KUBECONFIG or ~/.kube/config"
@@ -32,5 +46,9 @@ def run(args: argparse.Namespace) -> int:
     if args.node and not cluster.nodes:
         print(f"gpushare inspect: node {args.node} has no gpushare GPUs", file=sys.stderr)
         return 1
-    print(inspectview.render_details(cluster) if args.details else inspectview.render_summary(cluster))
+    if args.layout == "original":
+        render = inspectview.render_original_details if args.details else inspectview.render_original_summary
+    else:
+        render = inspectview.render_details if args.details else inspectview.render_summary
+    print(render(cluster))
     return 0

@@ -2,8 +2,11 @@
 
 Each node is shown in its own memory unit (the one its inventory annotation declares), and each card
 with its own total, so nodes with mixed card sizes or units read as they are. Nodes that carry no
-inventory annotation but do advertise ``aliyun.com/gpu-mem`` (an original gpushare device plugin, or
-an advertiser that hasn't run yet) are shown from ``status.capacity``, with a note saying so.
+inventory annotation but do advertise ``aliyun.com/gpu-mem`` (an original gpushare device plugin) are
+shown as :func:`gpushare.usage.inferred_inventory` sees them, with a note saying so.
+
+Two layouts: ours (the unit per node, health, over-commitment, notes) and the original
+``kubectl-inspect-gpushare``'s columns and totals lines, for scripts that parse them.
 """
 
 from __future__ import annotations
@@ -12,25 +15,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.cards import Card
 from gpushare.contract import (
     GIB,
     NODE_ANN_INVENTORY,
-    RESOURCE_COUNT,
     RESOURCE_MEM,
-    Allocation,
     ContractError,
     MemoryUnit,
     annotations_of,
-    parse_inventory,
     parse_pod_request,
-    pod_allocation,
-    pod_key,
     requests_gpu,
 )
-from gpushare.usage import holds_resources, resolve_allocation
-
-MIB = MemoryUnit(1)
+from gpushare.usage import MIB, holds_resources, node_inventory, pod_cards
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,96 +115,33 @@ def node_address(node: Mapping[str, Any]) -> str:
     return str(addresses[0].get("address")) if addresses and addresses[0].get("address") else "unknown"
 
 
-def _capacity_cards(node: Mapping[str, Any]) -> tuple[list[Card], str | None]:
-    """Equal cards from the node's advertised gpu-mem and gpu-count (the original inspect's view).
-
-    The original device plugin advertises one gpu-count per card. Ours advertises replicas (by
-    default one per memory unit), so a gpu-count of at least the gpu-mem doesn't count cards: the
-    node is then shown as one card holding all of its memory.
-    """
-    capacity = (node.get("status") or {}).get("capacity") or {}
-    try:
-        mem = int(str(capacity.get(RESOURCE_MEM, 0)))
-        count = int(str(capacity.get(RESOURCE_COUNT, 0)))
-    except ValueError:
-        return [], None
-    if mem <= 0:
-        return [], None
-    count = max(count, 1) if count < mem else 1
-    share, extra = divmod(mem, count)
-    cards = [
-        Card(index=i, uuid="", model="", memory_mib=(share + (1 if i < extra else 0)) * GIB.mib, minor=i)
-        for i in range(count)
-    ]
-    note = (
-        f"no {NODE_ANN_INVENTORY} annotation; {count} card(s) inferred from status.capacity "
-        f"({RESOURCE_MEM}={mem}, {RESOURCE_COUNT}={capacity.get(RESOURCE_COUNT, 'unset')}), "
-        f"assumed equal and in {GIB.name}"
-    )
-    return cards, note
-
-
-def _node_cards(node: Mapping[str, Any]) -> tuple[list[Card], MemoryUnit, str | None, list[str]]:
-    """The node's cards, its unit, the capacity-fallback note (if used) and any problem found."""
-    name = (node.get("metadata") or {}).get("name", "?")
-    text = annotations_of(node).get(NODE_ANN_INVENTORY)
-    problems: list[str] = []
-    if text is not None:
-        try:
-            inventory = parse_inventory(text, name)
-            return list(inventory.cards), inventory.unit, None, problems
-        except ContractError as exc:
-            problems.append(str(exc))
-    cards, note = _capacity_cards(node)
-    return cards, GIB, note, problems
-
-
-def _card_units(allocation: Allocation, by_uuid: Mapping[str, int] | None, pod: str) -> dict[int, int]:
-    """Units per card index. ``by_uuid`` (uuid -> index) is None when the node has no inventory."""
-    units: dict[int, int] = {}
-    for container, slices in allocation.items():
-        for s in slices:
-            index = s.index
-            if by_uuid is not None:
-                if s.uuid not in by_uuid:
-                    raise ContractError(f"pod {pod} container {container}: card {s.uuid} is not on this node")
-                index = by_uuid[s.uuid]
-            units[index] = units.get(index, 0) + s.units
-    return units
-
-
-def _pod_view(pod: Mapping[str, Any], cards: list[Card], has_inventory: bool) -> PodView:
-    meta = pod.get("metadata") or {}
-    key = pod_key(pod)
-    request = parse_pod_request(pod)
-    if has_inventory:
-        allocation = resolve_allocation(pod, cards)
-        by_uuid: dict[str, int] | None = {c.uuid: c.index for c in cards}
-    else:
-        allocation = pod_allocation(pod, request)
-        by_uuid = None
-    namespace, name = meta.get("namespace", "default"), meta.get("name", "?")
-    if allocation is None:
-        return PodView(namespace, name, {}, pending=request.total_mem)
-    units = _card_units(allocation, by_uuid, key)
-    unknown = sorted(set(units) - {c.index for c in cards})
-    if unknown:
-        raise ContractError(f"pod {key}: card index(es) {unknown} are not on this node")
-    return PodView(namespace, name, units)
-
-
 def build_node(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> NodeView | None:
     """The node's view from the pods bound to it, or None when it has no gpushare cards."""
-    cards, unit, note, problems = _node_cards(node)
-    if not cards:
-        return None
     name = (node.get("metadata") or {}).get("name", "?")
+    try:
+        inventory = node_inventory(node)
+    except ContractError as exc:
+        advertised = (node.get("status") or {}).get("capacity") or {}
+        if NODE_ANN_INVENTORY in annotations_of(node) or RESOURCE_MEM in advertised:
+            return NodeView(name, node_address(node), GIB, (), (), problems=(str(exc),))
+        return None
+    inferred = inventory.inferred is not None
+    index_of = {c.uuid: c.index for c in inventory.cards}
     views: list[PodView] = []
+    problems: list[str] = []
     for pod in pods:
         if (pod.get("spec") or {}).get("nodeName") != name or not holds_resources(pod) or not requests_gpu(pod):
             continue
+        meta = pod.get("metadata") or {}
+        namespace, pod_name = meta.get("namespace", "default"), meta.get("name", "?")
         try:
-            views.append(_pod_view(pod, cards, note is None))
+            held = pod_cards(pod, inventory.cards, inferred=inferred)
+            if held is None:
+                views.append(PodView(namespace, pod_name, {}, pending=parse_pod_request(pod).effective_mem))
+            elif unknown := sorted(set(held.held) - set(index_of)):
+                raise ContractError(f"pod {held.key}: card(s) {', '.join(unknown)} are not on this node")
+            else:
+                views.append(PodView(namespace, pod_name, {index_of[u]: n for u, n in held.held.items()}))
         except ContractError as exc:
             problems.append(str(exc))
     allocated: dict[int, int] = {}
@@ -217,15 +149,15 @@ def build_node(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> No
         for index, units in view.units.items():
             allocated[index] = allocated.get(index, 0) + units
     card_views = tuple(
-        CardView(c.index, unit.units_of(c.memory_mib), allocated.get(c.index, 0), c.healthy) for c in cards
+        CardView(c.index, inventory.units_of(c), allocated.get(c.index, 0), c.healthy) for c in inventory.cards
     )
     return NodeView(
         name=name,
         address=node_address(node),
-        unit=unit,
+        unit=inventory.unit,
         cards=card_views,
         pods=tuple(sorted(views, key=lambda p: (p.namespace, p.name))),
-        capacity_note=note,
+        capacity_note=inventory.inferred,
         problems=tuple(problems),
     )
 
@@ -345,3 +277,78 @@ def render_details(cluster: ClusterView) -> str:
     rule = "-" * max(len(line) for block in blocks for line in block.splitlines())
     body = f"\n{rule}\n".join(blocks)
     return "\n".join([body, rule, _cluster_total(cluster), *_footer(cluster)])
+
+
+# --- the original kubectl-inspect-gpushare layout ---------------------------------------------------
+
+
+def _in_unit(amount: int, node: NodeView, unit: MemoryUnit) -> int:
+    return amount * node.unit.mib // unit.mib
+
+
+def render_original_summary(cluster: ClusterView) -> str:
+    """The original's summary: ``GPU<i>(Allocated/Total)`` per card, ``PENDING(Allocated)`` when a
+    pod waits for a card, ``GPU Memory(<unit>)`` per node, then a rule and the cluster's totals on the
+    two lines the original prints. Nodes with other units than the rest are converted to MiB."""
+    unit = cluster.common_unit
+    width = max((len(n.cards) for n in cluster.nodes), default=0)
+    with_pending = any(n.pending_pods for n in cluster.nodes)
+    header = ["NAME", "IPADDRESS", *(f"GPU{i}(Allocated/Total)" for i in range(width))]
+    rows = [[*header, *(["PENDING(Allocated)"] if with_pending else []), f"GPU Memory({unit.name})"]]
+    used_total = all_total = 0
+    for node in cluster.nodes:
+        cards = sorted(node.cards, key=lambda c: c.index)
+        cells = [f"{_in_unit(c.allocated, node, unit)}/{_in_unit(c.total, node, unit)}" for c in cards]
+        used = _in_unit(node.allocated + node.pending, node, unit)
+        total = _in_unit(node.total, node, unit)
+        row = [node.name, node.address, *cells, *["0/0"] * (width - len(cards))]
+        row += [str(_in_unit(node.pending, node, unit)) if node.pending_pods else ""] if with_pending else []
+        rows.append([*row, f"{used}/{total}"])
+        used_total, all_total = used_total + used, all_total + total
+    table = render_table(rows)
+    rule = "-" * (max(len(line) for line in table.splitlines()) + 2)
+    return "\n".join(
+        [
+            table,
+            rule,
+            "Allocated/Total GPU Memory In Cluster:",
+            f"{used_total}/{all_total} ({percent(used_total, all_total)})",
+        ]
+    )
+
+
+def _original_node_details(node: NodeView, unit: MemoryUnit) -> tuple[str, int, int]:
+    cards = sorted(node.cards, key=lambda c: c.index)
+    with_pending = node.pending_pods > 0
+    rows = [["NAME", "NAMESPACE", *(f"GPU{c.index}(Allocated)" for c in cards)]]
+    rows[0] += ["Pending(Allocated)"] if with_pending else []
+    for pod in node.pods:
+        row = [pod.name, pod.namespace, *(str(_in_unit(pod.units.get(c.index, 0), node, unit)) for c in cards)]
+        rows.append(row + ([str(_in_unit(pod.pending or 0, node, unit))] if with_pending else []))
+    used = _in_unit(node.allocated + node.pending, node, unit)
+    total = _in_unit(node.total, node, unit)
+    text = "\n".join(
+        [
+            "",
+            f"NAME:       {node.name}",
+            f"IPADDRESS:  {node.address}",
+            "",
+            render_table(rows),
+            f"Allocated :  {used} ({percent(used, total)})",
+            f"Total :      {total}",
+        ]
+    )
+    return text, used, total
+
+
+def render_original_details(cluster: ClusterView) -> str:
+    """The original's ``-d`` layout: per node its pods' allocation per card, then ``Allocated :`` and
+    ``Total :``, a rule, and at the end the cluster's ``Allocated/Total GPU Memory In Cluster:`` line."""
+    unit = cluster.common_unit
+    blocks = [_original_node_details(node, unit) for node in cluster.nodes]
+    rule = "-" * max((len(line) for text, _, _ in blocks for line in text.splitlines()), default=40)
+    used = sum(u for _, u, _ in blocks)
+    total = sum(t for _, _, t in blocks)
+    lines = [f"{text}\n{rule}" for text, _, _ in blocks]
+    lines += ["", "", f"Allocated/Total GPU Memory In Cluster:  {used}/{total} ({percent(used, total)})"]
+    return "\n".join(lines)

@@ -304,20 +304,23 @@ def _rv(obj: dict[str, Any]) -> int:
 
 
 class WatchCache:
-    """An in-memory mirror of pods or nodes, kept by LIST then WATCH, re-listing after 410 Gone and
-    reconnecting with back-off after an outage. ``connected`` tells whether it is currently live."""
+    """An in-memory mirror of pods, nodes or one namespace's ConfigMaps, kept by LIST then WATCH,
+    re-listing after 410 Gone and reconnecting with back-off after an outage. ``connected`` tells
+    whether it is currently live."""
 
     def __init__(
         self,
         api: client.ApiClient,
-        kind: Literal["pods", "nodes"],
+        kind: Literal["pods", "nodes", "configmaps"],
         *,
+        namespace: str | None = None,
         field_selector: str | None = None,
         label_selector: str | None = None,
         backoff: Backoff | None = None,
     ) -> None:
         self._api = api
         self._kind = kind
+        self._namespace = namespace
         self._selectors = {
             k: v for k, v in (("field_selector", field_selector), ("label_selector", label_selector)) if v
         }
@@ -399,6 +402,8 @@ class WatchCache:
 
     def _list_fn(self) -> Callable[..., Any]:
         core = client.CoreV1Api(self._api)
+        if self._kind == "configmaps":
+            return functools.partial(core.list_namespaced_config_map, self._namespace)
         return core.list_pod_for_all_namespaces if self._kind == "pods" else core.list_node
 
     def _relist(self) -> int:

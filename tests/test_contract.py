@@ -7,6 +7,7 @@ import pytest
 from gpushare import contract as c
 from gpushare.cards import Card
 from gpushare.inventory import simulated_cards
+from gpushare.usage import pod_allocation
 
 
 def pod(containers, init=(), annotations=None, name="p", uid="u1"):
@@ -34,7 +35,10 @@ def test_request_semantics_mem_count_and_both() -> None:
     assert (by["d"].cards, by["d"].units_per_card, by["d"].exclusive) == (3, 4, False)
     assert not by["e"].wants_gpu
     assert [x.name for x in req.gpu_containers] == ["i", "a", "b", "d"]
-    assert req.total_mem == 4 + 8 + 12
+    assert req.app_mem == 8 + 12
+    assert req.effective_mem == 20  # the init container's 4 runs before, inside the app containers' 20
+    bigger_init = c.parse_pod_request(pod([("a", "6")], init=[("i", 9), ("j", 2)]))
+    assert (bigger_init.app_mem, bigger_init.effective_mem) == (6, 9)
 
 
 def test_indivisible_request_is_rejected_naming_container() -> None:
@@ -60,6 +64,8 @@ def test_units() -> None:
 
 UUID_A = "GPU-5778203f-3d9e-535e-b0bc-024184b555e8"
 UUID_B = "GPU-d9c3948d-1519-5c73-a571-8613affee367"
+#: two cards whose /dev/nvidia minors equal their indices
+CARDS = (Card(0, UUID_A, "A100", 81920, minor=0), Card(1, UUID_B, "A100", 81920, minor=1))
 
 
 def test_allocation_round_trip() -> None:
@@ -92,16 +98,15 @@ def test_bad_allocation_annotations_name_pod_and_field(text, message) -> None:
 def test_pod_allocation_prefers_ours_and_falls_back_to_original_keys() -> None:
     ours = c.format_allocation({"a": (c.CardSlice(1, UUID_B, 8),)})
     p = pod([("a", "8")], annotations={c.ANN_ALLOCATION: ours, c.ANN_MEM_IDX: "0"})
-    assert c.pod_allocation(p, c.parse_pod_request(p)) == {"a": (c.CardSlice(1, UUID_B, 8),)}
+    assert pod_allocation(p, CARDS) == {"a": (c.CardSlice(1, UUID_B, 8),)}
 
     orig = pod([("a", "8"), ("b", "2")], annotations={c.ANN_MEM_IDX: "1"})
-    got = c.pod_allocation(orig, c.parse_pod_request(orig), {1: UUID_B})
+    got = pod_allocation(orig, CARDS)
     assert got == {"a": (c.CardSlice(1, UUID_B, 8),), "b": (c.CardSlice(1, UUID_B, 2),)}
 
-    assert c.pod_allocation(pod([("a", "8")]), c.parse_pod_request(pod([("a", "8")]))) is None
+    assert pod_allocation(pod([("a", "8")]), CARDS) is None
     with pytest.raises(c.AnnotationError, match="ALIYUN_COM_GPU_MEM_IDX: 'x' is not an integer"):
-        bad = pod([("a", "8")], annotations={c.ANN_MEM_IDX: "x"})
-        c.pod_allocation(bad, c.parse_pod_request(bad))
+        pod_allocation(pod([("a", "8")], annotations={c.ANN_MEM_IDX: "x"}), CARDS)
 
 
 def test_allocation_naming_a_container_without_gpu_is_rejected() -> None:
@@ -114,7 +119,7 @@ def test_allocation_naming_a_container_without_gpu_is_rejected() -> None:
         },
     )
     with pytest.raises(c.AnnotationError, match="sidecar"):
-        c.pod_allocation(p, c.parse_pod_request(p))
+        pod_allocation(p, CARDS)
 
 
 def test_validate_allocation_shape() -> None:

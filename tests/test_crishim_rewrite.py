@@ -94,7 +94,7 @@ def env_of(config: cri_pb2.ContainerConfig) -> dict[str, list[str]]:
 
 
 def gpu(target: Target, *slices: CardSlice, pod_mem: int = 20) -> Assignment:
-    return Assignment(target=target, wants_gpu=True, slices=slices, pod_mem=pod_mem, pod_slices=slices)
+    return Assignment(target=target, wants_gpu=True, slices=slices, pod_mem=pod_mem)
 
 
 # --- correcting a device plugin answer ----------------------------------------------------------------
@@ -238,7 +238,7 @@ def test_allocation_annotation_names_the_cards() -> None:
     annotations = allocation_of(worker=(slice_of(A1),), helper=(slice_of(T4, 5),))
     found = from_annotations(POD, annotations, plugin_view(plugin_config(OTHER, [slice_of(A0)])), CARDS)
     assert found is not None and found.wants_gpu and found.slices == (slice_of(A1),)
-    assert found.pod_mem == 25 and set(found.pod_slices) == {slice_of(A1), slice_of(T4, 5)}
+    assert found.pod_mem == 20  # the pod's effective gpu-mem, as the device plugin put it in the env
 
 
 def test_container_outside_the_allocation_wants_no_gpu_unless_the_plugin_served_it() -> None:
@@ -250,10 +250,11 @@ def test_container_outside_the_allocation_wants_no_gpu_unless_the_plugin_served_
     assert from_annotations(other, annotations, plugin_view(plugin_config(other, [slice_of(A0)])), CARDS) is None
 
 
-def test_original_extender_index_is_translated_through_the_node() -> None:
+def test_original_extender_index_is_read_as_a_minor_number() -> None:
     served = plugin_view(plugin_config(OTHER, [slice_of(A0, 12)], pod_mem=12))
     found = from_annotations(POD, {ANN_MEM_IDX: "2"}, served, CARDS)
-    assert found is not None and found.slices == (CardSlice(index=2, uuid=T4.uuid, units=12),)
+    assert A0.minor == 2  # the simulated cards' minors run backwards
+    assert found is not None and found.slices == (CardSlice(index=0, uuid=A0.uuid, units=12),)
     assert from_annotations(POD, {ANN_MEM_IDX: "9"}, served, CARDS) is None
 
 

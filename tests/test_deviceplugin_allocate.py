@@ -78,9 +78,9 @@ def test_a_two_card_container_sees_both_cards_and_is_assigned_after_both_resourc
     assert second.pod_patch["metadata"]["annotations"][c.ANN_MEM_ASSIGNED] == "true"
 
 
-def test_a_pod_with_only_the_original_annotations_gets_its_card_by_index() -> None:
+def test_a_pod_with_only_the_original_annotations_gets_its_card_by_minor_number() -> None:
     decision = decide(
-        [gpu_pod("legacy", [container("main", 5)], original_index=2)], "n1", c.RESOURCE_MEM, 5, CARDS, c.GIB
+        [gpu_pod("legacy", [container("main", 5)], original_index=T4.minor)], "n1", c.RESOURCE_MEM, 5, CARDS, c.GIB
     )
     assert decision.envs[c.ENV_VISIBLE_DEVICES] == T4.uuid and decision.envs[c.ENV_MEM_DEV] == "15"
 
@@ -133,9 +133,12 @@ def test_an_unhealthy_card_is_refused() -> None:
     ("annotations", "message"),
     [
         ({c.ANN_MEM_IDX: "two"}, "annotation ALIYUN_COM_GPU_MEM_IDX: 'two' is not an integer"),
-        ({c.ANN_MEM_IDX: "7"}, "card index 7 is not on this node"),
+        ({c.ANN_MEM_IDX: "7"}, "card 7 (a /dev/nvidia minor number) is not on this node"),
         ({c.ANN_MEM_IDX: "-1"}, "-1 is negative"),
-        ({c.ANN_MEM_ASSUME_TIME: "1"}, "has neither gpushare.io/allocation nor ALIYUN_COM_GPU_MEM_IDX"),
+        (
+            {c.ANN_MEM_ASSUME_TIME: "1"},
+            "has none of gpushare.io/allocation, scheduler.framework.gpushare.allocation or ALIYUN_COM_GPU_MEM_IDX",
+        ),
         ({c.ANN_ALLOCATION: "{garbage", c.ANN_MEM_IDX: "0"}, "annotation gpushare.io/allocation: not valid JSON"),
         ({c.ANN_ALLOCATION: '{"main": [{"index": 0, "uuid": "GPU-x"}]}'}, "units None on card 0"),
         ({c.ANN_ALLOCATION: '{"main": [{"index": "0", "uuid": "GPU-x", "units": 3}]}'}, "card index '0'"),

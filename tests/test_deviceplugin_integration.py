@@ -201,7 +201,7 @@ def test_a_two_card_container_gets_the_scheduler_cards_through_both_resources(no
 
 def test_a_pod_carrying_only_the_original_annotations_works(node: SimNode) -> None:
     t4 = node.cards[2]
-    admission = node.admit(gpu_pod("legacy", [container("main", 6)], original_index=2))
+    admission = node.admit(gpu_pod("legacy", [container("main", 6)], original_index=t4.minor))
     assert visible(admission) == t4.uuid
     assert admission.containers["main"].envs[c.ENV_MEM_IDX] == "2"
     assert admission.containers["main"].envs[c.ENV_MEM_POD] == "6"
@@ -224,8 +224,11 @@ def test_an_over_commit_attempt_is_refused_and_reported_on_the_pod(node: SimNode
     ("annotations", "message"),
     [
         ({c.ANN_MEM_IDX: "two"}, "'two' is not an integer"),
-        ({c.ANN_MEM_IDX: "7"}, "card index 7 is not on this node"),
-        ({c.ANN_MEM_ASSUME_TIME: "1"}, "neither gpushare.io/allocation nor ALIYUN_COM_GPU_MEM_IDX"),
+        ({c.ANN_MEM_IDX: "7"}, "card 7 (a /dev/nvidia minor number) is not on this node"),
+        (
+            {c.ANN_MEM_ASSUME_TIME: "1"},
+            "none of gpushare.io/allocation, scheduler.framework.gpushare.allocation or ALIYUN_COM_GPU_MEM_IDX",
+        ),
         ({c.ANN_ALLOCATION: "{garbage", c.ANN_MEM_IDX: "0"}, "gpushare.io/allocation: not valid JSON"),
     ],
     ids=["non-integer", "out-of-range", "missing-index", "garbage-json"],
@@ -341,7 +344,10 @@ def test_kubelet_restart_leads_to_registration_within_two_seconds(node: SimNode)
     )
     wait_until(lambda: node.running.plugin.registrations == before + 1, 2.0, "the plugin to count the registration")
     assert time.monotonic() - started < 2.0
-    assert visible(node.admit(gpu_pod("after", [container("main", 1)], original_index=0))) == node.cards[0].uuid
+    assert (
+        visible(node.admit(gpu_pod("after", [container("main", 1)], original_index=node.cards[0].minor)))
+        == node.cards[0].uuid
+    )
 
 
 def test_a_vanished_plugin_socket_is_served_again(node: SimNode) -> None:
@@ -425,3 +431,34 @@ def test_metrics_show_card_usage_and_refusals_and_probes_follow_readiness(node: 
         assert 'gpushare_allocate_seconds_count{resource="aliyun.com/gpu-mem"}' in body
     finally:
         server.stop()
+
+
+# --- moving from the original gpushare (see test_migration.py) -------------------------------------------
+
+
+def test_the_cgpu_label_puts_cgpu_disable_in_the_env(node: SimNode) -> None:
+    node.core.create_node({"metadata": {"name": "n1", "labels": {c.NODE_LABEL_CGPU_DISABLE: "true"}}})
+    card = node.cards[0]
+    admission = node.admit(
+        gpu_pod("isolated-off", [container("main", 2)], allocation={"main": (c.CardSlice(card.index, card.uuid, 2),)})
+    )
+    assert visible(admission) == card.uuid
+    assert admission.containers["main"].envs[c.ENV_CGPU_DISABLE] == "true"
+    node.core.patch_node("n1", {"metadata": {"labels": {c.NODE_LABEL_CGPU_DISABLE: None}}})
+    admission = node.admit(
+        gpu_pod("isolated", [container("main", 2)], allocation={"main": (c.CardSlice(card.index, card.uuid, 2),)})
+    )
+    assert c.ENV_CGPU_DISABLE not in admission.containers["main"].envs
+
+
+def test_allocate_env_and_inspect_use_the_effective_request(node: SimNode) -> None:
+    card = node.cards[2]
+    slices = {name: (c.CardSlice(card.index, card.uuid, units),) for name, units in (("init", 9), ("main", 6))}
+    pod = gpu_pod("p", [container("main", 6)], init=[container("init", 9)], allocation=slices)
+    admission = node.admit(pod)
+    assert admission.admitted, admission.error
+    assert admission.containers["main"].envs[c.ENV_MEM_POD] == "9" == admission.containers["init"].envs[c.ENV_MEM_POD]
+    # a second pod fits next to it: the card holds max(6, 9) = 9 of 15, not 15
+    assert node.admit(
+        gpu_pod("q", [container("main", 6)], allocation={"main": (c.CardSlice(card.index, card.uuid, 6),)})
+    ).admitted

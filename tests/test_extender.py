@@ -125,9 +125,10 @@ def test_bind_writes_all_annotations_compatible_with_the_original_plugin(cluster
     alloc = c.parse_allocation(ann[c.ANN_ALLOCATION])
     assert set(alloc) == {"a", "b"}
     first = alloc["a"][0]
-    assert ann[c.ANN_MEM_IDX] == str(first.index)
     cards = {card.uuid: card for card in cluster.backends["n1"].cards()}
-    assert ann[c.ANN_MEM_DEV] == str(cards[first.uuid].memory_mib // 1024)
+    assert ann[c.ANN_MEM_IDX] == str(cards[first.uuid].minor)  # the original components number cards by minor
+    # what the original extender takes each card to hold: the node's total over its cards
+    assert ann[c.ANN_MEM_DEV] == str(sum(card.memory_mib // 1024 for card in cards.values()) // len(cards))
 
 
 def test_a_bind_records_which_cards_the_pod_got_in_an_event(cluster: Cluster) -> None:

@@ -12,12 +12,15 @@ import pytest
 from conftest import wait_until
 from kubernetes import client
 from podfactory import container, gpu_pod
+from test_migration import original_inspect_usage, original_node
 
 from advertiser.agent import Advertiser
 from extender.runtime import RunningExtender, start_extender
 from gpushare import contract as c
+from gpushare.cards import Card
 from gpushare.inventory import SimulatedBackend
 from gpushare.kube import get_pod, list_nodes
+from gpushare.usage import held_units, pod_allocation
 
 NODES = {"mixed": "2xA100-80GB:81920,1xT4:15360", "small": "1xA10:24576"}
 FILTER_KEYS = {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
@@ -132,7 +135,10 @@ def test_nodes_without_inventory_or_pods_that_can_never_fit_are_unresolvable(ext
     reply = ext.call("filter", {"Pod": pod, "NodeNames": ["small", "cpu-only", "ghost"]})
     assert reply["NodeNames"] == ["small"]
     assert set(reply["FailedAndUnresolvableNodes"]) == {"cpu-only", "ghost"}
-    assert "no gpushare inventory" in reply["FailedAndUnresolvableNodes"]["cpu-only"]
+    assert (
+        "has no gpushare.io/inventory annotation and advertises no aliyun.com/gpu-mem"
+        in (reply["FailedAndUnresolvableNodes"]["cpu-only"])
+    )
 
 
 # --- prioritize ------------------------------------------------------------------------------------------
@@ -187,13 +193,14 @@ def test_bind_writes_annotations_the_original_device_plugin_matches(ext: Extende
     # equal requests are served in bind order; different sizes each find their own pod
     assert original_plugin_pick(pods, "mixed", 6)["metadata"]["name"] == "first"
     assert original_plugin_pick(pods, "mixed", 3)["metadata"]["name"] == "third"
-    cards = {card.index: card for card in ext.backends["mixed"].cards()}
+    cards = {card.minor: card for card in ext.backends["mixed"].cards()}
+    per_card = sum(card.memory_mib // 1024 for card in cards.values()) // len(cards)
     for pod in pods:
         ann = pod["metadata"]["annotations"]
         allocation = c.parse_allocation(ann[c.ANN_ALLOCATION])
         card = cards[int(ann[c.ANN_MEM_IDX])]
-        assert allocation["main"][0].uuid == card.uuid  # IDX is the NVML index of the chosen card
-        assert ann[c.ANN_MEM_DEV] == str(card.memory_mib // 1024)
+        assert allocation["main"][0].uuid == card.uuid  # IDX is the /dev/nvidia minor of the chosen card
+        assert ann[c.ANN_MEM_DEV] == str(per_card)
         assert pod["spec"]["nodeName"] == "mixed"
     times = [int(p["metadata"]["annotations"][c.ANN_MEM_ASSUME_TIME]) for p in reversed(pods)]
     assert times == sorted(times) and all(t > 10**18 for t in times)  # nanoseconds since the epoch
@@ -217,9 +224,16 @@ def test_multi_card_and_multi_container_pods_get_distinct_whole_shapes(ext: Exte
     assert not {s.uuid for s in pair} & {s.uuid for s in solo}
     capacity = {card.uuid: card.memory_mib // 1024 for card in ext.backends["mixed"].cards()}
     assert solo[0].units == capacity[solo[0].uuid]  # an exclusive card is taken whole
-    # the original keys name the first card of the first GPU container and the pod's whole gpu-mem
-    assert ann[c.ANN_MEM_IDX] == str(allocation["warmup"][0].index)
-    assert ann[c.ANN_MEM_POD] == "18"
+    # the original keys name the first card of the first app container (by minor) and what the pod
+    # holds there: the init container runs before, so it adds nothing to the pair's 8
+    minors = {card.uuid: card.minor for card in ext.backends["mixed"].cards()}
+    assert ann[c.ANN_MEM_IDX] == str(minors[pair[0].uuid])
+    assert ann[c.ANN_MEM_POD] == "8"
+    per_card = sum(capacity.values()) // len(capacity)
+    assert json.loads(ann[c.ANN_FRAMEWORK_ALLOCATION]) == {
+        "0": {str(minors[s.uuid]): 8 for s in pair},
+        "1": {str(minors[solo[0].uuid]): per_card},
+    }
 
 
 def test_unknown_policy_or_unknown_pod_come_back_in_error(ext: Extender) -> None:
@@ -235,13 +249,14 @@ def test_unknown_policy_or_unknown_pod_come_back_in_error(ext: Extender) -> None
 
 
 def test_pods_annotated_by_the_original_extender_are_counted(ext: Extender) -> None:
-    legacy = gpu_pod("legacy", [container("main", 75)], node="mixed", original_index=1)
+    minor = [card.minor for card in ext.backends["mixed"].cards()]  # the original numbers cards by minor
+    legacy = gpu_pod("legacy", [container("main", 75)], node="mixed", original_index=minor[1])
     framework = gpu_pod(
         "framework",
         [container("a", 10), container("b", 5)],
         node="mixed",
-        original_index=0,
-        extra_annotations={c.ANN_FRAMEWORK_ALLOCATION: json.dumps({"0": {"0": 10}, "1": {"2": 5}})},
+        original_index=minor[0],
+        extra_annotations={c.ANN_FRAMEWORK_ALLOCATION: json.dumps({"0": {str(minor[0]): 10}, "1": {str(minor[2]): 5}})},
     )
     for pod in (legacy, framework):
         ext.core.create_namespaced_pod("default", pod)
@@ -253,22 +268,28 @@ def test_pods_annotated_by_the_original_extender_are_counted(ext: Extender) -> N
     wait_counted(ext, "mixed", [0, 75, 0])
 
 
-def test_framework_allocation_round_trips_by_container_position() -> None:
+def test_framework_allocation_round_trips_by_container_position_and_minor() -> None:
     pod = gpu_pod("p", [container("a", 10), container("b", 4, 2)], init=[container("i", 1)])
     request = c.parse_pod_request(pod)
-    uuids = {0: "GPU-0", 1: "GPU-1", 2: "GPU-2"}
-    text = json.dumps({"0": {"1": 10}, "1": {"0": 2, "2": 2}})
-    allocation = c.parse_framework_allocation(text, request, uuids)
-    assert allocation == {
+    cards = [Card(i, f"GPU-{i}", "T4", 16384, minor=10 + i) for i in range(3)]
+    text = c.format_framework_allocation({"a": {11: 10}, "b": {10: 2, 12: 2}}, request)
+    assert json.loads(text) == {"0": {"11": 10}, "1": {"10": 2, "12": 2}}
+    assert pod_allocation(
+        {**pod, "metadata": {**pod["metadata"], "annotations": {c.ANN_FRAMEWORK_ALLOCATION: text}}}, cards
+    ) == {
         "a": (c.CardSlice(1, "GPU-1", 10),),
         "b": (c.CardSlice(0, "GPU-0", 2), c.CardSlice(2, "GPU-2", 2)),
     }
-    text = c.format_framework_allocation(allocation, request)
-    assert c.parse_framework_allocation(text, request, uuids) == allocation
-    with pytest.raises(c.AnnotationError, match="container index '2'"):
-        c.parse_framework_allocation(json.dumps({"2": {"0": 1}}), request, uuids)
-    with pytest.raises(c.AnnotationError, match="card index 7 is not on the pod's node"):
-        c.parse_framework_allocation(json.dumps({"0": {"7": 1}}), request, uuids)
+    with pytest.raises(c.AnnotationError, match="can't name init or unknown containers"):
+        c.format_framework_allocation({"i": {10: 1}}, request)
+
+    def annotated(value: dict) -> dict:
+        return {**pod, "metadata": {**pod["metadata"], "annotations": {c.ANN_FRAMEWORK_ALLOCATION: json.dumps(value)}}}
+
+    with pytest.raises(c.AnnotationError, match="'2' is not an app container's position"):
+        pod_allocation(annotated({"2": {"10": 1}}), cards)
+    with pytest.raises(c.ContractError, match=r"card 7 \(a /dev/nvidia minor number\) is not on this node"):
+        pod_allocation(annotated({"0": {"7": 1}}), cards)
 
 
 # --- preempt --------------------------------------------------------------------------------------------
@@ -316,3 +337,119 @@ def test_malformed_requests_get_400_with_a_message_and_the_server_lives_on(
     assert ext.get("/healthz")[0] == 200
     pod = ext.pending(gpu_pod("after", [container("main", 1)]))
     assert ext.call("filter", {"Pod": pod, "NodeNames": ["small"]})["NodeNames"] == ["small"]
+
+
+# --- moving from the original gpushare (see test_migration.py) -------------------------------------------
+
+
+def test_a_node_running_the_original_plugin_is_scheduled_from_its_status(ext: Extender) -> None:
+    original_node(ext.core, "legacy", 32, 2)
+    wait_until(lambda: ext.running.cache.view("legacy"), what="the legacy node in the extender's cache")
+    # a pod the original extender placed there holds card 0
+    ext.core.create_namespaced_pod("default", gpu_pod("old", [container("main", 12)], node="legacy", original_index=0))
+    wait_until(lambda: ext.used("legacy") == [12, 0], what="the original pod counted on card 0")
+
+    pod = ext.pending(gpu_pod("p", [container("main", 10)]))
+    reply = ext.call("filter", {"Pod": pod, "NodeNames": ["legacy"]})
+    assert reply["NodeNames"] == ["legacy"], reply
+    assert ext.bind(pod, "legacy") == {"Error": ""}
+    ann = ext.annotations("p")
+    # only what the original device plugin reads: its card number, the node total / cards, no UUIDs
+    assert c.ANN_ALLOCATION not in ann
+    assert ann[c.ANN_MEM_DEV] == "16" and ann[c.ANN_MEM_POD] == "10" and ann[c.ANN_MEM_ASSIGNED] == "false"
+    assert json.loads(ann[c.ANN_FRAMEWORK_ALLOCATION]) == {"0": {ann[c.ANN_MEM_IDX]: 10}}
+    wait_until(lambda: sorted(ext.used("legacy")) == [10, 12], what="both pods counted")
+
+    # what that plugin can't serve is refused there, with the reason
+    pair = ext.pending(gpu_pod("pair", [container("main", 4, 2)]))
+    reply = ext.call("filter", {"Pod": pair, "NodeNames": ["legacy", "mixed"]})
+    assert reply["NodeNames"] == ["mixed"]
+    assert "runs the original gpushare device plugin" in reply["FailedNodes"]["legacy"]
+    assert "runs the original gpushare device plugin" in ext.bind(pair, "legacy")["Error"]
+
+
+def test_the_original_url_prefix_answers_filter_bind_and_inspect(ext: Extender) -> None:
+    pod = ext.pending(gpu_pod("p", [container("main", 20)]))
+    status, reply = ext.raw("gpushare-scheduler/filter", json.dumps({"Pod": pod, "NodeNames": ["small"]}).encode())
+    assert status == 200 and reply["NodeNames"] == ["small"]
+    meta = pod["metadata"]
+    args = {"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"], "Node": "small"}
+    status, reply = ext.raw("gpushare-scheduler/bind", json.dumps(args).encode())
+    assert status == 200 and reply == {"Error": ""}
+    wait_until(lambda: ext.used("small") == [20], what="the bound pod counted")
+
+    status, body = ext.get("/gpushare-scheduler/inspect/small")
+    assert status == 200
+    assert json.loads(body) == {
+        "nodes": [
+            {
+                "name": "small",
+                "totalGPU": 24,
+                "usedGPU": 20,
+                "devs": [
+                    {
+                        "id": 0,
+                        "totalGPU": 24,
+                        "usedGPU": 20,
+                        "pods": [{"name": "p", "namespace": "default", "usedGPU": 20}],
+                    }
+                ],
+            }
+        ]
+    }
+    status, body = ext.get("/gpushare-scheduler/inspect")
+    assert status == 200 and {n["name"] for n in json.loads(body)["nodes"]} == {"mixed", "small"}
+    status, body = ext.get("/gpushare-scheduler/inspect/ghost")
+    assert status == 404 and "ghost" in json.loads(body)["error"]
+
+
+def test_cards_listed_in_the_unhealthy_gpu_configmap_take_no_pods(ext: Extender) -> None:
+    minors = {card.minor: card.index for card in ext.backends["mixed"].cards()}
+    ext.core.create_namespaced_config_map(
+        "kube-system",
+        {"metadata": {"name": "unhealthy-gpu-mixed"}, "data": {"gpus": ",".join(str(m) for m in sorted(minors)[:2])}},
+    )
+    fenced = {minors[m] for m in sorted(minors)[:2]}
+    open_card = ({0, 1, 2} - fenced).pop()
+    wait_until(
+        lambda: not any(card.healthy for card in ext.running.cache.view("mixed").cards if card.index in fenced),
+        what="the fenced cards in the extender's view",
+    )
+    pod = ext.pending(gpu_pod("p", [container("main", 2)]))
+    assert ext.bind(pod, "mixed") == {"Error": ""}
+    assert [s.index for s in c.parse_allocation(ext.annotations("p")[c.ANN_ALLOCATION])["main"]] == [open_card]
+    ext.core.delete_namespaced_config_map("unhealthy-gpu-mixed", "kube-system")
+    wait_until(lambda: all(card.healthy for card in ext.running.cache.view("mixed").cards), what="the fence lifted")
+
+
+def test_multi_card_and_whole_card_pods_are_counted_right_by_the_original_components(ext: Extender) -> None:
+    pair = ext.pending(gpu_pod("pair", [container("main", 16, 2)]))
+    assert ext.bind(pair, "mixed") == {"Error": ""}
+    whole = ext.pending(gpu_pod("whole", [container("main", 0, 1)]))
+    assert ext.bind(whole, "mixed") == {"Error": ""}
+    cards = ext.backends["mixed"].cards()
+    per_card = sum(card.memory_mib // 1024 for card in cards) // len(cards)  # 58, as the original computes
+    pair_pod, whole_pod = (get_pod(ext.api, "default", name) for name in ("pair", "whole"))
+    # the original inspect: 8 on each of the pair's two cards, not 16 on the first
+    assert sorted(original_inspect_usage(pair_pod).values()) == [8, 8]
+    # the whole card is full in the original's eyes, not free (_POD was 0 before)
+    whole_ann = whole_pod["metadata"]["annotations"]
+    assert whole_ann[c.ANN_MEM_POD] == whole_ann[c.ANN_MEM_DEV] == str(per_card)
+    assert original_inspect_usage(whole_pod) == {int(whole_ann[c.ANN_MEM_IDX]): per_card}
+    # the original extender counts _POD on the _IDX card: the pair holds 8 there
+    pair_ann = pair_pod["metadata"]["annotations"]
+    assert pair_ann[c.ANN_MEM_POD] == "8" and pair_ann[c.ANN_MEM_DEV] == str(per_card)
+
+
+def test_an_init_container_runs_inside_the_app_containers_share(ext: Extender) -> None:
+    filler = ext.pending(gpu_pod("filler", [container("main", 18)]))
+    assert ext.bind(filler, "small") == {"Error": ""}
+    pod = ext.pending(gpu_pod("p", [container("a", 4), container("b", 2)], init=[container("warmup", 2)]))
+    reply = ext.call("filter", {"Pod": pod, "NodeNames": ["small"]})
+    assert reply["NodeNames"] == ["small"], reply  # 6 of the card's 6 free, not 8
+    assert ext.bind(pod, "small") == {"Error": ""}
+    wait_until(lambda: ext.used("small") == [24], what="the card counted full, not over-committed")
+    bound = get_pod(ext.api, "default", "p")
+    allocation = pod_allocation(bound, ext.backends["small"].cards())
+    assert sum(held_units(allocation, c.parse_pod_request(bound)).values()) == 6
+    assert c.parse_pod_request(bound).effective_mem == 6

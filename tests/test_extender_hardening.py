@@ -17,6 +17,7 @@ from test_extender import Cluster
 from gpushare import contract as c
 from gpushare import kube
 from gpushare.sandbox import apiserver as standin
+from gpushare.usage import pod_allocation
 
 
 @pytest.fixture
@@ -62,10 +63,9 @@ def test_untrusted_strings_are_quoted_and_cut() -> None:
         c.parse_assume_time("9x" * 2500, "default/p")
     assert len(str(huge.value)) < 200 and "5000 characters" in str(huge.value)
     forged = json.dumps({"main\nERROR forged line": [{"index": 0, "uuid": "GPU-0", "units": 1}]})
-    request = c.parse_pod_request(gpu_pod("p", [container("main", 1)]))
     pod = gpu_pod("p", [container("main", 1)], extra_annotations={c.ANN_ALLOCATION: forged})
     with pytest.raises(c.ContractError) as named:
-        c.pod_allocation(pod, request)
+        pod_allocation(pod, ())
     assert "\n" not in str(named.value) and "forged line" in str(named.value)
 
 

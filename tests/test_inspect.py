@@ -69,7 +69,8 @@ def cluster_objects() -> tuple[list[dict], list[dict]]:
     ]
     pods = [
         pod("shared-a", "big", {"main": mem(8)}, placed(main=[(BIG[0], 8)])),
-        pod("shared-b", "big", {"main": mem(4)}, {c.ANN_MEM_IDX: "1"}),  # placed by the original extender
+        # placed by the original extender, which names the card by its /dev/nvidia minor
+        pod("shared-b", "big", {"main": mem(4)}, {c.ANN_MEM_IDX: str(BIG[1].minor)}),
         pod(
             "two-containers",
             "big",
@@ -148,15 +149,15 @@ def test_node_without_inventory_falls_back_to_capacity_and_says_so() -> None:
     pods = [pod("old", "legacy", {"main": mem(12)}, {c.ANN_MEM_IDX: "1"})]
     text = render_summary(build_cluster([legacy], pods))
     assert rows(text)["legacy"] == ["legacy", "10.0.0.9", "GiB", "0/15", "12/15", "12/30 (40%)"]
-    assert "note: node legacy: no gpushare.io/inventory annotation; 2 card(s) inferred from status.capacity" in text
+    assert "note: node legacy: no gpushare.io/inventory annotation: 2 equal card(s) of 15 GiB inferred from" in text
 
 
 def test_gpu_count_replicas_are_not_taken_for_cards() -> None:
     # our plugin lists one gpu-count replica per unit: without the inventory, cards can't be counted
     ours = node("ours", "10.0.0.8", capacity={c.RESOURCE_MEM: "30", c.RESOURCE_COUNT: "30"})
     text = render_summary(build_cluster([ours], []))
-    assert rows(text)["ours"] == ["ours", "10.0.0.8", "GiB", "0/30", "0/30 (0%)"]
-    assert "1 card(s) inferred from status.capacity" in text
+    assert rows(text)["ours"] == ["ours", "10.0.0.8", "GiB", "0/0 (0%)"]
+    assert "warning: node ours: node ours has no gpushare.io/inventory annotation; its aliyun.com/gpu-count=30" in text
 
 
 def test_overcommitted_card_is_flagged() -> None:

@@ -16,6 +16,7 @@ from podfactory import container, gpu_pod
 from gpushare import contract as c
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
+from gpushare.sandbox.cluster import devices_listed
 from gpushare.sandbox.kubelet import KUBELET_SOCKET, KubeletEmulator, registration_error
 
 ENDPOINT = "scripted.sock"
@@ -24,8 +25,11 @@ ENDPOINT = "scripted.sock"
 class ScriptedPlugin(pb_grpc.DevicePluginServicer):
     """Serves a fixed device list for one resource and records what kubelet asks."""
 
-    def __init__(self, directory: Path, device_ids: list[str], *, preferred: list[str] | None = None) -> None:
+    def __init__(
+        self, directory: Path, device_ids: list[str], *, preferred: list[str] | None = None, endpoint: str = ENDPOINT
+    ) -> None:
         self.dir = directory
+        self.endpoint = endpoint
         self.lists: queue.Queue[list[pb.Device] | None] = queue.Queue()
         self.lists.put([pb.Device(ID=d, health="Healthy") for d in device_ids])
         self.preferred = preferred
@@ -35,13 +39,14 @@ class ScriptedPlugin(pb_grpc.DevicePluginServicer):
         self._lock = threading.Lock()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         pb_grpc.add_DevicePluginServicer_to_server(self, self.server)
-        self.server.add_insecure_port(f"unix://{directory / ENDPOINT}")
+        self.server.add_insecure_port(f"unix://{directory / endpoint}")
         self.server.start()
 
-    def register(self, resource: str = c.RESOURCE_MEM, version: str = "v1beta1", endpoint: str = ENDPOINT) -> None:
+    def register(self, resource: str = c.RESOURCE_MEM, version: str = "v1beta1", endpoint: str | None = None) -> None:
         with grpc.insecure_channel(f"unix://{self.dir / KUBELET_SOCKET}") as channel:
             pb_grpc.RegistrationStub(channel).Register(
-                pb.RegisterRequest(version=version, endpoint=endpoint, resource_name=resource), timeout=5
+                pb.RegisterRequest(version=version, endpoint=endpoint or self.endpoint, resource_name=resource),
+                timeout=5,
             )
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
@@ -228,3 +233,22 @@ def test_restart_deletes_every_socket_and_creates_a_new_kubelet_socket(
         assert kubelet.wait_registered(c.RESOURCE_MEM, 5) and kubelet.capacity(c.RESOURCE_MEM) == 3
     finally:
         again.server.stop(grace=0)
+
+
+def test_the_sandbox_waits_for_both_device_lists_not_just_the_registrations(
+    plugin: ScriptedPlugin, kubelet: KubeletEmulator, directory: Path
+) -> None:
+    """Issue 11, point 10: a node published before gpu-count's first list shows gpu-count 0."""
+    replicas = ScriptedPlugin(directory, [], endpoint="replicas.sock")
+    replicas.lists.get_nowait()  # hold the first list back
+    try:
+        replicas.register(c.RESOURCE_COUNT)
+        assert kubelet.wait_for(lambda k: k.registered(c.RESOURCE_COUNT), 5)
+        assert kubelet.capacity(c.RESOURCE_MEM) == 6 and kubelet.capacity(c.RESOURCE_COUNT) == 0
+        assert not devices_listed(kubelet)
+        replicas.lists.put([pb.Device(ID="r0", health="Healthy")])
+        assert kubelet.wait_for(devices_listed, 5)
+        assert kubelet.capacity(c.RESOURCE_COUNT) == 1
+    finally:
+        replicas.lists.put(None)
+        replicas.server.stop(grace=0)

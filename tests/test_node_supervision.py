@@ -118,7 +118,7 @@ def test_a_component_that_dies_is_restarted_and_readyz_is_false_until_it_is_back
         assert supervisor.restarts("device-plugin") == 1
         assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) == 160, 5)
         a1 = backend.cards()[1]
-        core_v1.create_namespaced_pod("default", gpu_pod("after", [container("main", 4)], original_index=a1.index))
+        core_v1.create_namespaced_pod("default", gpu_pod("after", [container("main", 4)], original_index=a1.minor))
         admission = kubelet.admit(
             core_v1.api_client.sanitize_for_serialization(core_v1.read_namespaced_pod("after", "default"))
         )

@@ -2,7 +2,7 @@
 
 from gpushare import contract as c
 from gpushare.inventory import simulated_cards
-from gpushare.usage import node_usage, overcommitted, resolve_allocation
+from gpushare.usage import node_usage, overcommitted, pod_allocation
 
 CARDS = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
 A0, A1, T4 = CARDS
@@ -26,7 +26,7 @@ def ours(*slices):
 def test_usage_counts_ours_original_and_ignores_finished() -> None:
     pods = [
         pod("a", 8, ours(c.CardSlice(0, A0.uuid, 8))),
-        pod("b", 4, {c.ANN_MEM_IDX: "0"}),  # written by the original extender
+        pod("b", 4, {c.ANN_MEM_IDX: str(A0.minor)}),  # written by the original extender: a minor number
         pod("c", 10, ours(c.CardSlice(2, T4.uuid, 10)), phase="Succeeded"),
         pod("d", 20, ours(c.CardSlice(0, A0.uuid, 10), c.CardSlice(1, A1.uuid, 10)), count=2),
         pod("e", 2, {}),  # not scheduled by us yet
@@ -42,19 +42,20 @@ def test_bad_annotations_are_reported_not_counted_as_free() -> None:
     used, counted, bad = node_usage(pods, CARDS)
     assert counted == [] and set(used.values()) == {0}
     assert [b.key for b in bad] == ["ns/x", "ns/y"]
-    assert "card index 7 is not on this node" in bad[0].reason
+    assert "card 7 (a /dev/nvidia minor number) is not on this node" in bad[0].reason
     assert "not valid JSON" in bad[1].reason
 
 
 def test_overcommit_check_names_the_card() -> None:
     used = {A0.uuid: 76, A1.uuid: 0, T4.uuid: 0}
     by_uuid = {card.uuid: card for card in CARDS}
-    assert overcommitted([c.CardSlice(0, A0.uuid, 4)], used, by_uuid, c.GIB) is None
-    reason = overcommitted([c.CardSlice(0, A0.uuid, 5)], used, by_uuid, c.GIB)
+    assert overcommitted({A0.uuid: 4}, used, by_uuid, c.GIB) is None
+    reason = overcommitted({A0.uuid: 5}, used, by_uuid, c.GIB)
     assert reason == f"card 0 ({A0.uuid}) would be over-committed: 76 + 5 > 80 GiB unit(s)"
-    assert "GPU-ffff is not on this node" in overcommitted([c.CardSlice(0, "GPU-ffff", 1)], used, by_uuid, c.GIB)
+    assert "GPU-ffff is not on this node" in overcommitted({"GPU-ffff": 1}, used, by_uuid, c.GIB)
 
 
-def test_original_index_resolves_through_the_node_inventory() -> None:
-    got = resolve_allocation(pod("b", 4, {c.ANN_MEM_IDX: "2"}), CARDS)
-    assert got == {"main": (c.CardSlice(2, T4.uuid, 4),)}
+def test_original_index_resolves_as_a_minor_number_through_the_node_inventory() -> None:
+    assert [card.minor for card in CARDS] == [2, 1, 0]  # the simulated minors run backwards
+    got = pod_allocation(pod("b", 4, {c.ANN_MEM_IDX: "2"}), CARDS)
+    assert got == {"main": (c.CardSlice(0, A0.uuid, 4),)}

@@ -1,6 +1,6 @@
 """A minimal Kubernetes API server: the subset of the core/v1 REST API this project uses.
 
-It serves pods (with the ``status`` and ``binding`` subresources), nodes (with ``status``) and events
+It serves pods (with the ``status`` and ``binding`` subresources), nodes (with ``status``), events and ConfigMaps
 over plain HTTP on loopback, with resourceVersions, 409 conflicts, 404/422 Status replies, field and
 label selectors and resumable watches, so that the official ``kubernetes`` client works against it
 unchanged. The sandbox and the test-suite run on it.
@@ -31,13 +31,13 @@ from gpushare.sandbox.store import INDEXED, Event, Key, Store, StoreError, inval
 
 log = logging.getLogger(__name__)
 
-KINDS = {"pods": "Pod", "nodes": "Node", "events": "Event"}
-NAMESPACED = {"pods", "events"}
+KINDS = {"pods": "Pod", "nodes": "Node", "events": "Event", "configmaps": "ConfigMap"}
+NAMESPACED = {"pods", "events", "configmaps"}
 #: how often the accept loop looks for a stop request; bounds how long stop() and pause() take
 POLL_SECONDS = 0.05
 
 _ROUTE = re.compile(
-    r"^/api/v1(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>pods|nodes|events)(?:/(?P<name>[^/]+)(?:/(?P<sub>status|binding))?)?/?$"
+    r"^/api/v1(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>pods|nodes|events|configmaps)(?:/(?P<name>[^/]+)(?:/(?P<sub>status|binding))?)?/?$"
 )
 _NAMESPACE = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/?$")
 

@@ -42,6 +42,12 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 GPU_ENV = (c.ENV_VISIBLE_DEVICES, c.ENV_MEM_IDX, c.ENV_MEM_POD, c.ENV_MEM_CONTAINER, c.ENV_MEM_DEV)
 
 
+def devices_listed(kubelet: KubeletEmulator) -> bool:
+    """Both resources' first device lists have reached kubelet: before that the node would publish
+    ``aliyun.com/gpu-count: 0``, and the original inspect and extender would see no cards."""
+    return all(kubelet.updates(r) > 0 for r in c.RESOURCES) and kubelet.capacity(c.RESOURCE_MEM) > 0
+
+
 class SandboxError(RuntimeError):
     """The sandbox could not come up; the message says which part failed."""
 
@@ -191,12 +197,7 @@ class Sandbox:
         node.stop += [kubelet.stop, advertiser.stop]
         plugin = start_device_plugin(settings, backend, self.api)
         node.stop.insert(0, plugin.stop)
-        if not kubelet.wait_for(
-            lambda k: (
-                k.registered(c.RESOURCE_MEM) and k.registered(c.RESOURCE_COUNT) and k.capacity(c.RESOURCE_MEM) > 0
-            ),
-            10,
-        ):
+        if not kubelet.wait_for(devices_listed, 10):
             raise SandboxError(f"node {spec.name}: the device plugin did not register with the kubelet emulator")
         self._publish_capacity(spec.name, kubelet)
         if self.containerd is not None:
@@ -422,9 +423,9 @@ def _ready(url: str) -> bool:
 
 
 def _cards_of(pod: Mapping[str, Any], backend: SimulatedBackend | PublishedCards) -> str:
-    from gpushare.usage import resolve_allocation
+    from gpushare.usage import pod_allocation
 
-    allocation = resolve_allocation(pod, backend.cards()) or {}
+    allocation = pod_allocation(pod, backend.cards()) or {}
     return "; ".join(
         f"{name}: " + ",".join(f"card {s.index} ({s.units} GiB)" for s in slices)
         for name, slices in sorted(allocation.items())

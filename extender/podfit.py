@@ -1,0 +1,81 @@
+"""Placement of a pod whose init containers request GPUs, by Kubernetes' rule for init containers.
+
+Init containers run one at a time and end before the app containers start, so a pod needs the larger
+of its app containers' sum and its largest init container. Here the app containers are placed
+together and each init container on its own, all on the node's cards as they are before the pod:
+whatever each of them takes fits in a card's free units, so their largest does too, and that largest
+is what :func:`gpushare.usage.held_units` then counts the pod for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpushare import placement
+from gpushare.contract import parse_pod_request
+
+
+def init_names(pod: Mapping[str, Any]) -> frozenset[str]:
+    """The pod's init containers; raises ContractError on a bad request."""
+    return frozenset(c.name for c in parse_pod_request(pod).containers if c.init)
+
+
+def _groups(demands: Sequence[placement.Demand], init: frozenset[str]) -> list[list[placement.Demand]]:
+    """The app demands as one group (if any), then every init demand alone."""
+    apps = [d for d in demands if d.container not in init]
+    return ([apps] if apps else []) + [[d] for d in demands if d.container in init]
+
+
+def has_init(demands: Sequence[placement.Demand], init: frozenset[str]) -> bool:
+    return any(d.container in init for d in demands)
+
+
+def fit(
+    cards: Sequence[placement.Card], demands: Sequence[placement.Demand], init: frozenset[str], unit: str
+) -> placement.NoFit | None:
+    for group in _groups(demands, init):
+        nofit = placement.check_fit(cards, group, unit=unit)
+        if nofit is not None:
+            return nofit
+    return None
+
+
+def cost(
+    cards: Sequence[placement.Card],
+    demands: Sequence[placement.Demand],
+    init: frozenset[str],
+    policy: placement.Policy,
+    unit: str,
+) -> float:
+    """The policy's cost of what the pod keeps: its app containers (its init containers when it has
+    no GPU app container); raises NoFit when any part doesn't fit."""
+    nofit = fit(cards, demands, init, unit)
+    if nofit is not None:
+        raise nofit
+    return placement.node_cost(cards, _groups(demands, init)[0], policy, unit=unit)
+
+
+def place(
+    cards: Sequence[placement.Card],
+    demands: Sequence[placement.Demand],
+    init: frozenset[str],
+    policy: placement.Policy,
+    unit: str,
+) -> tuple[placement.Assignment, ...]:
+    """Assignments for every demand; raises NoFit."""
+    return tuple(a for group in _groups(demands, init) for a in placement.place(cards, group, policy, unit=unit))
+
+
+def original_plugin_refusal(demands: Sequence[placement.Demand]) -> str | None:
+    """Why a node that still runs the original device plugin can't serve this pod, or None.
+
+    That plugin matches each Allocate to a pod by the pod's whole gpu-mem and gives every container
+    the one card the pod was annotated with, so it serves exactly one gpu-mem container on one card.
+    """
+    if len(demands) == 1 and not demands[0].exclusive and demands[0].cards == 1:
+        return None
+    return (
+        "runs the original gpushare device plugin (its cards are inferred from its status), which serves "
+        "only pods with a single gpu-mem container on one card"
+    )
