@@ -320,10 +320,12 @@ def test_node_agent_runs_on_the_fake_library(tmp_path, kubeconfig, kube_api, cor
     kubelet.start()
     proc = node_agent(kubeconfig, short_dir, fake.env())
     try:
-        assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_COUNT) == 135, 30), "the agent did not register"
+        # both resources register on their own streams: wait for both device lists
+        assert kubelet.wait_for(
+            lambda k: k.capacity(c.RESOURCE_COUNT) == k.capacity(c.RESOURCE_MEM) == 40 + 40 + 15 + 40, 30
+        ), "the agent did not register both resources"
         described = [d["uuid"] for d in described_cards("mixed")]
         assert set(card_health(kubelet.devices(c.RESOURCE_COUNT))) == set(described)
-        assert kubelet.capacity(c.RESOURCE_MEM) == 40 + 40 + 15 + 40
         inventory = wait_until(lambda: published_inventory(kube_api, "n1"), 10, "the inventory annotation")
         assert [card.uuid for card in inventory.cards] == described
         fake.xid(described[2], 79)
