@@ -22,7 +22,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -42,7 +41,6 @@ from gpushare.sandbox.containerd import (
     Containerd,
     build_busybox_image,
     containerd_available,
-    descendants,
 )
 
 log = logging.getLogger(__name__)
@@ -59,6 +57,8 @@ RBAC_MANIFESTS = (REPO / "deploy" / "namespace.yaml", REPO / "deploy" / "rbac.ya
 #: the image name the pods in deploy/examples use
 EXAMPLE_IMAGE = "docker.io/library/busybox:1.36"
 SYSTEM_NAMESPACE = "gpushare-system"
+#: containerd's socket sits three levels below the workdir, and unix socket paths end at 107 bytes
+MAX_WORKDIR = 60
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 
 
@@ -122,10 +122,11 @@ def render_kubeconfig(server: str, user: str, token: str, ca_file: Path) -> str:
 
 
 def render_scheduler_config(
-    kubeconfig: Path, extender_url: str, scheduler_name: str, template: Mapping[str, Any]
+    kubeconfig: Path, extender_url: str, scheduler_name: str, template: Mapping[str, Any], healthz: str
 ) -> str:
     """kube-scheduler 1.20 reads ``v1beta1``; the extender block of ``deploy/scheduler-config.yaml``
-    is taken unchanged but for its URL."""
+    is taken unchanged but for its URL. ``healthz`` (host:port) also serves metrics; with a config
+    file the scheduler ignores ``--port``, so this is how it stays off the shared default port."""
     extenders = [{**e, "urlPrefix": extender_url} for e in template.get("extenders") or []]
     if not extenders:
         raise ClusterError(f"{SCHEDULER_CONFIG} has no extenders block")
@@ -135,6 +136,8 @@ def render_scheduler_config(
             "kind": "KubeSchedulerConfiguration",
             "clientConnection": {"kubeconfig": str(kubeconfig)},
             "leaderElection": {"leaderElect": False},
+            "healthzBindAddress": healthz,
+            "metricsBindAddress": healthz,
             "profiles": [{"schedulerName": scheduler_name}],
             "extenders": extenders,
         },
@@ -206,11 +209,11 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
 class Process:
     """One child in its own session, logging to a file; stopped with SIGTERM then SIGKILL to its group."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path) -> None:
+        """``log_path``'s directory is also the working directory."""
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
-        self.env = dict(env) if env is not None else None
         self.popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Process:
@@ -221,7 +224,7 @@ class Process:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env=self.env,
+                cwd=self.log_path.parent,
             )
         log.info("started %s (pid %d), log %s", self.name, self.popen.pid, self.log_path)
         return self
@@ -319,10 +322,20 @@ class Control:
     extender_port: int
     extender: Process | None = None
     scheduler: Process | None = None
+    healthz_port: int = 0
 
     @property
     def extender_url(self) -> str:
         return f"http://127.0.0.1:{self.extender_port}"
+
+    def ready(self) -> bool:
+        """Both answer their health checks; :class:`ClusterError` if either has exited."""
+        for proc in (self.extender, self.scheduler):
+            if proc is not None:
+                proc.check()
+        return (
+            _get(f"{self.extender_url}/readyz") == 200 and _get(f"http://127.0.0.1:{self.healthz_port}/healthz") == 200
+        )
 
 
 @dataclass
@@ -342,6 +355,8 @@ class RealCluster:
     api: Any = None
 
     def __post_init__(self) -> None:
+        if len(str(self.workdir)) > MAX_WORKDIR:
+            raise ClusterError(f"workdir {self.workdir} is too long: unix socket paths under it must stay short")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.api_port = free_port()
         self.admin = Identity("gpushare-admin", os.urandom(16).hex(), ("system:masters",))
@@ -359,8 +374,8 @@ class RealCluster:
     def _path(self, name: str) -> Path:
         return self.workdir / name
 
-    def _spawn(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Process:
-        proc = Process(name, argv, self._path(f"{name}.log"), env).start()
+    def _spawn(self, name: str, argv: Sequence[str]) -> Process:
+        proc = Process(name, argv, self._path(f"{name}.log")).start()
         self.processes.append(proc)
         return proc
 
@@ -461,8 +476,7 @@ class RealCluster:
     def _start_nodes(self) -> None:
         image = build_busybox_image(self._path("busybox.tar"), (PAUSE_IMAGE, TEST_IMAGE, EXAMPLE_IMAGE))
         for name, gpus in self.nodes_spec:
-            base = Path(tempfile.mkdtemp(prefix=f"gs-{name[:10]}-", dir="/tmp"))  # unix socket paths stay short
-            self.nodes[name] = node = RealNode(name, gpus, base)
+            self.nodes[name] = node = RealNode(name, gpus, self._path(name))
             self._start_namespace(node)
             node.containerd = Containerd(node.base / "ctrd", PAUSE_IMAGE, node.in_namespace)
             (node.containerd.base / "cni-conf").mkdir(parents=True)
@@ -486,6 +500,7 @@ class RealCluster:
             ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
              str(node.device_plugin_dir), str(DEVICE_PLUGIN_DIR), str(node.base / "pod-logs"), str(POD_LOG_DIR)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
+            cwd=node.base,
         )  # fmt: skip
         assert node.holder.stdout is not None
         if node.holder.stdout.readline().strip() != b"ready":
@@ -577,23 +592,22 @@ class RealCluster:
                 f"extender-{name}", [*argv, "--policy", self.policy] if self.policy else argv
             )
             config = self._path(f"scheduler-{name}.yaml")
+            control.healthz_port = free_port()
             config.write_text(
                 render_scheduler_config(
-                    self.kubeconfig_of("system:kube-scheduler"), control.extender_url, name, template
+                    self.kubeconfig_of("system:kube-scheduler"),
+                    control.extender_url,
+                    name,
+                    template,
+                    f"127.0.0.1:{control.healthz_port}",
                 )
             )
             control.scheduler = self._spawn(
                 f"kube-scheduler-{name}",
-                [str(self.bin_dir / "kube-scheduler"), f"--config={config}", "--port=0", "--secure-port=0", "--v=2"],
+                [str(self.bin_dir / "kube-scheduler"), f"--config={config}", "--secure-port=0", "--v=2"],
             )
         for control in self.controls:
-            extender = control.extender
-            assert extender is not None
-            wait_for(
-                lambda e=extender, u=control.extender_url: e.check() or _get(f"{u}/readyz") == 200,
-                30,
-                f"extender {control.scheduler_name} to be ready ({extender.log_path})",
-            )
+            wait_for(lambda ctl=control: ctl.ready(), 30, f"scheduler {control.scheduler_name} and its extender")
 
     # --- operations ------------------------------------------------------------------------------------
 
@@ -640,17 +654,8 @@ class RealCluster:
         return dict(line.split("=", 1) for line in reply.stdout.decode().splitlines() if "=" in line)
 
     def all_pids(self) -> list[int]:
-        """Every process this cluster runs now, containerd's shims and containers included."""
-        pids = [p.pid for p in self.processes if p.alive]
-        for node in self.nodes.values():
-            if node.holder is not None and node.holder.poll() is None:
-                pids.append(node.holder.pid)
-            if node.containerd is not None:
-                if node.containerd.running and node.containerd._process is not None:
-                    pids.append(node.containerd._process.pid)
-                for shim in node.containerd.shim_pids():
-                    pids += [shim, *descendants(shim)]
-        return pids
+        """Every process this cluster runs now, containerd's shims and the containers included."""
+        return processes_using(self.workdir)
 
     # --- stop ------------------------------------------------------------------------------------------
 
@@ -676,9 +681,29 @@ class RealCluster:
             if node.holder is not None and node.holder.poll() is None:
                 node.holder.kill()
                 node.holder.wait()
-            shutil.rmtree(node.base, ignore_errors=True)
+        for pid in processes_using(self.workdir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         if self.api is not None:
             self.api.close()
+
+
+def processes_using(path: Path) -> list[int]:
+    """Processes whose command line, working directory or root lies under ``path``: every process a
+    cluster in that directory started, container processes included (their root is a snapshot there)."""
+    inside = str(path).encode() + b"/"
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes()
+            places = [os.readlink(entry / "cwd").encode(), os.readlink(entry / "root").encode()]
+        except OSError:
+            continue
+        if inside in argv or any((p + b"/").startswith(inside) for p in places):
+            found.append(int(entry.name))
+    return found
 
 
 def _file_name(user: str) -> str:
