@@ -185,6 +185,18 @@ def render_loopback_conflist() -> str:
     return json.dumps({"cniVersion": "0.4.0", "name": "gpushare-loopback", "plugins": [{"type": "loopback"}]})
 
 
+def as_host_network(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """A pod manifest as it must run here: the only network is the host's (CNI has just loopback) and
+    deletion needs no grace period; quantities become strings as the API serves them."""
+    from gpushare.sandbox.cluster import with_string_quantities
+
+    body = with_string_quantities(manifest)
+    spec = body.setdefault("spec", {})
+    spec["hostNetwork"] = True
+    spec["terminationGracePeriodSeconds"] = 0
+    return body
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -652,6 +664,13 @@ class RealCluster:
         if reply.exit_code != 0:
             raise ClusterError(f"env in {namespace}/{pod}/{container} exited {reply.exit_code}: {reply.stderr!r}")
         return dict(line.split("=", 1) for line in reply.stdout.decode().splitlines() if "=" in line)
+
+    def node_inventory(self, name: str) -> c.NodeInventory:
+        """The cards node ``name``'s advertiser published."""
+        from kubernetes import client
+
+        annotations = client.CoreV1Api(self.api).read_node(name).metadata.annotations or {}
+        return c.parse_inventory(annotations.get(c.NODE_ANN_INVENTORY, ""), name)
 
     def all_pids(self) -> list[int]:
         """Every process this cluster runs now, containerd's shims and the containers included."""

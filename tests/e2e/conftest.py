@@ -8,7 +8,6 @@ says why in one line.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import tempfile
 import time
@@ -21,7 +20,7 @@ from kubernetes import client
 
 from gpushare import contract as c
 from gpushare.kube import get_pod
-from gpushare.sandbox.realcluster import RealCluster, realcluster_available
+from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available
 from gpushare.usage import resolve_allocation
 
 E2E_DIR = Path(__file__).parent
@@ -82,22 +81,17 @@ def pod_manifest(
     scheduler: str | None = None,
     annotations: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A host-network busybox pod with one container per entry of ``limits`` (``main``, ``c1``, ...)."""
+    """A busybox pod with one container per entry of ``limits`` (``main``, ``c1``, ...)."""
     containers = [
         {
             "name": "main" if i == 0 else f"c{i}",
             "image": "busybox:1.36",
             "command": ["sleep", "3600"],
-            "resources": {"limits": {k: str(v) for k, v in limit.items()}},
+            "resources": {"limits": dict(limit)},
         }
         for i, limit in enumerate(limits)
     ]
-    spec: dict[str, Any] = {
-        "hostNetwork": True,
-        "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": 0,
-        "containers": containers,
-    }
+    spec: dict[str, Any] = {"restartPolicy": "Never", "containers": containers}
     if node:
         spec["nodeSelector"] = {"kubernetes.io/hostname": node}
     if scheduler:
@@ -105,19 +99,7 @@ def pod_manifest(
     metadata: dict[str, Any] = {"name": name, "namespace": "default"}
     if annotations:
         metadata["annotations"] = dict(annotations)
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
-
-
-def host_network(manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """A manifest from deploy/examples as it must run here: no CNI beyond loopback, so host network."""
-    body = copy.deepcopy(dict(manifest))
-    body["spec"]["hostNetwork"] = True
-    body["spec"]["terminationGracePeriodSeconds"] = 0
-    for container in body["spec"]["containers"]:
-        limits = (container.get("resources") or {}).get("limits") or {}
-        for key, value in limits.items():
-            limits[key] = str(value)
-    return body
+    return as_host_network({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec})
 
 
 class Pods:
@@ -182,15 +164,9 @@ class Pods:
     def allocation(self, name: str) -> dict[str, tuple[c.CardSlice, ...]]:
         """The cards the scheduler wrote for each container, named by UUID through the node's inventory."""
         pod = self.get(name)
-        allocation = resolve_allocation(pod, node_inventory(self.core, pod["spec"]["nodeName"]).cards)
+        allocation = resolve_allocation(pod, self.cluster.node_inventory(pod["spec"]["nodeName"]).cards)
         assert allocation, f"pod {name} carries no card assignment"
         return allocation
-
-
-def node_inventory(core: client.CoreV1Api, node: str) -> c.NodeInventory:
-    """The cards the node's advertiser published."""
-    annotations = core.read_node(node).metadata.annotations or {}
-    return c.parse_inventory(annotations[c.NODE_ANN_INVENTORY], node)
 
 
 @pytest.fixture
@@ -207,7 +183,7 @@ def assert_sees_assigned_cards(pods: Pods, name: str) -> None:
     ALIYUN_COM_GPU_MEM_* values."""
     pod = pods.get(name)
     allocation = pods.allocation(name)
-    inventory = node_inventory(pods.core, pod["spec"]["nodeName"])
+    inventory = pods.cluster.node_inventory(pod["spec"]["nodeName"])
     units = {card.uuid: inventory.units_of(card) for card in inventory.cards}
     pod_mem = c.parse_pod_request(pod).total_mem
     for container, slices in allocation.items():

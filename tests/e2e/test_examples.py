@@ -10,9 +10,9 @@ from kubernetes import client
 
 from gpushare import contract as c
 from gpushare.sandbox.cluster import load_examples
-from gpushare.sandbox.realcluster import RealCluster
+from gpushare.sandbox.realcluster import RealCluster, as_host_network
 
-from .conftest import Pods, assert_sees_assigned_cards, host_network, wait_until
+from .conftest import Pods, assert_sees_assigned_cards, wait_until
 
 RUNNING = ("multi-container", "shared-1", "shared-2", "two-cards", "no-gpu-all-devices")
 
@@ -21,7 +21,7 @@ RUNNING = ("multi-container", "shared-1", "shared-2", "two-cards", "no-gpu-all-d
 def examples(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[Pods]:
     made = Pods(cluster, core)
     for manifest in load_examples():
-        made.create(host_network(manifest))
+        made.create(as_host_network(manifest))
     try:
         yield made
     finally:

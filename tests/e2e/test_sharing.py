@@ -8,7 +8,7 @@ from collections import defaultdict
 from gpushare import contract as c
 from gpushare.usage import holds_resources
 
-from .conftest import SECOND_SCHEDULER, Pods, assert_sees_assigned_cards, node_inventory, pod_manifest, wait_until
+from .conftest import SECOND_SCHEDULER, Pods, assert_sees_assigned_cards, pod_manifest, wait_until
 
 
 def test_two_equal_requests_each_see_their_own_card(pods: Pods) -> None:
@@ -46,7 +46,7 @@ def test_two_extender_replicas_binding_at_once_never_overcommit(pods: Pods) -> N
         for i in range(10)
     ]  # fmt: skip
 
-    inventory = node_inventory(pods.core, "node-b")
+    inventory = pods.cluster.node_inventory("node-b")
 
     def placed_within_capacity() -> list[str]:
         """The pods bound and holding their cards, after checking that no card holds more than it has."""
@@ -70,7 +70,7 @@ def test_two_extender_replicas_binding_at_once_never_overcommit(pods: Pods) -> N
 
 def test_a_pod_with_only_the_original_alibaba_annotations_runs_on_its_card(pods: Pods) -> None:
     # as the original extender leaves a pod: its five annotations, then bound to the node
-    inventory = node_inventory(pods.core, "node-b")
+    inventory = pods.cluster.node_inventory("node-b")
     card = inventory.cards[1]
     manifest = pod_manifest(
         pods.name("alibaba"),
