@@ -21,8 +21,8 @@ from gpushare.sandbox.cluster import (
     PodOutcome,
     Progress,
     cards_of,
-    log_to,
     load_examples,
+    log_to,
     report,
     stay_up,
 )
