@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything gpushare, its sandbox and its tests need on a Debian machine.
-# containerd, runc and busybox-static run real containers (sandbox, CRI shim tests); etcd-server,
+# containerd, runc and busybox-static run real containers (sandbox, CRI shim tests); gcc builds the
+# fake libnvidia-ml that the NVML tests and `gpushare sandbox --nvml-fake` load; etcd-server,
 # containernetworking-plugins and Kubernetes v1.20.2 (kube-apiserver, kube-scheduler, kubelet, built
 # once from Debian's source package by gpushare/sandbox/build_kube.sh and cached) run the real cluster
 # (sandbox, tests/e2e). They are installed when missing and we are root with apt-get; otherwise those
@@ -14,6 +15,7 @@ missing=()
 command -v containerd >/dev/null 2>&1 || missing+=(containerd)
 command -v runc >/dev/null 2>&1 || missing+=(runc)
 [ -x /bin/busybox ] || missing+=(busybox-static)
+command -v gcc >/dev/null 2>&1 || missing+=(gcc)  # builds the fake libnvidia-ml for the NVML tests
 command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 [ -x /usr/lib/cni/loopback ] || missing+=(containernetworking-plugins)
 if [ ${#missing[@]} -gt 0 ]; then

@@ -65,11 +65,18 @@ class Advertiser:
         self._thread = threading.Thread(target=self._run, name="advertiser", daemon=True)
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def ready(self) -> bool:
+        return self.published.is_set()
+
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._backend.unsubscribe(self._on_health)
 
     def _run(self) -> None:
         delays = self._backoff.delays()

@@ -63,12 +63,19 @@ class Target:
 
 @dataclass(frozen=True, slots=True)
 class PluginView:
-    """What the device plugin's Allocate answer put into the container."""
+    """What the device plugin's Allocate answer put into the container.
+
+    ``served``: our plugin's container annotations are there. Kubelet fills container annotations
+    only from device plugins (a pod spec can't set them), so this is proof that kubelet gave the
+    container a gpushare device. ``env_only``: there is just the original plugin's env, which a pod
+    spec can set as well; whether such a container really requested a GPU is asked of the API.
+    """
 
     served: bool
     cards: tuple[str, ...]
     pod_uid: str
     units: int | None
+    env_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,24 +121,38 @@ def _split(text: str) -> tuple[str, ...]:
 
 
 def plugin_view(config: cri_pb2.ContainerConfig) -> PluginView:
-    """Our device plugin marks the containers it served with annotations (which a pod spec can't set);
-    the original plugin leaves only its env, so that counts too."""
+    """Our device plugin marks the containers it served with annotations; the original plugin leaves
+    only its env (see :class:`PluginView` for how far each is trusted)."""
     env = {kv.key: kv.value for kv in config.envs}
     annotations = config.annotations
     try:
         units: int | None = int(env[ENV_MEM_CONTAINER])
     except (KeyError, ValueError):
         units = None
-    served = CTR_ANN_CARDS in annotations or CTR_ANN_CONTAINER in annotations or units is not None
-    cards = _split(annotations.get(CTR_ANN_CARDS, "")) or (_split(env.get(ENV_VISIBLE_DEVICES, "")) if served else ())
-    return PluginView(served=served, cards=cards, pod_uid=annotations.get(CTR_ANN_POD_UID, ""), units=units)
+    served = CTR_ANN_CARDS in annotations or CTR_ANN_CONTAINER in annotations
+    env_only = not served and units is not None
+    cards = _split(annotations.get(CTR_ANN_CARDS, "")) or (
+        _split(env.get(ENV_VISIBLE_DEVICES, "")) if served or env_only else ()
+    )
+    return PluginView(
+        served=served, cards=cards, pod_uid=annotations.get(CTR_ANN_POD_UID, ""), units=units, env_only=env_only
+    )
 
 
 def from_annotations(
     target: Target, annotations: Mapping[str, str], plugin: PluginView, cards: Sequence[Card]
 ) -> Assignment | None:
     """The assignment recorded in the sandbox's pod annotations; None when they don't settle it (no
-    assignment for a container the plugin served, unreadable or naming a card this node lacks)."""
+    assignment for a container the plugin served, unreadable or naming a card this node lacks, or
+    only env that the pod spec may have set itself).
+
+    Pod annotations never make a container a GPU container: their owner can write them. Only a
+    container kubelet served a gpushare device to gets cards; any other gets none.
+    """
+    if plugin.env_only:
+        return None
+    if not plugin.served:
+        return Assignment(target=target, wants_gpu=False)
     if ANN_ALLOCATION in annotations:
         try:
             allocation = parse_allocation(annotations[ANN_ALLOCATION], target.pod_key)
@@ -139,12 +160,10 @@ def from_annotations(
             return None
         slices = allocation.get(target.container)
         if slices is None:
-            return None if plugin.served else Assignment(target=target, wants_gpu=False)
+            return None
         pod_slices = tuple(s for group in allocation.values() for s in group)
         default_mem = sum(s.units for s in pod_slices)
     elif ANN_MEM_IDX in annotations:
-        if not plugin.served:
-            return Assignment(target=target, wants_gpu=False)
         if plugin.units is None:
             return None
         try:
@@ -158,7 +177,7 @@ def from_annotations(
         pod_slices = ()  # the other containers' amounts aren't in the annotations
         default_mem = plugin.units
     else:
-        return None if plugin.served else Assignment(target=target, wants_gpu=False)
+        return None
     known = {c.uuid for c in cards}
     if any(s.uuid not in known for s in slices):
         return None
@@ -211,7 +230,8 @@ class PodLookup(Protocol):
         the API server can't be asked."""
 
     def node_pods(self) -> Sequence[Mapping[str, Any]] | None:
-        """Every pod bound to this node, or None while that list isn't known."""
+        """Every pod bound to this node (as last synced, while the API server is away), or None when
+        that list has never been known."""
 
 
 class Resolver:
@@ -245,9 +265,16 @@ class Resolver:
         return found
 
     def _check_capacity(self, found: Assignment, cards: Sequence[Card]) -> Assignment:
-        pods = self._pods.node_pods() if self._pods is not None else None
-        if pods is None:
+        if self._pods is None:  # --no-api-fetch: the operator chose to trust sandbox_config alone
             return found
+        pods = self._pods.node_pods()
+        if pods is None:
+            return refuse(
+                found.target,
+                "api-unavailable",
+                "the node's pods have not been listed from the API server yet, so the cards can't be "
+                "checked for over-commit",
+            )
         used, _, _ = node_usage(pods, cards, exclude_uid=found.target.uid or None)
         why = overcommitted(found.pod_slices or found.slices, used, {c.uuid: c for c in cards}, self._unit)
         return found if why is None else refuse(found.target, "overcommit", why)
@@ -272,7 +299,7 @@ class CachedPods:
         return pod if _uid_matches(pod, uid) else None
 
     def node_pods(self) -> Sequence[Mapping[str, Any]] | None:
-        return self._cache.items() if self._cache.synced and self._cache.connected else None
+        return self._cache.items() if self._cache.synced else None
 
 
 def _uid_matches(pod: Mapping[str, Any], uid: str) -> bool:

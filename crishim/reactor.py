@@ -55,6 +55,10 @@ class Reactor:
         self._stopping = True
 
     @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
     def in_loop(self) -> bool:
         return threading.current_thread() is self._thread
 

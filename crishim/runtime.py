@@ -47,6 +47,12 @@ class RunningShim:
     cache: WatchCache | None
     events: EventRecorder | None
 
+    def alive(self) -> bool:
+        return self.shim.alive()
+
+    def ready(self) -> bool:
+        return self.shim.serving
+
     def stop(self) -> None:
         self.shim.stop()
         if self.cache is not None:

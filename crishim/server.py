@@ -151,6 +151,10 @@ class CriShim:
         self.serving = True
         log.info("CRI shim listening on %s, forwarding to %s", self.address, self.runtime)
 
+    def alive(self) -> bool:
+        """Serving, and the I/O thread that relays every connection still runs."""
+        return self.serving and self._reactor.alive
+
     def stop(self) -> None:
         if not self.serving:
             return

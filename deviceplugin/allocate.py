@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deviceplugin.matching import Match, fully_served, match_container
+from deviceplugin.devices import card_of_device
+from deviceplugin.matching import Match, Skipped, fully_served, match_container
 from gpushare.cards import Card
 from gpushare.contract import (
     ANN_ALLOCATION,
@@ -22,6 +23,7 @@ from gpushare.contract import (
     CTR_ANN_CONTAINER,
     CTR_ANN_POD,
     CTR_ANN_POD_UID,
+    RESOURCE_COUNT,
     AnnotationError,
     CardSlice,
     ContractError,
@@ -61,6 +63,8 @@ class Decision:
     pod_patch: dict[str, Any]
     #: units held per card UUID by the node's live pods, this container included
     usage: dict[str, int]
+    #: pending pods passed over because they can't be read (each gets an Event)
+    skipped: tuple[Skipped, ...] = ()
 
 
 def describe(slices: Sequence[CardSlice]) -> str:
@@ -168,7 +172,23 @@ def decide(
         },
         pod_patch={"metadata": {"annotations": annotations}},
         usage=usage,
+        skipped=match.skipped,
     )
+
+
+def booked_cards_note(resource: str, device_ids: Sequence[str], slices: Sequence[CardSlice]) -> str | None:
+    """When kubelet booked gpu-count replicas of other cards than the container gets, what differs.
+
+    The container always gets the scheduler's cards; kubelet's books only decide how many replicas
+    it counts as free, and replicas never run short, so a difference is worth a log line only.
+    """
+    if resource != RESOURCE_COUNT:
+        return None
+    booked = sorted(card_of_device(d) for d in device_ids)
+    assigned = sorted(s.uuid for s in slices)
+    if booked == assigned:
+        return None
+    return f"kubelet booked {RESOURCE_COUNT} replicas of {', '.join(booked)}; the container gets {describe(slices)}"
 
 
 def preferred_cards(

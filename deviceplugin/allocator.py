@@ -2,6 +2,11 @@
 
 Allocate calls are serialised: the decision for one container must be recorded (and visible in the
 cache) before the next call is matched, or two equal requests could claim the same container.
+
+The node's pods come from a watch cache, which can be behind kubelet's own view: kubelet may call
+Allocate for a pod the cache hasn't seen yet, or while it still holds a pod that is gone. A refusal
+that depends on which pods are on the node is therefore only given after re-reading them from the
+API server (bounded by :class:`gpushare.cli.Reread`); the decision itself stays pure.
 """
 
 from __future__ import annotations
@@ -12,16 +17,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from deviceplugin.allocate import Decision, Refusal, decide, describe, preferred_cards
+from deviceplugin.allocate import Decision, Refusal, booked_cards_note, decide, describe, preferred_cards
 from deviceplugin.metrics import ALLOCATE_FAILURES, ALLOCATE_LATENCY, publish_card_usage
 from gpushare.cards import Card
-from gpushare.contract import MemoryUnit
+from gpushare.cli import DEFAULT_REREAD, Reread
+from gpushare.contract import MemoryUnit, pod_key
 from gpushare.kube import KubeError, KubeUnavailable, WatchCache, create_event, list_pods, patch_pod
 from gpushare.usage import node_usage
 
 log = logging.getLogger(__name__)
 COMPONENT = "gpushare-device-plugin"
 REFUSAL_EVENT_REASON = "GPUAllocationRefused"
+#: refusals a stale cache can cause: no pod matched, or a card looked full of pods that may be gone
+STALE_CACHE_REASONS = frozenset({"no-pending-pod", "overcommit"})
 
 
 class Unavailable(Exception):
@@ -36,12 +44,14 @@ class Allocator:
         cache: WatchCache,
         cards: Callable[[], Sequence[Card]],
         unit: MemoryUnit,
+        reread: Reread = DEFAULT_REREAD,
     ) -> None:
         self._api = api
         self._node = node
         self._cache = cache
         self._cards = cards
         self._unit = unit
+        self._reread = reread
         self._lock = threading.Lock()
 
     def pods(self) -> list[Mapping[str, Any]]:
@@ -57,8 +67,10 @@ class Allocator:
         except KubeError as exc:
             raise Unavailable(f"node {self._node}: listing pods failed: {exc}") from None
 
-    def allocate(self, resource: str, units: int) -> Decision:
+    def allocate(self, resource: str, device_ids: Sequence[str]) -> Decision:
+        """Serve one container's Allocate: ``device_ids`` are the devices kubelet booked for it."""
         started = time.perf_counter()
+        units = len(device_ids)
         with self._lock:
             try:
                 decision = self._allocate(resource, units)
@@ -79,13 +91,70 @@ class Allocator:
                 ALLOCATE_FAILURES.labels(resource=resource, reason="api-unavailable").inc()
                 log.warning("node %s: %s x%d unavailable: %s", self._node, resource, units, exc)
                 raise
+        for skipped in decision.skipped:
+            log.warning("node %s: passed over in Allocate: %s", self._node, skipped.reason)
+            create_event(
+                self._api,
+                dict(skipped.pod),
+                reason=REFUSAL_EVENT_REASON,
+                message=f"passed over in Allocate on node {self._node}: {skipped.reason}",
+                type_="Warning",
+                component=COMPONENT,
+            )
         ALLOCATE_LATENCY.labels(resource=resource).observe(time.perf_counter() - started)
+        note = booked_cards_note(resource, device_ids, decision.slices)
+        if note:
+            log.warning("node %s: pod %s container %s: %s", self._node, pod_key(decision.pod), decision.container, note)
         return decision
 
+    def _fresh_pods(self) -> list[Mapping[str, Any]]:
+        """The node's pods as the API server has them now; the cache learns them too."""
+        try:
+            pods = list_pods(self._api, field_selector=f"spec.nodeName={self._node}")
+        except KubeError as exc:
+            raise Unavailable(f"node {self._node}: re-reading the node's pods failed: {exc}") from None
+        for pod in pods:
+            self._cache.apply(pod)
+        return pods
+
+    def _decide(self, resource: str, units: int, cards: Sequence[Card]) -> Decision:
+        """Decide on the cached pods; on a refusal a stale cache could explain, decide again on pods
+        re-read from the API server, a bounded number of times, before refusing."""
+        try:
+            return decide(self.pods(), self._node, resource, units, cards, self._unit)
+        except Refusal as refusal:
+            if refusal.reason not in STALE_CACHE_REASONS or not self._reread.attempts:
+                raise
+            last = refusal
+        started = time.monotonic()
+        for wait in self._reread.waits():
+            if wait:
+                time.sleep(wait)
+            try:
+                decision = decide(self._fresh_pods(), self._node, resource, units, cards, self._unit)
+            except Refusal as refusal:
+                if refusal.reason not in STALE_CACHE_REASONS:
+                    raise
+                last = refusal
+                continue
+            log.info(
+                "node %s: %s x%d matched only after re-reading the node's pods (the watch cache lagged)",
+                self._node,
+                resource,
+                units,
+            )
+            return decision
+        raise Refusal(
+            last.reason,
+            f"{last} (the node's pods were re-read from the API server {self._reread.attempts} time(s) "
+            f"over {time.monotonic() - started:.1f}s)",
+            invalid_input=last.invalid_input,
+            pod=last.pod,
+        )
+
     def _allocate(self, resource: str, units: int) -> Decision:
-        pods = self.pods()
         cards = self._cards()
-        decision = decide(pods, self._node, resource, units, cards, self._unit)
+        decision = self._decide(resource, units, cards)
         meta = decision.pod.get("metadata") or {}
         namespace, name = meta.get("namespace", "default"), meta.get("name", "")
         where = f"pod {namespace}/{name} container {decision.container}"

@@ -1,36 +1,52 @@
 """The device lists the plugin advertises to kubelet, one per resource.
 
-``aliyun.com/gpu-mem`` lists one device per memory unit per card (kubelet counts devices, so the
-count is the node's memory in units); ``aliyun.com/gpu-count`` lists one device per card, named by
-the card's UUID. Both carry each card's health and NUMA node.
+Kubelet and kube-scheduler count devices, so each list is sized to what the resource measures:
+
+- ``aliyun.com/gpu-mem``: one device per memory unit per card, so the count is the node's memory.
+- ``aliyun.com/gpu-count``: several replicas per card, by default one per memory unit of the card.
+  A container that takes gpu-count on a card also takes at least one unit of it (gpu-mem/gpu-count
+  per card, or the whole card), so a node can never run out of gpu-count replicas before its
+  cards run out of memory, and kube-scheduler's own resource fit never refuses a pod the cards
+  can hold. Which cards a pod gets, that they are distinct, and that whole-card pods get empty cards
+  to themselves is decided by the extender and enforced by Allocate, not by these counts.
+
+Device IDs are ``<card UUID>-_-<n>`` in both lists, so every ID names its card. Every device
+carries its card's health and NUMA node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gpushare.cards import Card
-from gpushare.contract import RESOURCE_MEM, MemoryUnit, format_unit
+from gpushare.contract import RESOURCE_COUNT, RESOURCE_MEM, MemoryUnit, format_unit
 from gpushare.pb import deviceplugin_pb2 as pb
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 #: gRPC's default maximum message size; kubelet drops a larger ListAndWatch message entirely
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-#: separates the card UUID from the unit number in a gpu-mem device ID
-MEM_ID_SEPARATOR = "-_-"
+#: separates the card UUID from the unit or replica number in a device ID
+ID_SEPARATOR = "-_-"
+#: ``--count-replicas`` value meaning one gpu-count replica per memory unit of each card
+REPLICAS_PER_UNIT = 0
 
 
 class DeviceListTooLarge(ValueError):
-    """The gpu-mem device list would not fit in one gRPC message."""
+    """A device list would not fit in one gRPC message."""
 
 
-def mem_device_id(uuid: str, unit_number: int) -> str:
-    return f"{uuid}{MEM_ID_SEPARATOR}{unit_number}"
+def device_id(uuid: str, number: int) -> str:
+    return f"{uuid}{ID_SEPARATOR}{number}"
 
 
-def card_of_mem_device(device_id: str) -> str:
-    return device_id.split(MEM_ID_SEPARATOR, 1)[0]
+def card_of_device(device_id: str) -> str:
+    return device_id.split(ID_SEPARATOR, 1)[0]
+
+
+def count_replicas(card: Card, unit: MemoryUnit, configured: int = REPLICAS_PER_UNIT) -> int:
+    """gpu-count replicas listed for ``card``: ``configured``, or one per memory unit (at least one)."""
+    return configured if configured > 0 else max(1, unit.units_of(card.memory_mib))
 
 
 def _topology(card: Card) -> pb.TopologyInfo | None:
@@ -41,36 +57,42 @@ def _device(device_id: str, card: Card) -> pb.Device:
     return pb.Device(ID=device_id, health=HEALTHY if card.healthy else UNHEALTHY, topology=_topology(card))
 
 
-def mem_devices(cards: Sequence[Card], unit: MemoryUnit) -> list[pb.Device]:
-    return [_device(mem_device_id(card.uuid, n), card) for card in cards for n in range(unit.units_of(card.memory_mib))]
+def _per_card(resource: str, unit: MemoryUnit, replicas: int) -> Callable[[Card], int]:
+    if resource == RESOURCE_MEM:
+        return lambda card: unit.units_of(card.memory_mib)
+    return lambda card: count_replicas(card, unit, replicas)
 
 
-def count_devices(cards: Sequence[Card]) -> list[pb.Device]:
-    return [_device(card.uuid, card) for card in cards]
-
-
-def device_list(resource: str, cards: Sequence[Card], unit: MemoryUnit) -> pb.ListAndWatchResponse:
-    devices = mem_devices(cards, unit) if resource == RESOURCE_MEM else count_devices(cards)
-    return pb.ListAndWatchResponse(devices=devices)
+def device_list(
+    resource: str, cards: Sequence[Card], unit: MemoryUnit, replicas: int = REPLICAS_PER_UNIT
+) -> pb.ListAndWatchResponse:
+    """The whole list for ``resource``; ``replicas`` is ``--count-replicas`` (gpu-count only)."""
+    per_card = _per_card(resource, unit, replicas)
+    return pb.ListAndWatchResponse(
+        devices=[_device(device_id(c.uuid, n), c) for c in cards for n in range(per_card(c))]
+    )
 
 
 def _varint_size(value: int) -> int:
     return max(1, (value.bit_length() + 6) // 7)
 
 
-def message_size(cards: Sequence[Card], unit: MemoryUnit) -> int:
-    """The byte size of the gpu-mem ListAndWatch message, without building it.
+def message_size(
+    cards: Sequence[Card], unit: MemoryUnit, resource: str = RESOURCE_MEM, replicas: int = REPLICAS_PER_UNIT
+) -> int:
+    """The byte size of the ListAndWatch message for ``resource``, without building it.
 
     Building one message per candidate unit would take seconds (and gigabytes) for MiB units on a
-    large node, so the size is summed per run of unit numbers with the same number of digits: their
-    device entries all have the same encoded size.
+    large node, so the size is summed per run of device numbers with the same number of digits:
+    their device entries all have the same encoded size.
     """
+    per_card = _per_card(resource, unit, replicas)
     total = 0
     for card in cards:
-        units, low = unit.units_of(card.memory_mib), 0
-        while low < units:
-            high = min(units, max(10, low * 10))  # unit numbers in [low, high) have the same digit count
-            entry = _device(mem_device_id(card.uuid, high - 1), card).ByteSize()
+        count, low = per_card(card), 0
+        while low < count:
+            high = min(count, max(10, low * 10))  # numbers in [low, high) have the same digit count
+            entry = _device(device_id(card.uuid, high - 1), card).ByteSize()
             total += (high - low) * (1 + _varint_size(entry) + entry)
             low = high
     return total
@@ -86,19 +108,26 @@ def fitting_unit(cards: Sequence[Card], unit: MemoryUnit) -> MemoryUnit | None:
     return next((u for u in candidates if message_size(cards, u) <= MAX_MESSAGE_BYTES), None)
 
 
-def check_message_size(cards: Sequence[Card], unit: MemoryUnit) -> None:
-    """Refuse a unit whose gpu-mem list kubelet could not receive, naming a unit that would fit.
+def check_message_size(cards: Sequence[Card], unit: MemoryUnit, replicas: int = REPLICAS_PER_UNIT) -> None:
+    """Refuse settings whose device lists kubelet could not receive, naming a unit that would fit.
 
     Sized as if every card were unhealthy (the longest health string), so that a later health flip
     can't push a list that fitted at start-up over the limit.
     """
     cards = [card.with_health(False) for card in cards]
+    limit = f"over gRPC's {MAX_MESSAGE_BYTES:,}-byte limit (kubelet would see no devices at all)"
     size = message_size(cards, unit)
-    if size <= MAX_MESSAGE_BYTES:
-        return
-    fitting = fitting_unit(cards, unit)
-    advice = f"use --memory-unit {format_unit(fitting)} or coarser" if fitting else "use a coarser --memory-unit"
-    raise DeviceListTooLarge(
-        f"{RESOURCE_MEM} in units of {format_unit(unit)} needs a {size:,}-byte ListAndWatch message, over "
-        f"gRPC's {MAX_MESSAGE_BYTES:,}-byte limit (kubelet would see no devices at all); {advice}"
-    )
+    if size > MAX_MESSAGE_BYTES:
+        fitting = fitting_unit(cards, unit)
+        advice = f"use --memory-unit {format_unit(fitting)} or coarser" if fitting else "use a coarser --memory-unit"
+        raise DeviceListTooLarge(
+            f"{RESOURCE_MEM} in units of {format_unit(unit)} needs a {size:,}-byte ListAndWatch message, "
+            f"{limit}; {advice}"
+        )
+    size = message_size(cards, unit, RESOURCE_COUNT, replicas)
+    if size > MAX_MESSAGE_BYTES:
+        per = f"{replicas} replicas per card" if replicas else "one replica per memory unit"
+        raise DeviceListTooLarge(
+            f"{RESOURCE_COUNT} with {per} needs a {size:,}-byte ListAndWatch message, "
+            f"{limit}; use a smaller --count-replicas"
+        )

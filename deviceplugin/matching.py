@@ -20,6 +20,7 @@ from gpushare.contract import (
     ANN_MEM_IDX,
     RESOURCE_COUNT,
     RESOURCE_MEM,
+    AnnotationError,
     ContainerRequest,
     ContractError,
     PodRequest,
@@ -36,11 +37,21 @@ SCHEDULED_MARKERS = (ANN_ALLOCATION, ANN_MEM_IDX, ANN_MEM_ASSUME_TIME)
 
 
 @dataclass(frozen=True, slots=True)
+class Skipped:
+    """A pending pod that was passed over because its request or annotations can't be read."""
+
+    pod: Mapping[str, Any]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Match:
     pod: Mapping[str, Any]
     request: PodRequest
     container: ContainerRequest
     served: dict[str, frozenset[str]]
+    #: unreadable pods passed over on the way (each should hear about it; the match is unaffected)
+    skipped: tuple[Skipped, ...] = ()
 
 
 def container_units(container: ContainerRequest, resource: str) -> int:
@@ -70,33 +81,35 @@ def _order(pod: Mapping[str, Any]) -> tuple[int, str, str, str]:
 def match_container(pods: Iterable[Mapping[str, Any]], node: str, resource: str, units: int) -> Match | None:
     """The first unserved container asking for exactly ``units`` of ``resource``, or None.
 
-    Raises ContractError when the pod that would match carries malformed annotations: guessing past
-    it could hand its card to someone else. A scheduled pod whose resource limits can't be read at
-    all can't be matched to any request; it is skipped so it doesn't block the node, and named in
-    the error when nothing else matches.
+    A pending pod whose limits, assume time or served-containers record can't be read is skipped:
+    one bad pod must not block every Allocate of its size on the node. The skipped pods ride along on
+    the match; when nothing else matches, a ContractError names them.
     """
     candidates = []
-    unreadable = []
+    skipped: list[Skipped] = []
+    annotation_errors = False
     for pod in pods:
         if not _awaiting_allocation(pod, node):
             continue
         try:
             request = parse_pod_request(pod)
+            if not any(container_units(c, resource) == units for c in request.gpu_containers):
+                continue
+            order = _order(pod)
+            served = parse_assigned_containers(annotations_of(pod).get(ANN_ASSIGNED_CONTAINERS), request.key)
         except ContractError as exc:
-            unreadable.append(str(exc))
+            skipped.append(Skipped(pod, str(exc)))
+            annotation_errors = annotation_errors or isinstance(exc, AnnotationError)
             continue
-        if not any(container_units(c, resource) == units for c in request.gpu_containers):
-            continue
-        candidates.append((_order(pod), pod, request))
-    for _, pod, request in sorted(candidates, key=lambda item: item[0]):
-        served = parse_assigned_containers(annotations_of(pod).get(ANN_ASSIGNED_CONTAINERS), request.key)
+        candidates.append((order, pod, request, served))
+    for _, pod, request, served in sorted(candidates, key=lambda item: item[0]):
         for container in request.gpu_containers:
             if container_units(container, resource) == units and resource not in served.get(container.name, ()):
-                return Match(pod, request, container, served)
-    if unreadable:
-        raise ContractError(
-            f"no readable pending pod asks for {units} {resource}; unreadable: {'; '.join(sorted(unreadable))}"
-        )
+                return Match(pod, request, container, served, tuple(skipped))
+    if skipped:
+        reasons = "; ".join(sorted(s.reason for s in skipped))
+        error = AnnotationError if annotation_errors else ContractError
+        raise error(f"no readable pending pod asks for {units} {resource}; unreadable: {reasons}")
     return None
 
 

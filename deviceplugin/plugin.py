@@ -3,7 +3,9 @@ whenever kubelet restarts.
 
 Kubelet deletes every socket in its device-plugins directory when it restarts and creates a new
 ``kubelet.sock``. A watchdog notices either (our socket gone, or kubelet.sock replaced) and
-re-serves and re-registers, well within kubelet's grace period.
+re-serves and re-registers, well within kubelet's grace period. The wipe can also land while the
+plugin is starting (between binding a socket and tightening its mode, say); anything in the
+directory vanishing then is the same event, and the next round serves and registers again.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
     return st.st_ino, st.st_ctime_ns
 
 
+def _restrict(path: Path) -> None:
+    """Only root (kubelet) may connect to a plugin socket."""
+    os.chmod(path, 0o600)
+
+
 @dataclass
 class _Served:
     resource: str
@@ -52,11 +59,14 @@ class _Served:
 
 
 class DevicePlugin:
-    def __init__(self, directory: Path, backend: GpuBackend, allocator: Allocator, unit: MemoryUnit) -> None:
+    def __init__(
+        self, directory: Path, backend: GpuBackend, allocator: Allocator, unit: MemoryUnit, count_replicas: int = 0
+    ) -> None:
         self._dir = Path(directory)
         self._backend = backend
         self._allocator = allocator
         self._unit = unit
+        self._count_replicas = count_replicas
         self.state = DeviceState(backend.cards)
         self._served: list[_Served] = []
         self._kubelet_identity: tuple[int, int] | None = None
@@ -81,10 +91,15 @@ class DevicePlugin:
     def registered(self) -> bool:
         return self._registered.is_set()
 
+    def alive(self) -> bool:
+        """The serving thread runs (it keeps the plugin registered)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._backend.unsubscribe(self._on_health)
         self._shutdown()
         self.state.close()
 
@@ -101,13 +116,13 @@ class DevicePlugin:
         for resource, name in SOCKETS.items():
             path = self._dir / name
             path.unlink(missing_ok=True)
-            service = ResourceService(resource, self.state, self._allocator, self._unit)
+            service = ResourceService(resource, self.state, self._allocator, self._unit, self._count_replicas)
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"dp-{name}"))
             pb_grpc.add_DevicePluginServicer_to_server(service, server)
             server.add_insecure_port(f"unix://{path}")
-            server.start()
-            os.chmod(path, 0o600)
             self._served.append(_Served(resource, service, server, path))
+            server.start()
+            _restrict(path)
 
     def _shutdown(self) -> None:
         served, self._served = self._served, []
@@ -157,4 +172,11 @@ class DevicePlugin:
                 except grpc.RpcError as exc:
                     log.warning("registration with kubelet failed (%s); retrying", exc.details() or exc.code())
                     self._registered.clear()
+                except (OSError, RuntimeError) as exc:  # RuntimeError: gRPC could not bind the socket
+                    log.warning(
+                        "%s changed while the plugin was starting (%s): kubelet restarted? serving again",
+                        self._dir,
+                        exc,
+                    )
+                    self._shutdown()
             self._stop.wait(WATCH_INTERVAL)

@@ -1,16 +1,17 @@
 """GetPreferredAllocation: steer kubelet's device pick toward the scheduler's cards.
 
-For gpu-count the device IDs are card UUIDs, so the preference is exactly the scheduler's choice;
-without one, cards that share NVLink come first, then cards on one NUMA node. For gpu-mem the IDs
-are per-unit, and preferring units of the assigned card keeps kubelet's own bookkeeping in line
-with where the memory really goes.
+Every device ID names its card. For gpu-count the preference is one replica of each of the
+scheduler's cards, so the replicas kubelet books are on distinct cards, the very ones the container
+gets; without a choice, cards that share NVLink come first, then cards on one NUMA node. For
+gpu-mem, preferring units of the assigned card keeps kubelet's own bookkeeping in line with where
+the memory really goes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from deviceplugin.devices import card_of_mem_device
+from deviceplugin.devices import card_of_device
 from gpushare import placement
 from gpushare.cards import Card
 from gpushare.contract import RESOURCE_MEM
@@ -46,9 +47,18 @@ def preferred_ids(
     rest = [d for d in available if d not in picked]
     if resource == RESOURCE_MEM:
         rank = {uuid: i for i, uuid in enumerate(chosen)}
-        rest.sort(key=lambda d: (rank.get(card_of_mem_device(d), len(rank)), d))
+        rest.sort(key=lambda d: (rank.get(card_of_device(d), len(rank)), d))
         return picked + rest[: size - len(picked)]
-    wanted = [u for u in chosen if u in rest]
-    if len(wanted) < size - len(picked):
-        wanted += [u for u in _topology_order(rest, cards, size) if u not in wanted]
-    return picked + wanted[: size - len(picked)]
+    taken = {card_of_device(d) for d in picked}
+    replica: dict[str, str] = {}  # card -> the replica to offer for it
+    for d in sorted(rest):
+        if card_of_device(d) not in taken:
+            replica.setdefault(card_of_device(d), d)
+    need = size - len(picked)
+    wanted = [u for u in chosen if u in replica][:need]
+    if len(wanted) < need:
+        others = [u for u in replica if u not in wanted]
+        wanted += _topology_order(others, cards, need - len(wanted))
+    ids = picked + [replica[u] for u in wanted]
+    # fewer distinct free cards than asked (kubelet's books disagree with ours): any replicas will do
+    return ids + [d for d in rest if d not in ids][: size - len(ids)]

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from deviceplugin.allocator import Allocator
-from deviceplugin.devices import DeviceListTooLarge, check_message_size
+from deviceplugin.devices import REPLICAS_PER_UNIT, DeviceListTooLarge, check_message_size
 from deviceplugin.plugin import DevicePlugin
 from gpushare.cli import NodeSettings, UsageError, wait_for_termination
 from gpushare.contract import MemoryUnit
@@ -23,36 +23,40 @@ class RunningPlugin:
     allocator: Allocator
     cache: WatchCache
 
+    def alive(self) -> bool:
+        return self.plugin.alive()
+
+    def ready(self) -> bool:
+        return self.plugin.registered and self.cache.synced
+
     def stop(self) -> None:
         self.plugin.stop()
         self.cache.stop()
 
 
-def check_unit(backend: GpuBackend, unit: MemoryUnit) -> None:
-    """Refuse to start with a unit whose gpu-mem device list kubelet could not receive."""
+def check_unit(backend: GpuBackend, unit: MemoryUnit, replicas: int = REPLICAS_PER_UNIT) -> None:
+    """Refuse to start with settings whose device lists kubelet could not receive."""
     try:
-        check_message_size(backend.cards(), unit)
+        check_message_size(backend.cards(), unit, replicas)
     except DeviceListTooLarge as exc:
         raise UsageError(str(exc)) from None
 
 
 def start_device_plugin(settings: NodeSettings, backend: GpuBackend, api: object) -> RunningPlugin:
-    check_unit(backend, settings.memory_unit)
+    check_unit(backend, settings.memory_unit, settings.count_replicas)
     cache = node_pod_cache(api, settings.node_name)
     cache.start()
-    allocator = Allocator(api, settings.node_name, cache, backend.cards, settings.memory_unit)
-    plugin = DevicePlugin(settings.device_plugin_dir, backend, allocator, settings.memory_unit)
+    allocator = Allocator(api, settings.node_name, cache, backend.cards, settings.memory_unit, settings.reread)
+    plugin = DevicePlugin(settings.device_plugin_dir, backend, allocator, settings.memory_unit, settings.count_replicas)
     plugin.start()
     return RunningPlugin(plugin, allocator, cache)
 
 
 def run_device_plugin(settings: NodeSettings, metrics_port: int) -> int:
     backend = open_backend(settings.gpus, settings.node_name, settings.ignored_xids)
-    check_unit(backend, settings.memory_unit)
+    check_unit(backend, settings.memory_unit, settings.count_replicas)
     running = start_device_plugin(settings, backend, load_api(settings.kubeconfig))
-    server = (
-        serve_http(metrics_port, lambda: running.plugin.registered and running.cache.synced) if metrics_port else None
-    )
+    server = serve_http(metrics_port, running.ready) if metrics_port else None
     log.info(
         "device plugin for node %s serving %d card(s) from %s",
         settings.node_name,

@@ -54,11 +54,14 @@ class DeviceState:
 
 
 class ResourceService(pb_grpc.DevicePluginServicer):
-    def __init__(self, resource: str, state: DeviceState, allocator: Allocator, unit: MemoryUnit) -> None:
+    def __init__(
+        self, resource: str, state: DeviceState, allocator: Allocator, unit: MemoryUnit, count_replicas: int = 0
+    ) -> None:
         self.resource = resource
         self._state = state
         self._allocator = allocator
         self._unit = unit
+        self._count_replicas = count_replicas
         self._stopping = threading.Event()
 
     def stop(self) -> None:
@@ -69,7 +72,7 @@ class ResourceService(pb_grpc.DevicePluginServicer):
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         version = self._state.version
-        yield device_list(self.resource, self._state.cards(), self._unit)
+        yield device_list(self.resource, self._state.cards(), self._unit, self._count_replicas)
         while context.is_active() and not self._stopping.is_set():
             new_version, closed = self._state.wait_change(version, timeout=0.5)
             if closed:
@@ -77,7 +80,7 @@ class ResourceService(pb_grpc.DevicePluginServicer):
             if new_version != version:
                 version = new_version
                 log.info("%s: device health changed, re-sending the device list", self.resource)
-                yield device_list(self.resource, self._state.cards(), self._unit)
+                yield device_list(self.resource, self._state.cards(), self._unit, self._count_replicas)
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -100,7 +103,7 @@ class ResourceService(pb_grpc.DevicePluginServicer):
         responses = []
         for req in request.container_requests:
             try:
-                decision = self._allocator.allocate(self.resource, len(req.devices_ids))
+                decision = self._allocator.allocate(self.resource, list(req.devices_ids))
             except Refusal as refusal:
                 code = (
                     grpc.StatusCode.INVALID_ARGUMENT if refusal.invalid_input else grpc.StatusCode.FAILED_PRECONDITION

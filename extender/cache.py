@@ -76,7 +76,7 @@ def placement_cards(
         try:
             framework = framework_allocation(pod, inventory)
         except ContractError as exc:
-            log.warning("pod %s: its GPU annotations can't be read, its cards are not counted: %s", pod_key(pod), exc)
+            log.warning("GPU annotations can't be read, their cards are not counted: %s", exc)
             continue
         if framework is None:
             indexed.append(pod)
@@ -84,7 +84,7 @@ def placement_cards(
             extra.append(framework)
     used, _, bad = node_usage(indexed, inventory.cards)
     for pod in bad:
-        log.warning("pod %s: its GPU annotations can't be read, its cards are not counted: %s", pod.key, pod.reason)
+        log.warning("GPU annotations can't be read, their cards are not counted: %s", pod.reason)
     for allocation in extra:
         for slices in allocation.values():
             for s in slices:

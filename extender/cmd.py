@@ -3,15 +3,59 @@
 from __future__ import annotations
 
 import argparse
+import ssl
+from typing import TYPE_CHECKING
+
+from gpushare.cli import UsageError
+from gpushare.tlshttp import DEFAULT_LIMITS, Limits, server_context
+
+if TYPE_CHECKING:
+    from extender.runtime import Serving
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=32766)
     parser.add_argument("--kubeconfig", default=None, help="default: in-cluster config, then ~/.kube/config")
     parser.add_argument("--policy", default="", help="binpack, spread or fgd (default: fgd, the measured best)")
+    tls = parser.add_argument_group("TLS (without a certificate the verbs are served over plain HTTP on loopback only)")
+    tls.add_argument("--tls-cert", default=None, help="the extender's certificate (PEM)")
+    tls.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    tls.add_argument(
+        "--client-ca",
+        default=None,
+        help="CA that signed kube-scheduler's client certificate; required with --tls-cert "
+        "(--no-client-auth to serve TLS to anyone)",
+    )
+    tls.add_argument("--no-client-auth", action="store_true", help="serve TLS without asking for a client certificate")
+    parser.add_argument("--host", default=None, help="listen address (default: 0.0.0.0 with TLS, else 127.0.0.1)")
+    parser.add_argument(
+        "--health-port", type=int, default=None, help="plain HTTP port for /healthz, /readyz and /metrics only"
+    )
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--max-body-bytes", type=int, default=DEFAULT_LIMITS.max_body)
+    limits.add_argument("--read-timeout", type=float, default=DEFAULT_LIMITS.read_timeout, help="seconds per request")
+    limits.add_argument("--workers", type=int, default=DEFAULT_LIMITS.workers)
+
+
+def serving(args: argparse.Namespace) -> Serving:
+    """The serving settings from the command line; UsageError when the TLS flags don't add up."""
+    from extender.runtime import Serving
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    if args.tls_cert and not args.client_ca and not args.no_client_auth:
+        raise UsageError("--tls-cert needs --client-ca (kube-scheduler's CA), or --no-client-auth to skip it")
+    if args.client_ca and not args.tls_cert:
+        raise UsageError("--client-ca needs --tls-cert and --tls-key")
+    try:
+        tls = server_context(args.tls_cert, args.tls_key, args.client_ca) if args.tls_cert else None
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"TLS certificate, key or CA can't be loaded: {exc}") from None
+    limits = Limits(max_body=args.max_body_bytes, read_timeout=args.read_timeout, workers=args.workers)
+    return Serving(args.port, tls, args.host, limits, args.health_port)
 
 
 def run(args: argparse.Namespace) -> int:
     from extender.runtime import run_extender
 
-    return run_extender(args.port, args.kubeconfig, args.policy)
+    return run_extender(args.kubeconfig, args.policy, serving(args))

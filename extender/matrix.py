@@ -19,12 +19,13 @@ import numpy as np
 from extender.cache import ClusterCache
 from extender.wire import NodeNames
 from gpushare import placement
+from gpushare.placement.memo import UNKNOWN, RowMemo
 
 _INITIAL_WIDTH = 8
 #: lists of node names whose row numbers are kept
 LOOKUPS_KEPT = 8
 #: the generation of a row whose node the extender can't place on
-_UNUSABLE = -1
+_UNUSABLE = UNKNOWN
 
 
 def fits(capacity: np.ndarray, free: np.ndarray, shape: placement.Shape) -> np.ndarray:
@@ -34,13 +35,9 @@ def fits(capacity: np.ndarray, free: np.ndarray, shape: placement.Shape) -> np.n
     return able.sum(axis=1) >= shape.cards
 
 
-class CostMemo:
-    """One policy's node costs for one demand shape, per row, with the generation each was computed
-    at; only rows whose node changed since are computed again."""
-
-    def __init__(self) -> None:
-        self._cost = np.zeros(0)
-        self._generation = np.zeros(0, dtype=np.int64)
+class CostMemo(RowMemo):
+    """One policy's node costs for one demand shape, per row; only rows whose node changed since are
+    computed again."""
 
     def costs(
         self,
@@ -52,16 +49,9 @@ class CostMemo:
     ) -> np.ndarray:
         """Per row: the policy's cost of the demand (``inf`` where it doesn't fit). The result is the
         memo's own array: read it before the memo is asked again."""
-        rows = len(generation)
-        if rows > len(self._cost):
-            grow = max(rows, 2 * len(self._cost)) - len(self._cost)
-            self._cost = np.concatenate([self._cost, np.full(grow, np.inf)])
-            self._generation = np.concatenate([self._generation, np.full(grow, _UNUSABLE, dtype=np.int64)])
-        stale = np.flatnonzero(self._generation[:rows] != generation)
-        if stale.size:
-            self._cost[stale] = placement.batch_place(policy, capacity[stale], free[stale], shape).cost
-            self._generation[stale] = generation[stale]
-        return self._cost[:rows]
+        return self.values(
+            generation, lambda stale: placement.batch_place(policy, capacity[stale], free[stale], shape).cost
+        )
 
 
 class NodeMatrix:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import gc
 import logging
+import ssl
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from extender.bind import Binder
 from extender.cache import ClusterCache
-from extender.server import ExtenderServer
+from extender.server import ExtenderServer, refresh_card_gauges
 from extender.verbs import Placement
 from gpushare import placement
 from gpushare.cli import UsageError, wait_for_termination
 from gpushare.kube import load_api
+from gpushare.observability import ObservabilityServer, serve_http
+from gpushare.tlshttp import Limits
 
 log = logging.getLogger(__name__)
 
@@ -24,14 +27,34 @@ class RunningExtender:
     cache: ClusterCache
     server: ExtenderServer
     binder: Binder
+    health: ObservabilityServer | None = None
 
     def stop(self) -> None:
         self.server.stop()
+        if self.health is not None:
+            self.health.stop()
         self.binder.events.close()
         self.cache.stop()
 
 
-def start_extender(api: Any, port: int, policy: str, host: str = "0.0.0.0") -> RunningExtender:
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """How the verbs are served: with ``tls``, on every interface and (with a client CA in the context)
+    to kube-scheduler alone; without, plain HTTP on loopback only."""
+
+    port: int
+    tls: ssl.SSLContext | None = None
+    host: str | None = None
+    limits: Limits | None = None
+    #: plain /healthz, /readyz and /metrics for kubelet's probes, which can't show a client certificate
+    health_port: int | None = None
+
+
+def start_extender(
+    api: Any, port: int, policy: str, host: str | None = None, serving: Serving | None = None
+) -> RunningExtender:
+    serving = serving or Serving(port, host=host)
+    host = serving.host or ("0.0.0.0" if serving.tls is not None else "127.0.0.1")
     policy = policy or placement.DEFAULT_POLICY
     cache = ClusterCache(api)
     try:
@@ -42,10 +65,23 @@ def start_extender(api: Any, port: int, policy: str, host: str = "0.0.0.0") -> R
     settled = threading.Event()
     threading.Thread(target=_settle, args=(cache, engine, settled), name="settle", daemon=True).start()
     binder = Binder(api, cache, engine)
-    server = ExtenderServer(port, cache, engine, binder, settled.is_set, host)
+    try:
+        server = ExtenderServer(serving.port, cache, engine, binder, settled.is_set, host, serving.tls, serving.limits)
+    except ValueError as exc:
+        cache.stop()
+        raise UsageError(str(exc)) from None
     server.start()
-    log.info("extender serving on port %d with policy %s", server.port, policy)
-    return RunningExtender(cache, server, binder)
+    health = None
+    if serving.health_port is not None:
+        health = serve_http(serving.health_port, settled.is_set, before_metrics=lambda: refresh_card_gauges(cache))
+    log.info(
+        "extender serving %s on %s port %d with policy %s",
+        "HTTPS" if serving.tls is not None else "plain HTTP",
+        host,
+        server.port,
+        policy,
+    )
+    return RunningExtender(cache, server, binder, health)
 
 
 def _settle(cache: ClusterCache, engine: Placement, settled: threading.Event) -> None:
@@ -63,8 +99,8 @@ def _settle(cache: ClusterCache, engine: Placement, settled: threading.Event) ->
     settled.set()
 
 
-def run_extender(port: int, kubeconfig: str | None, policy: str) -> int:
-    running = start_extender(load_api(kubeconfig), port, policy)
+def run_extender(kubeconfig: str | None, policy: str, serving: Serving) -> int:
+    running = start_extender(load_api(kubeconfig), serving.port, policy, serving=serving)
     try:
         wait_for_termination()
     finally:

@@ -1,14 +1,14 @@
-"""The extender's HTTP server. Thin: parse, call the verb, answer; the server never dies on input."""
+"""The extender's HTTP server. Thin: parse, call the verb, answer. Bad input is a 400, a bug a logged 500;
+the connection handling (TLS, limits, timeouts, bounded workers) is :mod:`gpushare.tlshttp`'s."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
-import socket
-import threading
+import ssl
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from extender.bind import Binder, BindError
@@ -16,7 +16,9 @@ from extender.cache import ClusterCache
 from extender.metrics import CARD_ALLOCATED, CARD_TOTAL, VERB_LATENCY
 from extender.verbs import BadRequest, Placement, filter_result, preempt_result, prioritize_result
 from extender.wire import encode
+from gpushare.contract import quoted
 from gpushare.observability import health_reply
+from gpushare.tlshttp import HttpServer, Limits, Reply, Request
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,9 @@ def refresh_card_gauges(cache: ClusterCache) -> None:
 
 
 class ExtenderServer:
+    """The verbs over HTTP(S). ``tls`` (with a client CA) is how kube-scheduler proves who it is;
+    without it the server only listens on loopback."""
+
     def __init__(
         self,
         port: int,
@@ -62,82 +67,67 @@ class ExtenderServer:
         engine: Placement,
         binder: Binder,
         ready: Callable[[], bool],
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
+        tls: ssl.SSLContext | None = None,
+        limits: Limits | None = None,
     ) -> None:
+        if tls is None and not _loopback(host):
+            raise ValueError(f"plain HTTP is only served on loopback, not on {host}; give a TLS certificate")
         self.cache = cache
-        routes: dict[str, Callable[[Any], Any]] = {
+        self._ready = ready
+        self._routes: dict[str, Callable[[Any], Any]] = {
             "/filter": lambda body: filter_result(engine, body),
             "/prioritize": lambda body: prioritize_result(engine, body),
             "/preempt": lambda body: preempt_result(engine, body),
             "/bind": lambda body: _bind(binder, body),
         }
-        server = self
+        self._http = HttpServer(host, port, self._handle, tls=tls, limits=limits or Limits(), name="extender")
+        self.port = self._http.port
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+    def _handle(self, request: Request) -> Reply:
+        path = request.path.rstrip("/")
+        if request.method == "POST":
+            return self._verb(path, request.body)
+        if request.method != "GET":
+            return Reply(405, b"only GET and POST\n", "text/plain")
+        if path == "/inspect" or path.startswith("/inspect/"):
+            return Reply(200, json.dumps(inspect_nodes(self.cache, path[len("/inspect/") :] or None)).encode())
+        if path == "/metrics":
+            refresh_card_gauges(self.cache)
+        code, content_type, body = health_reply(path, self._ready) or (404, "text/plain", b"not found\n")
+        return Reply(code, body, content_type)
 
-            def setup(self) -> None:
-                super().setup()
-                # Headers and body go out as two writes; with Nagle on, a keep-alive client (kube-scheduler)
-                # would wait for its delayed ACK, 40 ms per call.
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def _verb(self, path: str, raw: bytes) -> Reply:
+        verb = self._routes.get(path)
+        if verb is None:
+            return Reply(404, json.dumps({"Error": f"no such verb {quoted(path)}"}).encode())
+        started = time.perf_counter()
+        try:
+            reply = verb(json.loads(raw))
+        except ValueError as exc:  # undecodable JSON, a body of the wrong shape, a bad request
+            return Reply(400, json.dumps({"Error": f"bad request to {path}: {exc}"}).encode())
+        except Exception:
+            log.exception("%s failed", path)
+            return Reply(500, json.dumps({"Error": f"{path}: internal error; see the extender's log"}).encode())
+        VERB_LATENCY.labels(verb=path.strip("/")).observe(time.perf_counter() - started)
+        return Reply(200, encode(reply))
 
-            def log_message(self, format: str, *args: Any) -> None:
-                log.debug(format, *args)
-
-            def _reply(self, code: int, body: bytes, content_type: str = "application/json") -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_POST(self) -> None:
-                verb = routes.get(self.path.rstrip("/"))
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length)
-                if verb is None:
-                    self._reply(404, json.dumps({"Error": f"no such verb {self.path}"}).encode())
-                    return
-                started = time.perf_counter()
-                try:
-                    reply = verb(json.loads(raw))
-                except ValueError as exc:  # undecodable JSON and BadRequest alike
-                    self._reply(400, json.dumps({"Error": f"bad request to {self.path}: {exc}"}).encode())
-                    return
-                except Exception as exc:
-                    log.exception("%s failed", self.path)
-                    reply = {"Error": f"{self.path}: internal error: {exc}"}
-                VERB_LATENCY.labels(verb=self.path.strip("/")).observe(time.perf_counter() - started)
-                self._reply(200, encode(reply))
-
-            def do_GET(self) -> None:
-                path = self.path.split("?")[0].rstrip("/")
-                if path == "/inspect" or path.startswith("/inspect/"):
-                    node = path[len("/inspect/") :] or None if path != "/inspect" else None
-                    self._reply(200, json.dumps(inspect_nodes(server.cache, node)).encode())
-                    return
-                if path == "/metrics":
-                    refresh_card_gauges(server.cache)
-                reply = health_reply(path, ready)
-                code, content_type, body = reply or (404, "text/plain", b"not found\n")
-                self._reply(code, body, content_type)
-
-        self._httpd = _Server((host, port), Handler)
-        self.port = self._httpd.server_address[1]
+    @property
+    def open_connections(self) -> int:
+        return self._http.open_connections
 
     def start(self) -> None:
-        threading.Thread(target=self._httpd.serve_forever, name="extender-http", daemon=True).start()
+        self._http.start()
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self._http.stop()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    #: kube-scheduler and its retries can open many connections at once; the default backlog is 5
-    request_queue_size = 1024
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _bind(binder: Binder, body: Any) -> dict[str, str]:

@@ -35,9 +35,45 @@ class BadRequest(ValueError):
     """The body isn't an extender request: HTTP 400."""
 
 
+def _expect(value: Any, kind: type, where: str) -> Any:
+    """``value`` when it is absent or of ``kind``; BadRequest naming the field otherwise."""
+    if value is not None and not isinstance(value, kind):
+        raise BadRequest(f"{where} must be {'an object' if kind is dict else 'a list' if kind is list else 'a string'}")
+    return value
+
+
+def _check_pod(pod: Mapping[str, Any]) -> None:
+    """Every field of the pod the verbs read has the type the API would give it."""
+    meta = _expect(pod.get("metadata"), dict, "Pod.metadata") or {}
+    for field in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp"):
+        _expect(meta.get(field), str, f"Pod.metadata.{field}")
+    for field in ("annotations", "labels"):
+        for value in (_expect(meta.get(field), dict, f"Pod.metadata.{field}") or {}).values():
+            _expect(value, str, f"Pod.metadata.{field} values")
+    spec = _expect(pod.get("spec"), dict, "Pod.spec") or {}
+    _expect(pod.get("status"), dict, "Pod.status")
+    _expect(spec.get("nodeSelector"), dict, "Pod.spec.nodeSelector")
+    for group in ("initContainers", "containers"):
+        for item in _expect(spec.get(group), list, f"Pod.spec.{group}") or []:
+            where = f"Pod.spec.{group}[]"
+            resources = _expect(_expect(item, dict, where).get("resources"), dict, f"{where}.resources") or {}
+            _expect(item.get("name"), str, f"{where}.name")
+            _expect(resources.get("limits"), dict, f"{where}.resources.limits")
+            _expect(resources.get("requests"), dict, f"{where}.resources.requests")
+
+
+def _check_victims(body: Mapping[str, Any]) -> None:
+    for field, inner, kind in (("NodeNameToMetaVictims", "UID", str), ("NodeNameToVictims", "metadata", dict)):
+        for entry in (_expect(body.get(field), dict, field) or {}).values():
+            for victim in _expect(_expect(entry, dict, f"{field} entries").get("Pods"), list, f"{field}[].Pods") or []:
+                _expect(_expect(victim, dict, f"{field}[].Pods[]").get(inner), kind, f"{field}[].Pods[].{inner}")
+
+
 def request_pod(body: Any) -> Mapping[str, Any]:
+    """The request's pod, its shape checked (BadRequest names the first field that is wrong)."""
     if not isinstance(body, dict) or not isinstance(body.get("Pod"), dict):
         raise BadRequest("the body must be a JSON object with a Pod")
+    _check_pod(body["Pod"])
     return body["Pod"]
 
 
@@ -51,7 +87,12 @@ def candidate_names(body: Mapping[str, Any]) -> tuple[NodeNames, bool]:
         raise BadRequest("NodeNames must be a list of strings")
     nodes = body.get("Nodes")
     if isinstance(nodes, dict):
-        return NodeNames.of([(n.get("metadata") or {}).get("name", "") for n in nodes.get("items") or []]), True
+        items = _expect(nodes.get("items"), list, "Nodes.items") or []
+        metas = [
+            _expect(_expect(n, dict, "Nodes.items[]").get("metadata"), dict, "Nodes.items[].metadata") for n in items
+        ]
+        names = [_expect((m or {}).get("name", ""), str, "Nodes.items[].metadata.name") for m in metas]
+        return NodeNames.of(names), True
     raise BadRequest("the body must carry NodeNames or Nodes")
 
 
@@ -177,7 +218,7 @@ def filter_result(engine: Placement, body: Any) -> dict[str, Any]:
     try:
         demands = demands_of(pod)
     except (ContractError, ValueError) as exc:
-        reason = f"pod {pod_key(pod)}: {exc}"
+        reason = str(exc)  # names the pod already
         return _filter_reply(NodeNames.of([]), nodes_mode, body, {}, dict.fromkeys(names.names, reason))
     if not demands:
         return _filter_reply(names, nodes_mode, body, {}, {})
@@ -269,6 +310,7 @@ def preempt_result(engine: Placement, body: Any) -> dict[str, Any]:
     """Keep the nodes where evicting the victims frees cards that fit the preemptor, with only the
     victims that are needed (the later victims are tried for removal first)."""
     pod = request_pod(body)
+    _check_victims(body)
     try:
         demands = demands_of(pod)
     except (ContractError, ValueError):

@@ -26,10 +26,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "cri-shim": ("crishim.cmd", "proxy CRI between kubelet and containerd, enforcing card assignments"),
     "advertiser": ("advertiser.cmd", "publish this node's card inventory as a node annotation"),
     "extender": ("extender.cmd", "serve the kube-scheduler extender (filter, prioritize, bind, preempt)"),
+    "webhook": ("webhook.cmd", "serve the admission webhook guarding gpushare's pod annotations"),
     "node": ("gpushare.node", "run advertiser, device plugin and CRI shim in one process"),
     "sandbox": ("gpushare.sandbox.cmd", "run a whole simulated cluster on this machine"),
     "inspect": ("gpushare.inspect", "show per-card GPU allocation across the cluster"),
     "apiserver": ("gpushare.sandbox.apiserver_cmd", "serve the Kubernetes API stand-in"),
+    "simulate": ("gpushare.simulate.cmd", "replay a cluster's GPU pods under placement policies (what-if)"),
 }
 
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
@@ -37,6 +39,26 @@ DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 
 class UsageError(Exception):
     """A flag value that can't be used; printed as one line, exit code 2."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reread:
+    """How Allocate re-reads the node's pods from the API server before refusing.
+
+    Kubelet learns of a pod from its own watch, and the plugin's watch cache can be behind it, so a
+    miss in the cache is checked against the API server: at once, then ``attempts - 1`` more times
+    after waits of ``first_wait`` seconds, doubling. The defaults give up after about 1.5 s.
+    """
+
+    attempts: int = 4
+    first_wait: float = 0.1
+
+    def waits(self) -> list[float]:
+        """The pause before each re-read (none before the first)."""
+        return [0.0 if i == 0 else self.first_wait * 2 ** (i - 1) for i in range(self.attempts)]
+
+
+DEFAULT_REREAD = Reread()
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +71,9 @@ class NodeSettings:
     device_plugin_dir: Path
     memory_unit: MemoryUnit
     ignored_xids: frozenset[int]
+    reread: Reread = DEFAULT_REREAD
+    #: gpu-count replicas listed per card; 0: one per memory unit of the card (never runs out)
+    count_replicas: int = 0
 
 
 def add_node_flags(parser: argparse.ArgumentParser) -> None:
@@ -62,11 +87,32 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         default=",".join(str(x) for x in sorted(DEFAULT_IGNORED_XIDS)),
         help="XIDs that don't mark a card unhealthy (application errors)",
     )
+    parser.add_argument(
+        "--count-replicas",
+        type=int,
+        default=0,
+        help="aliyun.com/gpu-count devices listed per card; 0 (default): one per memory unit of the card, "
+        "so the node never runs out of gpu-count before its cards run out of memory",
+    )
+    parser.add_argument(
+        "--allocate-rereads",
+        type=int,
+        default=DEFAULT_REREAD.attempts,
+        help="times Allocate re-reads the node's pods from the API server before refusing (0: never)",
+    )
+    parser.add_argument(
+        "--allocate-reread-wait",
+        type=float,
+        default=DEFAULT_REREAD.first_wait,
+        help="seconds before the second re-read; doubles for each further one",
+    )
 
 
 def node_settings(args: argparse.Namespace) -> NodeSettings:
     if not args.node_name:
         raise UsageError("--node-name is required (or set $NODE_NAME)")
+    if args.allocate_rereads < 0 or args.allocate_reread_wait < 0 or args.count_replicas < 0:
+        raise UsageError("--allocate-rereads, --allocate-reread-wait and --count-replicas must not be negative")
     try:
         unit = parse_unit(args.memory_unit)
         ignored = parse_ignored_xids(args.ignore_xids)
@@ -79,6 +125,8 @@ def node_settings(args: argparse.Namespace) -> NodeSettings:
         device_plugin_dir=Path(args.device_plugin_dir),
         memory_unit=unit,
         ignored_xids=ignored,
+        reread=Reread(args.allocate_rereads, args.allocate_reread_wait),
+        count_replicas=args.count_replicas,
     )
 
 

@@ -40,6 +40,17 @@ ANN_ALLOCATION = "gpushare.io/allocation"
 ANN_ASSIGNED_CONTAINERS = "gpushare.io/assigned-containers"
 #: per-pod placement policy override
 ANN_POLICY = "gpushare.io/policy"
+#: pod annotations only gpushare's extender and node agent may write (admission webhook and policy)
+PROTECTED_ANNOTATION_PREFIXES = ("gpushare.io/", "ALIYUN_COM_GPU_MEM_")
+#: protected by prefix, but the pod's owner chooses it
+TENANT_ANNOTATIONS = frozenset({ANN_POLICY})
+
+
+def protected_annotation(key: str) -> bool:
+    return key == ANN_FRAMEWORK_ALLOCATION or (
+        key.startswith(PROTECTED_ANNOTATION_PREFIXES) and key not in TENANT_ANNOTATIONS
+    )
+
 
 # --- container annotations, from the device plugin to the CRI shim --------------------------------
 
@@ -105,6 +116,20 @@ class AnnotationError(ContractError):
     """A malformed gpushare annotation."""
 
 
+#: how many characters of an untrusted string (an annotation value, a container name) a message repeats
+QUOTE_LIMIT = 80
+
+
+def quoted(value: Any, limit: int = QUOTE_LIMIT) -> str:
+    """``value`` for a log line, Event or error: as Python's repr, which quotes strings and escapes
+    newlines and other unprintable characters (so they can't start a forged log line), and cut to
+    ``limit`` characters, so a huge annotation isn't echoed whole."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(value) if isinstance(value, str) else len(text)} characters)"
+
+
 # --- units ----------------------------------------------------------------------------------------
 
 _UNIT_RE = re.compile(r"^(?:(GiB)|(MiB)|([1-9][0-9]*)MiB)$")
@@ -139,7 +164,7 @@ GIB = MemoryUnit(1024)
 def parse_unit(text: str) -> MemoryUnit:
     m = _UNIT_RE.match(text.strip())
     if not m:
-        raise ContractError(f"memory unit {text!r} is not one of GiB, MiB or <N>MiB")
+        raise ContractError(f"memory unit {quoted(text)} is not one of GiB, MiB or <N>MiB")
     if m.group(1):
         return GIB
     if m.group(2):
@@ -220,13 +245,13 @@ def pod_key(pod: Mapping[str, Any]) -> str:
 def _parse_quantity(value: Any, where: str) -> int:
     """Extended resources are whole numbers; accept ints and integral strings only."""
     if isinstance(value, bool):
-        raise RequestError(f"{where}: {value!r} is not a whole number")
+        raise RequestError(f"{where}: {quoted(value)} is not a whole number")
     if isinstance(value, int):
         number = value
     else:
         text = str(value).strip()
         if not re.fullmatch(r"[0-9]+", text):
-            raise RequestError(f"{where}: {value!r} is not a whole number")
+            raise RequestError(f"{where}: {quoted(value)} is not a whole number")
         number = int(text)
     if number < 0:
         raise RequestError(f"{where}: {number} is negative")
@@ -257,20 +282,35 @@ def _container_request(pod: str, spec: Mapping[str, Any], init: bool) -> Contain
     return ContainerRequest(name=name, init=init, mem=mem, count=count)
 
 
-_REQUEST_MEMO: dict[tuple[str, str], PodRequest] = {}
+#: (uid, resourceVersion) -> (the fields the request was parsed from, the request)
+_REQUEST_MEMO: dict[tuple[str, str], tuple[tuple[Any, ...], PodRequest]] = {}
 _REQUEST_MEMO_SIZE = 16384
+
+
+def _request_source(pod: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Every field a :class:`PodRequest` is built from, as they are in ``pod``."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    return (
+        meta.get("namespace"),
+        meta.get("name"),
+        [(c.get("name"), c.get("resources")) for c in spec.get("initContainers") or []],
+        [(c.get("name"), c.get("resources")) for c in spec.get("containers") or []],
+    )
 
 
 def parse_pod_request(pod: Mapping[str, Any]) -> PodRequest:
     """The GPU request of every container (init containers first, in spec order).
 
-    Results are memoised by (uid, resourceVersion): an object from the API can't change without a new
-    resourceVersion, and Allocate re-reads every pod on the node on each call.
+    Results are memoised by (uid, resourceVersion), since Allocate re-reads every pod on the node on
+    each call; a hit is only used when the fields it was parsed from are equal to this pod's, because
+    anyone can send the extender a pod body with a real pod's uid and version but other limits.
     """
     meta = pod.get("metadata") or {}
     memo_key = (meta.get("uid") or "", meta.get("resourceVersion") or "")
-    if all(memo_key) and (hit := _REQUEST_MEMO.get(memo_key)) is not None:
-        return hit
+    source = _request_source(pod)
+    if all(memo_key) and (hit := _REQUEST_MEMO.get(memo_key)) is not None and hit[0] == source:
+        return hit[1]
     spec = pod.get("spec") or {}
     key = pod_key(pod)
     containers = tuple(_container_request(key, c, True) for c in spec.get("initContainers") or []) + tuple(
@@ -285,7 +325,7 @@ def parse_pod_request(pod: Mapping[str, Any]) -> PodRequest:
     if all(memo_key):
         if len(_REQUEST_MEMO) >= _REQUEST_MEMO_SIZE:
             _REQUEST_MEMO.clear()
-        _REQUEST_MEMO[memo_key] = request
+        _REQUEST_MEMO[memo_key] = (source, request)
     return request
 
 
@@ -315,16 +355,16 @@ Allocation = dict[str, tuple[CardSlice, ...]]
 
 
 def _parse_slice(pod: str, container: str, raw: Any) -> CardSlice:
-    where = f"pod {pod} annotation {ANN_ALLOCATION} container {container}"
+    where = f"pod {pod} annotation {ANN_ALLOCATION} container {quoted(container)}"
     if not isinstance(raw, dict):
-        raise AnnotationError(f"{where}: entry {raw!r} is not an object")
+        raise AnnotationError(f"{where}: entry {quoted(raw)} is not an object")
     index, uuid, units = raw.get("index"), raw.get("uuid"), raw.get("units")
     if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-        raise AnnotationError(f"{where}: card index {index!r} is not a non-negative integer")
+        raise AnnotationError(f"{where}: card index {quoted(index)} is not a non-negative integer")
     if not isinstance(uuid, str) or not uuid.startswith("GPU-"):
-        raise AnnotationError(f"{where}: card uuid {uuid!r} is not a GPU UUID")
+        raise AnnotationError(f"{where}: card uuid {quoted(uuid)} is not a GPU UUID")
     if not isinstance(units, int) or isinstance(units, bool) or units <= 0:
-        raise AnnotationError(f"{where}: units {units!r} on card {index} is not a positive integer")
+        raise AnnotationError(f"{where}: units {quoted(units)} on card {index} is not a positive integer")
     return CardSlice(index=index, uuid=uuid, units=units)
 
 
@@ -345,10 +385,10 @@ def parse_allocation(text: str, pod: str = "?") -> Allocation:
     result: Allocation = {}
     for container, slices in raw.items():
         if not isinstance(slices, list) or not slices:
-            raise AnnotationError(f"{where}: container {container} has no card list")
+            raise AnnotationError(f"{where}: container {quoted(container)} has no card list")
         parsed = tuple(_parse_slice(pod, container, s) for s in slices)
         if len({s.uuid for s in parsed}) != len(parsed):
-            raise AnnotationError(f"{where}: container {container} lists the same card twice")
+            raise AnnotationError(f"{where}: container {quoted(container)} lists the same card twice")
         result[container] = parsed
     return result
 
@@ -367,7 +407,7 @@ def parse_card_index(text: str, pod: str = "?") -> int:
     try:
         index = int(str(text).strip())
     except ValueError:
-        raise AnnotationError(f"pod {pod} annotation {ANN_MEM_IDX}: {text!r} is not an integer") from None
+        raise AnnotationError(f"pod {pod} annotation {ANN_MEM_IDX}: {quoted(text)} is not an integer") from None
     if index < 0:
         raise AnnotationError(f"pod {pod} annotation {ANN_MEM_IDX}: {index} is negative")
     return index
@@ -378,7 +418,7 @@ def parse_assume_time(text: str, pod: str = "?") -> int:
         value = int(str(text).strip())
     except ValueError:
         raise AnnotationError(
-            f"pod {pod} annotation {ANN_MEM_ASSUME_TIME}: {text!r} is not integer nanoseconds"
+            f"pod {pod} annotation {ANN_MEM_ASSUME_TIME}: {quoted(text)} is not integer nanoseconds"
         ) from None
     if value < 0:
         raise AnnotationError(f"pod {pod} annotation {ANN_MEM_ASSUME_TIME}: {value} is negative")
@@ -438,7 +478,7 @@ def pod_allocation(
         unknown = sorted(set(allocation) - {c.name for c in request.gpu_containers})
         if unknown:
             raise AnnotationError(
-                f"pod {key} annotation {ANN_ALLOCATION}: names container(s) {unknown} that request no GPU"
+                f"pod {key} annotation {ANN_ALLOCATION}: names container(s) {quoted(unknown)} that request no GPU"
             )
         return allocation
     if ANN_MEM_IDX not in ann:
@@ -518,7 +558,7 @@ def format_inventory(cards: Iterable[Card], unit: MemoryUnit) -> str:
 def _inventory_card(node: str, raw: Any) -> Card:
     where = f"node {node} annotation {NODE_ANN_INVENTORY}"
     if not isinstance(raw, dict):
-        raise AnnotationError(f"{where}: card entry {raw!r} is not an object")
+        raise AnnotationError(f"{where}: card entry {quoted(raw)} is not an object")
     try:
         card = Card(
             index=int(raw["index"]),
@@ -531,9 +571,9 @@ def _inventory_card(node: str, raw: Any) -> Card:
             healthy=bool(raw.get("healthy", True)),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise AnnotationError(f"{where}: card entry {raw!r} is missing or has a bad field ({exc})") from None
+        raise AnnotationError(f"{where}: card entry {quoted(raw)} is missing or has a bad field ({exc})") from None
     if not card.uuid.startswith("GPU-") or card.index < 0 or card.memory_mib <= 0:
-        raise AnnotationError(f"{where}: card entry {raw!r} has an invalid uuid, index or memory")
+        raise AnnotationError(f"{where}: card entry {quoted(raw)} has an invalid uuid, index or memory")
     return card
 
 
@@ -574,14 +614,14 @@ def parse_framework_allocation(text: str, request: PodRequest, card_uuids: Mappi
     result: Allocation = {}
     for position, cards in raw.items():
         if not str(position).isdigit() or int(position) >= len(containers):
-            raise AnnotationError(f"{where}: container index {position!r} is not a container of the pod")
+            raise AnnotationError(f"{where}: container index {quoted(position)} is not a container of the pod")
         if not isinstance(cards, dict) or not cards:
             raise AnnotationError(f"{where}: container {position} has no card map")
         slices = []
         for index_text, units in cards.items():
             index = parse_card_index(index_text, request.key)
             if not isinstance(units, int) or isinstance(units, bool) or units <= 0:
-                raise AnnotationError(f"{where}: units {units!r} on card {index} is not a positive integer")
+                raise AnnotationError(f"{where}: units {quoted(units)} on card {index} is not a positive integer")
             if index not in card_uuids:
                 raise AnnotationError(f"{where}: card index {index} is not on the pod's node")
             slices.append(CardSlice(index=index, uuid=card_uuids[index], units=units))
@@ -593,7 +633,7 @@ def format_framework_allocation(allocation: Mapping[str, tuple[CardSlice, ...]],
     positions = {c.name: i for i, c in enumerate(c for c in request.containers if not c.init)}
     if unknown := sorted(set(allocation) - set(positions)):
         raise AnnotationError(
-            f"pod {request.key}: {ANN_FRAMEWORK_ALLOCATION} can't name init or unknown containers {unknown}"
+            f"pod {request.key}: {ANN_FRAMEWORK_ALLOCATION} can't name init or unknown containers {quoted(unknown)}"
         )
     return json.dumps(
         {

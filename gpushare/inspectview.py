@@ -121,7 +121,12 @@ def node_address(node: Mapping[str, Any]) -> str:
 
 
 def _capacity_cards(node: Mapping[str, Any]) -> tuple[list[Card], str | None]:
-    """Equal cards from the node's advertised gpu-mem and gpu-count (the original inspect's view)."""
+    """Equal cards from the node's advertised gpu-mem and gpu-count (the original inspect's view).
+
+    The original device plugin advertises one gpu-count per card. Ours advertises replicas (by
+    default one per memory unit), so a gpu-count of at least the gpu-mem doesn't count cards: the
+    node is then shown as one card holding all of its memory.
+    """
     capacity = (node.get("status") or {}).get("capacity") or {}
     try:
         mem = int(str(capacity.get(RESOURCE_MEM, 0)))
@@ -130,7 +135,7 @@ def _capacity_cards(node: Mapping[str, Any]) -> tuple[list[Card], str | None]:
         return [], None
     if mem <= 0:
         return [], None
-    count = max(count, 1)
+    count = max(count, 1) if count < mem else 1
     share, extra = divmod(mem, count)
     cards = [
         Card(index=i, uuid="", model="", memory_mib=(share + (1 if i < extra else 0)) * GIB.mib, minor=i)

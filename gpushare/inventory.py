@@ -7,15 +7,17 @@ fault is decided by :func:`is_critical_xid` so both backends agree.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 import time
 import uuid as uuidlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import combinations
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpushare.cards import Card
 
@@ -47,6 +49,8 @@ class GpuBackend(Protocol):
 
     def subscribe(self, callback: HealthCallback) -> None: ...
 
+    def unsubscribe(self, callback: HealthCallback) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -70,6 +74,11 @@ class _Subscribers:
     def add(self, callback: HealthCallback) -> None:
         with self._lock:
             self._callbacks.append(callback)
+
+    def remove(self, callback: HealthCallback) -> None:
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
 
     def emit(self, event: HealthEvent) -> None:
         with self._lock:
@@ -95,6 +104,10 @@ class _CardBook:
 
     def subscribe(self, callback: HealthCallback) -> None:
         self._subscribers.add(callback)
+
+    def unsubscribe(self, callback: HealthCallback) -> None:
+        """A stopped component hears of no more changes (a restarted one subscribes afresh)."""
+        self._subscribers.remove(callback)
 
     def _set(self, uuid: str, healthy: bool, reason: str) -> bool:
         """Record a card's health; returns whether it changed (subscribers hear only of changes)."""
@@ -188,6 +201,9 @@ def _word(healthy: bool) -> str:
 
 # --- NVML ---------------------------------------------------------------------------------------------------
 
+#: NVML's memory-affinity bitmask is read in 64-bit words: 2 words cover 128 NUMA nodes
+_NUMA_WORDS = 2
+
 
 def _numa_of_bus(bus_id: str) -> int | None:
     # NVML reports an 8-digit domain; sysfs uses 4.
@@ -200,17 +216,50 @@ def _numa_of_bus(bus_id: str) -> int | None:
     return value if value >= 0 else None
 
 
-class NvmlBackend(_CardBook):
-    """Cards read through pynvml; XID events watched on a background thread.
+def _single_node(mask: Iterable[int]) -> int | None:
+    """The NUMA node of an affinity bitmask (64 nodes per word), or None unless exactly one is set."""
+    nodes = [w * 64 + b for w, word in enumerate(mask) for b in range(64) if word >> b & 1]
+    return nodes[0] if len(nodes) == 1 else None
 
-    NVML has no "recovered" event. A card that raised a critical XID is probed after ``recovery_after``
-    seconds without a further XID, and marked healthy again if NVML answers for it.
+
+class NvmlCallFailed(Exception):
+    """One NVML call failed; the message names the call and NVML's reason."""
+
+    def __init__(self, call: str, error: Exception) -> None:
+        super().__init__(f"{call} failed: {error}")
+        self.error = error
+
+
+class _LeftOut(Exception):
+    """A card that gpushare does not advertise, and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    card: Card
+    handle: object
+
+
+class NvmlBackend(_CardBook):
+    """Cards read through pynvml; their health watched on a background thread.
+
+    Health: a card turns Unhealthy on a critical XID (any XID not in ``ignored_xids``), or when NVML
+    stops answering for it (a card that fell off the bus answers NVML_ERROR_GPU_IS_LOST; every card is
+    probed each ``poll_interval``). NVML has no "recovered" event, so such a card turns Healthy again
+    once ``recovery_after`` seconds have passed since its last fault and NVML answers for it again. A
+    card whose XID events can't be registered stays Unhealthy until the agent restarts, since nothing
+    would report its faults.
+
+    Left out of the inventory, with one log line each: cards in MIG mode (their memory belongs to their
+    MIG instances, which gpushare doesn't serve; leave MIG cards to NVIDIA's device plugin or turn MIG
+    off), and cards NVML can't read at start-up (lost already). Indices stay NVML's.
     """
 
     def __init__(
         self,
         ignored_xids: frozenset[int] = DEFAULT_IGNORED_XIDS,
         recovery_after: float = 300.0,
+        poll_interval: float = 1.0,
     ) -> None:
         try:
             import pynvml
@@ -223,97 +272,198 @@ class NvmlBackend(_CardBook):
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
             raise InventoryError(
-                f"NVML could not be initialised ({exc}): this node has no NVIDIA driver or GPU; "
-                "use --gpus sim:SPEC to simulate cards"
+                f"NVML could not be initialised: nvmlInit failed: {exc}. On a GPU node, check the NVIDIA "
+                "driver (nvidia-smi); elsewhere use --gpus sim:SPEC to simulate cards"
             ) from None
-        super().__init__(self._read_cards())
-        self._ignored = ignored_xids
-        self._recovery_after = recovery_after
-        self._last_xid: dict[str, float] = {}
+        try:
+            found = self._read_cards()
+            super().__init__(f.card for f in found)
+            self._handles = {f.card.uuid: f.handle for f in found}
+            self._uuid_at = {_address(f.handle): f.card.uuid for f in found}
+            self._ignored = ignored_xids
+            self._recovery_after = recovery_after
+            self._poll_interval = poll_interval
+            #: when each card that can recover last failed (monotonic seconds)
+            self._faults: dict[str, float] = {}
+            self._events = self._register_events()
+        except BaseException:
+            pynvml.nvmlShutdown()
+            raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="nvml-health", daemon=True)
         self._thread.start()
 
-    def _read_cards(self) -> list[Card]:
-        nv = self._nvml
-        handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
-        bus_ids = [_text(nv.nvmlDeviceGetPciInfo(h).busId) for h in handles]
-        uuids = [_text(nv.nvmlDeviceGetUUID(h)) for h in handles]
-        uuid_of_bus = {b.lower(): u for b, u in zip(bus_ids, uuids, strict=True)}
-        cards = []
-        for i, h in enumerate(handles):
-            cards.append(
-                Card(
-                    index=i,
-                    uuid=uuids[i],
-                    model=_text(nv.nvmlDeviceGetName(h)),
-                    memory_mib=nv.nvmlDeviceGetMemoryInfo(h).total // (1024 * 1024),
-                    minor=nv.nvmlDeviceGetMinorNumber(h),
-                    numa_node=_numa_of_bus(bus_ids[i]),
-                    nvlink_peers=tuple(sorted(self._nvlink_peers(h, uuid_of_bus) - {uuids[i]})),
-                )
-            )
-        return cards
+    # --- reading the cards ----------------------------------------------------------------------------
 
-    def _nvlink_peers(self, handle: object, uuid_of_bus: dict[str, str]) -> set[str]:
-        nv = self._nvml
-        peers: set[str] = set()
-        for link in range(nv.NVML_NVLINK_MAX_LINKS):
+    def _ask(self, call: Callable[..., Any], *args: object) -> Any:
+        try:
+            return call(*args)
+        except self._nvml.NVMLError as exc:
+            raise NvmlCallFailed(call.__name__, exc) from None
+
+    def _read_cards(self) -> list[_Found]:
+        try:
+            count = self._ask(self._nvml.nvmlDeviceGetCount)
+        except NvmlCallFailed as exc:
+            raise InventoryError(f"NVML can't list the cards: {exc}") from None
+        found = []
+        for index in range(count):
             try:
-                if nv.nvmlDeviceGetNvLinkState(handle, link) != nv.NVML_FEATURE_ENABLED:
-                    continue
-                remote = _text(nv.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId).lower()
-            except nv.NVMLError:
-                break  # no NVLink on this card, or no more links
-            if remote in uuid_of_bus:
-                peers.add(uuid_of_bus[remote])
+                found.append(self._read_card(index))
+            except _LeftOut as exc:
+                log.warning("%s; not advertised", exc)
+        peers = self._nvlink_peers(found)
+        return [_Found(replace(f.card, nvlink_peers=tuple(sorted(peers[f.card.uuid]))), f.handle) for f in found]
+
+    def _read_card(self, index: int) -> _Found:
+        nv, ask = self._nvml, self._ask
+        who = f"card at NVML index {index}"
+        try:
+            handle = ask(nv.nvmlDeviceGetHandleByIndex, index)
+            uuid = _text(ask(nv.nvmlDeviceGetUUID, handle))
+            who = f"card {uuid} (NVML index {index})"
+            if self._mig_enabled(handle):
+                raise _LeftOut(
+                    f"{who} is in MIG mode and gpushare shares whole cards only (turn MIG off with "
+                    f"nvidia-smi -i {index} -mig 0, or serve the card with NVIDIA's device plugin)"
+                )
+            bus_id = _text(ask(nv.nvmlDeviceGetPciInfo, handle).busId)
+            card = Card(
+                index=index,
+                uuid=uuid,
+                model=_text(ask(nv.nvmlDeviceGetName, handle)),
+                memory_mib=ask(nv.nvmlDeviceGetMemoryInfo, handle).total // (1024 * 1024),
+                minor=ask(nv.nvmlDeviceGetMinorNumber, handle),
+                numa_node=self._numa_node(handle, bus_id),
+            )
+        except NvmlCallFailed as exc:
+            raise _LeftOut(f"{who}: {exc}") from None
+        log.info(
+            "card %s (NVML index %d, minor %d, %s): %s, %d MiB, NUMA node %s",
+            card.uuid, index, card.minor, bus_id, card.model, card.memory_mib, card.numa_node,
+        )  # fmt: skip
+        return _Found(card, handle)
+
+    def _mig_enabled(self, handle: object) -> bool:
+        nv = self._nvml
+        try:
+            current, _pending = self._ask(nv.nvmlDeviceGetMigMode, handle)
+        except NvmlCallFailed as exc:
+            if isinstance(exc.error, nv.NVMLError_NotSupported | nv.NVMLError_FunctionNotFound):
+                return False  # a card (or driver) without MIG
+            raise
+        return current == nv.NVML_DEVICE_MIG_ENABLE
+
+    def _numa_node(self, handle: object, bus_id: str) -> int | None:
+        """NVML's memory affinity for the card; sysfs when the driver can't say."""
+        nv = self._nvml
+        try:
+            mask = self._ask(nv.nvmlDeviceGetMemoryAffinity, handle, _NUMA_WORDS, nv.NVML_AFFINITY_SCOPE_NODE)
+        except NvmlCallFailed as exc:
+            if isinstance(exc.error, nv.NVMLError_NotSupported | nv.NVMLError_FunctionNotFound):
+                return _numa_of_bus(bus_id)
+            raise
+        return _single_node(mask)
+
+    def _nvlink_peers(self, found: list[_Found]) -> dict[str, set[str]]:
+        """Pairs NVML reports as NVLink-connected: bridged directly or both on an NVSwitch fabric."""
+        nv = self._nvml
+        peers: dict[str, set[str]] = {f.card.uuid: set() for f in found}
+        for a, b in combinations(found, 2):
+            try:
+                status = self._ask(nv.nvmlDeviceGetP2PStatus, a.handle, b.handle, nv.NVML_P2P_CAPS_INDEX_NVLINK)
+            except NvmlCallFailed as exc:
+                if not isinstance(exc.error, nv.NVMLError_NotSupported):  # NotSupported: no NVLink on a card
+                    log.warning("cards %s and %s: %s; taken as not NVLink-connected", a.card.uuid, b.card.uuid, exc)
+                continue
+            if status == nv.NVML_P2P_STATUS_OK:
+                peers[a.card.uuid].add(b.card.uuid)
+                peers[b.card.uuid].add(a.card.uuid)
         return peers
+
+    # --- health -----------------------------------------------------------------------------------------
+
+    def _register_events(self) -> object:
+        nv = self._nvml
+        try:
+            events = self._ask(nv.nvmlEventSetCreate)
+        except NvmlCallFailed as exc:
+            raise InventoryError(f"NVML can't watch card health: {exc}") from None
+        for uuid, handle in self._handles.items():
+            try:
+                self._ask(nv.nvmlDeviceRegisterEvents, handle, nv.nvmlEventTypeXidCriticalError, events)
+            except NvmlCallFailed as exc:
+                # A card that can't report XIDs can't be trusted with work.
+                self._set(uuid, False, f"{exc}: its XID events can't be watched")
+        return events
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        nv = self._nvml
+        with contextlib.suppress(nv.NVMLError):
+            nv.nvmlEventSetFree(self._events)
+        with contextlib.suppress(nv.NVMLError):
+            nv.nvmlShutdown()
 
     def _watch(self) -> None:
-        nv = self._nvml
-        event_set = nv.nvmlEventSetCreate()
-        for card in self.cards():
-            handle = nv.nvmlDeviceGetHandleByUUID(card.uuid)
-            try:
-                nv.nvmlDeviceRegisterEvents(handle, nv.nvmlEventTypeXidCriticalError, event_set)
-            except nv.NVMLError as exc:
-                # A card that can't report XIDs can't be trusted with work.
-                self._set(card.uuid, False, f"XID events unsupported ({exc})")
+        next_probe = time.monotonic()
         while not self._stop.is_set():
-            try:
-                event = nv.nvmlEventSetWait(event_set, 1000)
-            except nv.NVMLError_Timeout:
-                self._probe_recoveries()
-                continue
-            except nv.NVMLError as exc:
-                log.error("NVML event wait failed: %s", exc)
-                self._stop.wait(1.0)
-                continue
-            xid = int(event.eventData)
-            uuid = _text(nv.nvmlDeviceGetUUID(event.device))
-            if is_critical_xid(xid, self._ignored):
-                self._last_xid[uuid] = time.monotonic()
-                self._set(uuid, False, f"XID {xid}")
-            else:
-                log.info("card %s: XID %d ignored (application error)", uuid, xid)
-        nv.nvmlEventSetFree(event_set)
+            self._wait_event()
+            if time.monotonic() >= next_probe:
+                self._probe()
+                next_probe = time.monotonic() + self._poll_interval
 
-    def _probe_recoveries(self) -> None:
+    def _wait_event(self) -> None:
+        nv = self._nvml
+        try:
+            event = nv.nvmlEventSetWait(self._events, max(1, int(self._poll_interval * 1000)))
+        except nv.NVMLError_Timeout:
+            return
+        except nv.NVMLError as exc:
+            # NVML doesn't say which card: probe them all now, and don't spin on an error that persists
+            log.error("nvmlEventSetWait failed: %s; probing every card", exc)
+            self._probe()
+            self._stop.wait(self._poll_interval)
+            return
+        xid = int(event.eventData)
+        uuid = self._uuid_at.get(_address(event.device))
+        if uuid is None:
+            log.warning("XID %d reported for a device that is not in the inventory; ignored", xid)
+        elif is_critical_xid(xid, self._ignored):
+            self._fault(uuid, f"XID {xid}")
+        else:
+            log.info("card %s: XID %d ignored (application error)", uuid, xid)
+
+    def _fault(self, uuid: str, reason: str) -> None:
+        self._faults[uuid] = time.monotonic()
+        self._set(uuid, False, reason)
+
+    def _probe(self) -> None:
+        """Ask NVML about every card that is healthy, or unhealthy but due for its recovery check."""
         now = time.monotonic()
-        for uuid, at in list(self._last_xid.items()):
-            if now - at < self._recovery_after:
+        for card in self.cards():
+            failed_at = self._faults.get(card.uuid)
+            if not card.healthy and (failed_at is None or now - failed_at < self._recovery_after):
                 continue
             try:
-                self._nvml.nvmlDeviceGetMemoryInfo(self._nvml.nvmlDeviceGetHandleByUUID(uuid))
-            except self._nvml.NVMLError:
-                self._last_xid[uuid] = now
+                self._ask(self._nvml.nvmlDeviceGetMemoryInfo, self._handles[card.uuid])
+            except NvmlCallFailed as exc:
+                if card.healthy:
+                    self._fault(card.uuid, str(exc))
+                else:
+                    self._faults[card.uuid] = now  # still failing: the wait starts again
                 continue
-            del self._last_xid[uuid]
-            self._set(uuid, True, f"no critical XID for {self._recovery_after:.0f}s and NVML answers")
+            if not card.healthy:
+                del self._faults[card.uuid]
+                self._set(card.uuid, True, f"no fault for {self._recovery_after:g}s and NVML answers again")
+
+
+def _address(handle: object) -> int | None:
+    """An NVML device handle's pointer value: event data carries the same pointer as the handle."""
+    import ctypes
+
+    return ctypes.cast(handle, ctypes.c_void_p).value
 
 
 def _text(value: bytes | str) -> str:

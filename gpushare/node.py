@@ -1,9 +1,18 @@
 """``gpushare node``: the advertiser, the device plugin and the CRI shim in one process, as the
-DaemonSet runs them. They share one card inventory, so a health event reaches all three at once."""
+DaemonSet runs them. They share one card inventory, so a health event reaches all three at once.
+Each runs under :mod:`gpushare.supervisor`, which restarts one that dies (its docstring says why
+that beats exiting) and keeps ``/readyz`` false while one is down."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from crishim.runtime import ShimSettings
+    from gpushare.cli import NodeSettings
+    from gpushare.inventory import GpuBackend
+    from gpushare.supervisor import Supervised
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,54 +23,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--advertise-interval", type=float, default=60.0, help="seconds between inventory re-checks")
 
 
+def components(
+    settings: NodeSettings, shim: ShimSettings | None, backend: GpuBackend, api: object, advertise_interval: float
+) -> list[Supervised]:
+    """The node agent's components, each as a way to start it afresh."""
+    from advertiser.agent import Advertiser
+    from crishim.runtime import start_cri_shim
+    from deviceplugin.runtime import start_device_plugin
+    from gpushare.supervisor import Supervised
+
+    def start_advertiser() -> Advertiser:
+        advertiser = Advertiser(api, settings.node_name, backend, settings.memory_unit, advertise_interval)
+        advertiser.start()
+        return advertiser
+
+    found = [
+        Supervised("advertiser", start_advertiser),
+        Supervised("device-plugin", lambda: start_device_plugin(settings, backend, api)),
+    ]
+    if shim is not None:
+        found.append(Supervised("cri-shim", lambda: start_cri_shim(settings, shim, backend, api)))
+    return found
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from advertiser.agent import Advertiser
     from crishim.cmd import shim_settings
-    from crishim.runtime import start_cri_shim
-    from deviceplugin.runtime import check_unit, start_device_plugin
+    from deviceplugin.runtime import check_unit
     from gpushare.cli import node_settings, wait_for_termination
     from gpushare.inventory import open_backend
     from gpushare.kube import load_api
     from gpushare.observability import serve_http
+    from gpushare.supervisor import Supervisor
 
     log = logging.getLogger("gpushare.node")
     settings = node_settings(args)
     shim = None if args.no_cri_shim else shim_settings(args)
     backend = open_backend(settings.gpus, settings.node_name, settings.ignored_xids)
-    check_unit(backend, settings.memory_unit)
+    check_unit(backend, settings.memory_unit, settings.count_replicas)
     api = load_api(settings.kubeconfig)
-    stops = []
+    supervisor = Supervisor(components(settings, shim, backend, api, args.advertise_interval))
+    server = None
     try:
-        advertiser = Advertiser(api, settings.node_name, backend, settings.memory_unit, args.advertise_interval)
-        advertiser.start()
-        stops.append(advertiser.stop)
-        plugin = start_device_plugin(settings, backend, api)
-        stops.append(plugin.stop)
-        cri = start_cri_shim(settings, shim, backend, api) if shim is not None else None
-        if cri is not None:
-            stops.append(cri.stop)
-
-        def ready() -> bool:
-            return (
-                advertiser.published.is_set()
-                and plugin.plugin.registered
-                and plugin.cache.synced
-                and (cri is None or cri.shim.serving)
-            )
-
+        supervisor.start()
         if args.metrics_port:
-            stops.append(serve_http(args.metrics_port, ready).stop)
+            server = serve_http(args.metrics_port, supervisor.ready)
         log.info(
             "node agent for %s: %d card(s), CRI shim %s",
             settings.node_name,
             len(backend.cards()),
-            "off" if cri is None else f"on {shim.listen}",
+            "off" if shim is None else f"on {shim.listen}",
         )
         wait_for_termination()
     finally:
-        for stop in reversed(stops):
-            stop()
+        if server is not None:
+            server.stop()
+        supervisor.stop()
         backend.close()
     return 0

@@ -22,9 +22,15 @@ def health_reply(path: str, ready: Callable[[], bool]) -> tuple[int, str, bytes]
 
 
 class ObservabilityServer:
-    def __init__(self, port: int, ready: Callable[[], bool], host: str = "0.0.0.0") -> None:
+    def __init__(
+        self,
+        port: int,
+        ready: Callable[[], bool],
+        host: str = "0.0.0.0",
+        before_metrics: Callable[[], None] | None = None,
+    ) -> None:
         def handler_factory(*args: Any) -> BaseHTTPRequestHandler:
-            return _Handler(ready, *args)
+            return _Handler(ready, before_metrics, *args)
 
         self._server = ThreadingHTTPServer((host, port), handler_factory)
         self._server.daemon_threads = True
@@ -37,15 +43,19 @@ class ObservabilityServer:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    def __init__(self, ready: Callable[[], bool], *args: Any) -> None:
+    def __init__(self, ready: Callable[[], bool], before_metrics: Callable[[], None] | None, *args: Any) -> None:
         self._ready = ready
+        self._before_metrics = before_metrics
         super().__init__(*args)
 
     def log_message(self, format: str, *args: Any) -> None:
         """Probes every few seconds would drown the log."""
 
     def do_GET(self) -> None:
-        reply = health_reply(self.path.split("?")[0], self._ready)
+        path = self.path.split("?")[0]
+        if path == "/metrics" and self._before_metrics is not None:
+            self._before_metrics()
+        reply = health_reply(path, self._ready)
         code, content_type, body = reply or (404, "text/plain", b"not found\n")
         self.send_response(code)
         self.send_header("Content-Type", content_type)
@@ -54,5 +64,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def serve_http(port: int, ready: Callable[[], bool], host: str = "0.0.0.0") -> ObservabilityServer:
-    return ObservabilityServer(port, ready, host)
+def serve_http(
+    port: int, ready: Callable[[], bool], host: str = "0.0.0.0", before_metrics: Callable[[], None] | None = None
+) -> ObservabilityServer:
+    """``before_metrics`` runs before each /metrics scrape (to refresh gauges computed on demand)."""
+    return ObservabilityServer(port, ready, host, before_metrics)

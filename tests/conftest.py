@@ -1,8 +1,13 @@
-"""Shared fixtures: a fresh API server stand-in per test, reached through the official client."""
+"""Shared fixtures: a fresh API server stand-in per test, reached through the official client, and a
+kubelet emulator in a private device-plugins directory."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +16,7 @@ from kubernetes import client
 
 from gpushare.kube import load_api
 from gpushare.sandbox.apiserver import ApiServer
+from gpushare.sandbox.kubelet import KubeletEmulator
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> object:
@@ -46,3 +52,27 @@ def kube_api(kubeconfig: Path) -> client.ApiClient:
 @pytest.fixture
 def core_v1(kube_api: client.ApiClient) -> client.CoreV1Api:
     return client.CoreV1Api(kube_api)
+
+
+def readiness(url: str) -> int:
+    """The HTTP status of ``url``/readyz."""
+    try:
+        with urllib.request.urlopen(f"{url}/readyz", timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+@pytest.fixture
+def directory() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kl", dir="/tmp"))  # unix socket paths must stay short
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def kubelet(directory: Path) -> Iterator[KubeletEmulator]:
+    emulator = KubeletEmulator(directory)
+    emulator.start()
+    yield emulator
+    emulator.stop()

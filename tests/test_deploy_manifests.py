@@ -165,14 +165,42 @@ def test_extender_deployment_and_service() -> None:
     assert container["command"][:2] == ["gpushare", "extender"]
     assert probe_paths(container) == {"/healthz", "/readyz"}
     assert container["resources"]["requests"].keys() >= {"cpu", "memory"}
-    port_arg = next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--port="))
+    args = dict(a.split("=", 1) for a in container["args"])
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports["http"] == int(port_arg)
+    assert ports["https"] == int(args["--port"]) and ports["health"] == int(args["--health-port"])
+    # the verbs need kube-scheduler's client certificate; the probes use the plain health port
+    assert {"--tls-cert", "--tls-key", "--client-ca"} <= args.keys()
+    probes = [container[p]["httpGet"]["port"] for p in ("livenessProbe", "readinessProbe")]
+    assert set(probes) == {"health"}
+    mounted = {m["mountPath"] for m in container["volumeMounts"]}
+    assert all(any(args[f].startswith(f"{m}/") for m in mounted) for f in ("--tls-cert", "--tls-key", "--client-ca"))
 
     service = one("Service", "gpushare-extender")
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
-    assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports) | set(ports.values())
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {"https"}
+    assert service["spec"].get("type", "ClusterIP") == "ClusterIP", "no NodePort: the verbs stay off the nodes"
+
+
+def test_webhook_guards_pods_and_fails_closed() -> None:
+    config = one("ValidatingWebhookConfiguration", "gpushare-pod-annotations")
+    (hook,) = config["webhooks"]
+    assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
+    assert {op for r in hook["rules"] for op in r["operations"]} == {"CREATE", "UPDATE"}
+    assert all(r["resources"] == ["pods"] for r in hook["rules"])
+    target = hook["clientConfig"]["service"]
+    service = one("Service", target["name"])
+    assert service["metadata"]["namespace"] == target["namespace"]
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == target["port"]
+    deployment = one("Deployment", "gpushare-webhook")
+    (container,) = pod_spec(deployment)["containers"]
+    assert container["command"][:2] == ["gpushare", "webhook"]
+    assert port["targetPort"] in {p["name"] for p in container["ports"]}
+    policy = one("ValidatingAdmissionPolicy", "gpushare-pod-annotations")
+    binding = one("ValidatingAdmissionPolicyBinding", "gpushare-pod-annotations")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
 
 
 def test_dockerfile_copies_only_what_exists() -> None:
@@ -233,7 +261,12 @@ def test_scheduler_config_has_the_extender_entry() -> None:
     assert isinstance(extender.get("weight", 1), int) and extender.get("weight", 1) > 0
 
     service = one("Service", "gpushare-extender")
-    reachable = {p["port"] for p in service["spec"]["ports"]} | {
-        p["nodePort"] for p in service["spec"]["ports"] if "nodePort" in p
-    }
-    assert urlparse(extender["urlPrefix"]).port in reachable, "urlPrefix must reach the extender's Service"
+    url = urlparse(extender["urlPrefix"])
+    assert url.port in {p["port"] for p in service["spec"]["ports"]}, "urlPrefix must reach the extender's Service"
+    assert url.hostname == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+    # HTTPS with a client certificate; the fields kube-scheduler's tlsConfig has
+    assert url.scheme == "https" and extender["enableHTTPS"] is True
+    tls = extender["tlsConfig"]
+    assert tls.keys() <= {"insecure", "serverName", "certFile", "keyFile", "caFile", "certData", "keyData", "caData"}
+    assert tls["insecure"] is False and {"certFile", "keyFile", "caFile"} <= tls.keys()
+    assert tls["serverName"] == url.hostname

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from podfactory import container, gpu_pod, slices
 
-from deviceplugin.allocate import Refusal, decide, preferred_cards
-from deviceplugin.devices import mem_device_id
+from deviceplugin.allocate import Refusal, booked_cards_note, decide, preferred_cards
+from deviceplugin.devices import card_of_device, device_id
 from deviceplugin.preferred import preferred_ids
 from gpushare import contract as c
 from gpushare.cards import Card
@@ -185,19 +185,38 @@ def test_preferred_cards_are_the_scheduler_choice_for_the_container_that_would_m
     assert preferred_cards([pod], "n1", c.RESOURCE_COUNT, 3, CARDS) == ()
 
 
-def test_gpu_count_preference_follows_the_scheduler_then_nvlink_then_numa() -> None:
+def test_gpu_count_preference_is_one_replica_of_each_scheduler_card_then_nvlink_then_numa() -> None:
     eight = simulated_cards("n1", "4xA100:81920,4xT4:15360")  # NUMA 0: A100 x4 (NVLinked), NUMA 1: T4 x4
     uuids = [card.uuid for card in eight]
+    replicas = [device_id(u, n) for u in uuids for n in range(3)]
     chosen = [uuids[5], uuids[6]]
-    assert preferred_ids(c.RESOURCE_COUNT, uuids, [], 2, chosen, eight) == chosen
+    assert preferred_ids(c.RESOURCE_COUNT, replicas, [], 2, chosen, eight) == [device_id(u, 0) for u in chosen]
+    # replicas already booked are skipped, but never two replicas of one card while others are free
+    free = [d for d in replicas if d != device_id(uuids[5], 0)]
+    assert preferred_ids(c.RESOURCE_COUNT, free, [], 2, chosen, eight) == [
+        device_id(uuids[5], 1),
+        device_id(uuids[6], 0),
+    ]
     # nothing chosen: an NVLink-connected pair rather than two unrelated cards
-    picked = preferred_ids(c.RESOURCE_COUNT, [uuids[0], uuids[4], uuids[2]], [], 2, [], eight)
-    assert sorted(picked) == sorted([uuids[0], uuids[2]])
-    # must-include devices are always kept
-    assert preferred_ids(c.RESOURCE_COUNT, uuids, [uuids[7]], 2, chosen, eight)[0] == uuids[7]
+    some = [device_id(uuids[i], n) for i in (0, 4, 2) for n in range(2)]
+    picked = preferred_ids(c.RESOURCE_COUNT, some, [], 2, [], eight)
+    assert sorted(card_of_device(d) for d in picked) == sorted([uuids[0], uuids[2]])
+    # must-include devices are always kept, and the rest come from other cards
+    kept = preferred_ids(c.RESOURCE_COUNT, replicas, [device_id(uuids[5], 2)], 2, chosen, eight)
+    assert kept == [device_id(uuids[5], 2), device_id(uuids[6], 0)]
+    # fewer distinct cards than asked (kubelet's books differ): still a full answer
+    assert len(preferred_ids(c.RESOURCE_COUNT, [device_id(uuids[0], n) for n in range(3)], [], 2, [], eight)) == 2
+
+
+def test_kubelet_booking_replicas_of_other_cards_is_noted_not_refused() -> None:
+    assigned = slices([A1, T4], 20)
+    assert booked_cards_note(c.RESOURCE_COUNT, [device_id(T4.uuid, 3), device_id(A1.uuid, 0)], assigned) is None
+    note = booked_cards_note(c.RESOURCE_COUNT, [device_id(A0.uuid, 0), device_id(T4.uuid, 1)], assigned)
+    assert note is not None and A0.uuid in note and f"card {A1.index} ({A1.uuid})" in note
+    assert booked_cards_note(c.RESOURCE_MEM, [device_id(A0.uuid, 0)], assigned) is None
 
 
 def test_gpu_mem_preference_takes_units_of_the_scheduler_card_first() -> None:
-    available = [mem_device_id(card.uuid, n) for card in CARDS for n in range(3)]
+    available = [device_id(card.uuid, n) for card in CARDS for n in range(3)]
     picked = preferred_ids(c.RESOURCE_MEM, available, [], 3, [T4.uuid], CARDS)
-    assert picked == [mem_device_id(T4.uuid, n) for n in range(3)]
+    assert picked == [device_id(T4.uuid, n) for n in range(3)]

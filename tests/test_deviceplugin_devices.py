@@ -11,13 +11,14 @@ from deviceplugin.devices import (
     MAX_MESSAGE_BYTES,
     UNHEALTHY,
     DeviceListTooLarge,
-    card_of_mem_device,
+    card_of_device,
     check_message_size,
     device_list,
     message_size,
 )
 from gpushare import contract as c
 from gpushare.cards import Card
+from gpushare.cli import UsageError, build_parser, node_settings
 from gpushare.inventory import simulated_cards
 
 MIXED = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
@@ -28,7 +29,7 @@ def test_gpu_mem_lists_one_device_per_unit_of_each_cards_own_memory() -> None:
     devices = device_list(c.RESOURCE_MEM, MIXED, c.GIB).devices
     per_card: dict[str, int] = {}
     for d in devices:
-        per_card[card_of_mem_device(d.ID)] = per_card.get(card_of_mem_device(d.ID), 0) + 1
+        per_card[card_of_device(d.ID)] = per_card.get(card_of_device(d.ID), 0) + 1
     assert per_card == {MIXED[0].uuid: 80, MIXED[1].uuid: 80, MIXED[2].uuid: 15}
     assert len({d.ID for d in devices}) == len(devices)
     assert {d.health for d in devices} == {HEALTHY}
@@ -39,16 +40,34 @@ def test_gpu_mem_in_blocks_counts_whole_blocks_only() -> None:
     assert len(devices) == 20 + 20 + 3  # 15360 MiB holds three whole 4 GiB blocks
 
 
-def test_gpu_count_lists_each_card_by_uuid_with_its_numa_node() -> None:
+def test_gpu_count_lists_one_replica_per_memory_unit_of_each_card_with_its_numa_node() -> None:
     devices = device_list(c.RESOURCE_COUNT, MIXED, c.GIB).devices
-    assert [d.ID for d in devices] == [card.uuid for card in MIXED]
-    assert [[n.ID for n in d.topology.nodes] for d in devices] == [[card.numa_node] for card in MIXED]
+    numa = {card.uuid: card.numa_node for card in MIXED}
+    per_card: dict[str, int] = {}
+    for d in devices:
+        owner = card_of_device(d.ID)
+        per_card[owner] = per_card.get(owner, 0) + 1
+        assert [n.ID for n in d.topology.nodes] == [numa[owner]]
+    # a card can't hold more gpu-count containers than it has units: the replicas never run out first
+    assert per_card == {MIXED[0].uuid: 80, MIXED[1].uuid: 80, MIXED[2].uuid: 15}
+    assert len({d.ID for d in devices}) == len(devices)
+
+
+def test_gpu_count_replicas_per_card_can_be_set() -> None:
+    devices = device_list(c.RESOURCE_COUNT, MIXED, c.GIB, replicas=4).devices
+    assert [d.ID for d in devices] == [f"{card.uuid}-_-{n}" for card in MIXED for n in range(4)]
+    assert len(device_list(c.RESOURCE_MEM, MIXED, c.GIB, replicas=4).devices) == 175  # gpu-mem unaffected
 
 
 def test_a_card_without_numa_information_carries_no_topology() -> None:
-    card = Card(0, "GPU-11111111-2222-3333-4444-555555555555", "X", 2048, 0, numa_node=None)
+    card = Card(0, "GPU-11111111-2222-3333-4444-555555555555", "X", 1024, 0, numa_node=None)
     (device,) = device_list(c.RESOURCE_COUNT, [card], c.GIB).devices
     assert not device.HasField("topology")
+
+
+def test_too_many_gpu_count_replicas_are_refused_naming_the_flag() -> None:
+    with pytest.raises(DeviceListTooLarge, match=r"gpu-count with 100000 replicas per card .* --count-replicas"):
+        check_message_size(H200, c.GIB, replicas=100_000)
 
 
 @pytest.mark.parametrize("resource", c.RESOURCES)
@@ -56,7 +75,7 @@ def test_an_unhealthy_card_is_unhealthy_in_every_device_of_both_resources(resour
     sick = MIXED[2].uuid
     cards = [card.with_health(card.uuid != sick) for card in MIXED]
     for d in device_list(resource, cards, c.GIB).devices:
-        owner = card_of_mem_device(d.ID) if resource == c.RESOURCE_MEM else d.ID
+        owner = card_of_device(d.ID)
         assert d.health == (UNHEALTHY if owner == sick else HEALTHY)
 
 
@@ -94,3 +113,14 @@ def test_guard_leaves_room_for_every_card_turning_unhealthy() -> None:
     assert message_size([card(low).with_health(False)], c.MemoryUnit(1)) > MAX_MESSAGE_BYTES
     with pytest.raises(DeviceListTooLarge):
         check_message_size([card(low)], c.MemoryUnit(1))
+
+
+def test_node_flags_for_replicas_and_rereads_reach_the_settings_and_negatives_are_refused() -> None:
+    parser = build_parser()
+    base = ["device-plugin", "--node-name", "n1", "--count-replicas", "8", "--allocate-rereads", "2"]
+    settings = node_settings(parser.parse_args(base))
+    assert settings.count_replicas == 8
+    assert settings.reread.waits() == [0.0, 0.1]
+    for flag in ("--count-replicas", "--allocate-rereads", "--allocate-reread-wait"):
+        with pytest.raises(UsageError, match="must not be negative"):
+            node_settings(parser.parse_args([*base, flag, "-1"]))

@@ -134,3 +134,16 @@ def test_an_unreadable_pod_does_not_block_others_and_is_named_when_nothing_match
     with pytest.raises(c.ContractError) as error:
         match_container([broken], "n1", c.RESOURCE_MEM, 3)
     assert "pod default/broken container main" in str(error.value) and "'3.5'" in str(error.value)
+
+
+def test_a_pending_pod_with_an_unreadable_assume_time_only_hurts_itself() -> None:
+    """It would come first by creation, and the others of its size are still served; it rides along on
+    the match so that it can be told (an Event)."""
+    bad = gpu_pod("bad", [container("main", 3)], original_index=0, uid="a", created="2024-01-01T00:00:00Z")
+    bad["metadata"]["annotations"][c.ANN_MEM_ASSUME_TIME] = "x"
+    good = gpu_pod("good", [container("main", 3)], original_index=1, uid="b", created="2024-01-02T00:00:00Z")
+    match = match_container([bad, good], "n1", c.RESOURCE_MEM, 3)
+    assert match is not None and match.request.name == "good"
+    assert [(s.pod["metadata"]["name"], "'x' is not integer nanoseconds" in s.reason) for s in match.skipped] == [
+        ("bad", True)
+    ]

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import wait_until
+from conftest import readiness, wait_until
 from kubernetes import client
 from podfactory import container, gpu_pod
 
@@ -255,14 +255,6 @@ def test_bad_input_gives_400_or_error_and_never_kills_the_server(cluster: Cluste
     assert [card["capacity"] for card in cards] == [80, 80, 15]
     with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=5) as reply:
         assert b"gpushare_extender_verb_seconds" in reply.read()
-
-
-def readiness(url: str) -> int:
-    try:
-        with urllib.request.urlopen(f"{url}/readyz", timeout=5) as reply:
-            return reply.status
-    except urllib.error.HTTPError as err:
-        return err.code
 
 
 def test_ready_only_once_the_rows_and_costs_are_built(

@@ -20,17 +20,19 @@ from gpushare.cli import NodeSettings
 from gpushare.inventory import SimulatedBackend
 from gpushare.kube import get_pod
 from gpushare.sandbox.kubelet import KubeletEmulator
-from gpushare.sandbox.scheduler import ExtenderClient, schedule_one
+from gpushare.sandbox.scheduler import ExtenderClient, ScheduleResult, schedule_one
 
 NODES = {"gpu-a": "2xA100-80GB:81920,1xT4:15360", "gpu-b": "1xA10:24576"}
 
 
 class Cluster:
-    def __init__(self, api: client.ApiClient, core: client.CoreV1Api, kubeconfig: Path, tmp: Path) -> None:
-        self.api, self.core = api, core
+    def __init__(
+        self, api: client.ApiClient, core: client.CoreV1Api, kubeconfig: Path, tmp: Path, nodes: dict[str, str] = NODES
+    ) -> None:
+        self.api, self.core, self.nodes = api, core, nodes
         self.kubelets: dict[str, KubeletEmulator] = {}
         self.stops: list[Callable[[], None]] = []
-        for name, spec in NODES.items():
+        for name, spec in nodes.items():
             core.create_node({"metadata": {"name": name}})
             backend = SimulatedBackend(name, spec)
             advertiser = Advertiser(api, name, backend, c.GIB, interval=3600)
@@ -48,16 +50,20 @@ class Cluster:
         extender = start_extender(api, 0, "fgd", host="127.0.0.1")
         self.stops.insert(0, extender.stop)
         assert extender.cache.wait_synced(5)
-        wait_until(lambda: all(extender.cache.view(n) for n in NODES), what="the advertised inventories")
+        wait_until(lambda: all(extender.cache.view(n) for n in nodes), what="the advertised inventories")
         self.scheduler = ExtenderClient(f"http://127.0.0.1:{extender.server.port}")
+
+    def schedule(self, pod: dict) -> ScheduleResult:
+        """Create ``pod`` unbound and make kube-scheduler's calls to the extender for it."""
+        pod = {**pod, "spec": {k: v for k, v in pod["spec"].items() if k != "nodeName"}}
+        self.core.create_namespaced_pod("default", pod)
+        pending = get_pod(self.api, "default", pod["metadata"]["name"])
+        return schedule_one(self.scheduler, pending, sorted(self.nodes))
 
     def run(self, pod: dict) -> tuple[dict, dict[str, dict[str, str]]]:
         """Schedule ``pod`` as kube-scheduler would, then admit it on its node; the bound pod and each
         container's env from Allocate."""
-        pod = {**pod, "spec": {k: v for k, v in pod["spec"].items() if k != "nodeName"}}
-        self.core.create_namespaced_pod("default", pod)
-        pending = get_pod(self.api, "default", pod["metadata"]["name"])
-        result = schedule_one(self.scheduler, pending, sorted(NODES))
+        result = self.schedule(pod)
         assert result.node, result.reason
         bound = get_pod(self.api, "default", pod["metadata"]["name"])
         admission = self.kubelets[result.node].admit(bound)
@@ -96,3 +102,28 @@ def test_each_container_runs_on_the_cards_the_scheduler_chose(cluster: Cluster) 
         assert set(envs) == set(chosen)
         for name, uuids in chosen.items():
             assert envs[name][c.ENV_VISIBLE_DEVICES].split(",") == uuids, (pod["metadata"]["name"], name)
+
+
+def test_four_two_card_sharing_pods_fit_a_three_card_node_beside_a_whole_card_pod(
+    kube_api: client.ApiClient, core_v1: client.CoreV1Api, kubeconfig: Path, tmp_path: Path
+) -> None:
+    cl = Cluster(kube_api, core_v1, kubeconfig, tmp_path, nodes={"gpu-c": "3xA100-80GB:81920"})
+    try:
+        _, envs = cl.run(gpu_pod("whole", [container("main", 0, 1)]))
+        whole = envs["main"][c.ENV_VISIBLE_DEVICES]
+        for i in range(4):
+            bound, envs = cl.run(gpu_pod(f"pair-{i}", [container("main", 8, 2)]))
+            cards = envs["main"][c.ENV_VISIBLE_DEVICES].split(",")
+            assert cards == cards_of(bound)["main"]
+            assert len(set(cards)) == 2 and whole not in cards, (i, cards, whole)
+        # kubelet counts what kube-scheduler counts: five pods hold 9 of the node's gpu-count replicas
+        kubelet = cl.kubelets["gpu-c"]
+        assert kubelet.capacity(c.RESOURCE_COUNT) == 240
+        assert sum(len(ids) for ids in kubelet.allocations(c.RESOURCE_COUNT).values()) == 9
+        # a whole-card pod needs an empty card: the shared ones are not, and the whole one is taken
+        refused = cl.schedule(gpu_pod("another-whole", [container("main", 0, 1)]))
+        assert refused.node is None
+        assert "gpu-c: needs a whole free card, 0 completely free (3 cards)" in refused.reason
+    finally:
+        for stop in cl.stops:
+            stop()

@@ -151,6 +151,14 @@ def test_node_without_inventory_falls_back_to_capacity_and_says_so() -> None:
     assert "note: node legacy: no gpushare.io/inventory annotation; 2 card(s) inferred from status.capacity" in text
 
 
+def test_gpu_count_replicas_are_not_taken_for_cards() -> None:
+    # our plugin lists one gpu-count replica per unit: without the inventory, cards can't be counted
+    ours = node("ours", "10.0.0.8", capacity={c.RESOURCE_MEM: "30", c.RESOURCE_COUNT: "30"})
+    text = render_summary(build_cluster([ours], []))
+    assert rows(text)["ours"] == ["ours", "10.0.0.8", "GiB", "0/30", "0/30 (0%)"]
+    assert "1 card(s) inferred from status.capacity" in text
+
+
 def test_overcommitted_card_is_flagged() -> None:
     pods = [
         pod("x", "b", {"main": mem(12)}, placed(main=[(SMALL[0], 12)])),

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import queue
 import random
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -97,21 +95,6 @@ class ScriptedPlugin(pb_grpc.DevicePluginServicer):
                 for r in request.container_requests
             ]
         )
-
-
-@pytest.fixture
-def directory() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kl", dir="/tmp"))  # unix socket paths must stay short
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def kubelet(directory: Path) -> Iterator[KubeletEmulator]:
-    emulator = KubeletEmulator(directory)
-    emulator.start()
-    yield emulator
-    emulator.stop()
 
 
 def plugin_with(directory: Path, count: int, **kwargs: object) -> ScriptedPlugin:

@@ -51,7 +51,7 @@ def test_node_agent_runs_all_node_components(
         text=True,
     )
     try:
-        assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) == 160 and k.capacity(c.RESOURCE_COUNT) == 2, 30)
+        assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) == 160 and k.capacity(c.RESOURCE_COUNT) == 160, 30)
         wait_until(lambda: c.NODE_ANN_INVENTORY in (get_node(kube_api, "n1")["metadata"].get("annotations") or {}), 10)
         wait_until(shim_socket.exists, 10, "the CRI shim socket")
         assert (shim_socket.stat().st_mode & 0o777) == 0o600

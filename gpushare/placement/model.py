@@ -85,3 +85,8 @@ class NoFit(Exception):
 def shape_key(demands: tuple[Demand, ...] | list[Demand]) -> tuple[Shape, ...]:
     """Container-name-free key of a pod's demands (sorted), for memoising per-node results."""
     return tuple(sorted(d.shape for d in demands))
+
+
+def models_allow(acceptable: frozenset[str], model: str) -> bool:
+    """Whether a card of ``model`` suits a pod that accepts the card models ``acceptable`` (empty: any)."""
+    return not acceptable or model in acceptable

@@ -96,18 +96,34 @@ class PodOutcome:
     env_source: str = ""
 
 
+class PublishedCards:
+    """The cards a node agent in its own process published, read back from its node annotation."""
+
+    def __init__(self, api: Any, node: str) -> None:
+        self._api, self._node = api, node
+
+    def cards(self) -> list[Card]:
+        from gpushare.kube import get_node
+
+        text = (get_node(self._api, self._node)["metadata"].get("annotations") or {}).get(c.NODE_ANN_INVENTORY)
+        return list(c.parse_inventory(text, self._node).cards) if text else []
+
+
 @dataclass
 class SimNode:
     spec: NodeSpec
-    backend: SimulatedBackend
+    backend: SimulatedBackend | PublishedCards
     kubelet: KubeletEmulator
     stop: list[Callable[[], None]] = field(default_factory=list)
     cri_address: str | None = None
 
 
 class Sandbox:
-    def __init__(self, nodes: Sequence[NodeSpec], policy: str, containers: bool, workdir: Path) -> None:
+    def __init__(
+        self, nodes: Sequence[NodeSpec], policy: str, containers: bool, workdir: Path, nvml_fake: Sequence[str] = ()
+    ) -> None:
         self.nodes_spec = list(nodes)
+        self.nvml_fake = list(nvml_fake)
         self.policy = policy
         self.want_containers = containers
         self.workdir = workdir
@@ -130,9 +146,12 @@ class Sandbox:
             self.api = load_api(str(self.kubeconfig))
         with progress.step("containerd for real containers"):
             self._start_containerd()
-        with progress.step(f"{len(self.nodes_spec)} simulated node(s): advertiser, device plugin, CRI shim, kubelet"):
+        count = len(self.nodes_spec) + len(self.nvml_fake)
+        with progress.step(f"{count} node(s): advertiser, device plugin, CRI shim, kubelet"):
             for spec in self.nodes_spec:
                 self._start_node(spec)
+            for machine in self.nvml_fake:
+                self._start_nvml_node(machine)
         with progress.step("scheduler extender"):
             self._start_extender()
 
@@ -195,6 +214,37 @@ class Sandbox:
             node.stop.insert(0, shim.stop)
             node.cri_address = f"unix://{shim_socket}"
         self.nodes[spec.name] = node
+
+    def _start_nvml_node(self, machine: str) -> None:
+        """``gpushare node --gpus nvml`` in its own process, on the fake libnvidia-ml presenting ``machine``."""
+        from gpushare.sandbox import fakenvml
+
+        try:
+            fake = fakenvml.prepare(machine, self.workdir)
+        except fakenvml.FakeNvmlError as exc:
+            raise SandboxError(str(exc)) from None
+        spec = NodeSpec(f"nvml-{fake.machine.stem}", "nvml")
+        self.apiserver_create_node(spec)
+        directory = Path(tempfile.mkdtemp(prefix=f"gs-{spec.name[5:13]}-", dir="/tmp"))
+        kubelet = KubeletEmulator(directory)
+        kubelet.start()
+        node = SimNode(spec, PublishedCards(self.api, spec.name), kubelet, stop=[kubelet.stop])
+        self.nodes[spec.name] = node
+        command = [sys.executable, "-m", "gpushare.cli", "node", "--node-name", spec.name,
+                   "--kubeconfig", str(self.kubeconfig), "--gpus", "nvml", "--device-plugin-dir", str(directory),
+                   "--metrics-port", "0"]  # fmt: skip
+        if self.containerd is not None:
+            node.cri_address = f"unix://{directory / 'cri-shim.sock'}"
+            command += ["--listen", node.cri_address, "--runtime", self.containerd.address]
+        else:
+            command.append("--no-cri-shim")
+        log_path = self.workdir / f"{spec.name}.log"
+        with log_path.open("w") as log_file:
+            proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=fake.env())
+        node.stop.insert(0, lambda: (proc.terminate(), proc.wait(10)))
+        if not kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) > 0 and k.capacity(c.RESOURCE_COUNT) > 0, 30):
+            raise SandboxError(f"node {spec.name}: the node agent did not register with kubelet; see {log_path}")
+        self._publish_capacity(spec.name, kubelet)
 
     def apiserver_create_node(self, spec: NodeSpec) -> None:
         from kubernetes import client
@@ -423,21 +473,29 @@ def run(
     keep_running: bool,
     standin: bool = False,
     out: Any = sys.stdout,
+    nvml_fake: Sequence[str] = (),
 ) -> int:
     """On a real Kubernetes when it can run here (and ``standin`` is off), else on the stand-ins."""
-    specs = [parse_node(n) for n in nodes or DEFAULT_NODES]
+    # with fake-NVML nodes and no --node, the fake-NVML nodes run alone
+    specs = [parse_node(n) for n in nodes or (() if nvml_fake else DEFAULT_NODES)]
     if not standin:
         from gpushare.sandbox.realcluster import realcluster_available
         from gpushare.sandbox.realsandbox import run_real
 
-        reason = "--no-containers asks for no containers" if not containers else realcluster_available()
+        reason = (
+            "--no-containers asks for no containers"
+            if not containers
+            else "--nvml-fake nodes run on the stand-ins"
+            if nvml_fake
+            else realcluster_available()
+        )
         if reason is None:
             return run_real(specs, policy, keep_running, out)
         print(f"gpushare sandbox: using the API stand-in and kubelet emulator: {reason}", file=sys.stderr)
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-sandbox-"))
     log_to(workdir / "sandbox.log")
     policy = policy or DEFAULT_POLICY
-    sandbox = Sandbox(specs, policy, containers, workdir)
+    sandbox = Sandbox(specs, policy, containers, workdir, nvml_fake)
     progress = Progress(total=5)
     started = time.monotonic()
     try:

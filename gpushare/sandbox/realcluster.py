@@ -124,10 +124,14 @@ def render_kubeconfig(server: str, user: str, token: str, ca_file: Path) -> str:
 def render_scheduler_config(
     kubeconfig: Path, extender_url: str, scheduler_name: str, template: Mapping[str, Any], healthz: str
 ) -> str:
-    """kube-scheduler 1.20 reads ``v1beta1``; the extender block of ``deploy/scheduler-config.yaml``
-    is taken unchanged but for its URL. ``healthz`` (host:port) also serves metrics; with a config
-    file the scheduler ignores ``--port``, so this is how it stays off the shared default port."""
-    extenders = [{**e, "urlPrefix": extender_url} for e in template.get("extenders") or []]
+    """kube-scheduler 1.20 reads ``v1beta1``; the extender block of ``deploy/scheduler-config.yaml`` is
+    taken unchanged but for its URL and plain HTTP (both ends are on loopback here). ``healthz``
+    (host:port) also serves metrics; with a config file the scheduler ignores ``--port``, so this is how
+    it stays off the shared default port."""
+    extenders = [
+        {**{k: v for k, v in e.items() if k != "tlsConfig"}, "urlPrefix": extender_url, "enableHTTPS": False}
+        for e in template.get("extenders") or []
+    ]
     if not extenders:
         raise ClusterError(f"{SCHEDULER_CONFIG} has no extenders block")
     return yaml.safe_dump(

@@ -1,0 +1,121 @@
+"""A fake ``libnvidia-ml.so.1`` so that ``--gpus nvml`` runs, through the real pynvml binding, on a
+machine without NVIDIA hardware: built from ``fakenvml.c`` with gcc, it presents the cards of a machine
+description from ``machines/`` and takes scripted faults (XIDs, a card falling off the bus).
+
+A process finds it first when ``LD_LIBRARY_PATH`` starts with :attr:`FakeNvml.library_dir`;
+:meth:`FakeNvml.env` gives that and the two variables the library reads at ``nvmlInit``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("fakenvml.c")
+MACHINES = Path(__file__).with_name("machines")
+LIBRARY = "libnvidia-ml.so.1"
+#: the machine description the library reads at nvmlInit
+ENV_MACHINE = "GPUSHARE_FAKE_NVML_MACHINE"
+#: the file whose appended lines script faults (see fakenvml.c)
+ENV_CONTROL = "GPUSHARE_FAKE_NVML_CONTROL"
+_CFLAGS = ("-shared", "-fPIC", "-O2", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror")
+
+
+class FakeNvmlError(RuntimeError):
+    """The fake library can't be built, or the machine asked for doesn't exist."""
+
+
+def gcc_missing() -> str | None:
+    """None when the library can be built here, else why not (a reason to skip)."""
+    return None if shutil.which("gcc") else "gcc is not installed (apt-get install -y gcc)"
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "gpushare" / "fakenvml"
+
+
+def build(cache: Path | None = None) -> Path:
+    """The directory holding ``libnvidia-ml.so.1``, compiled once per source and flags (one gcc call)."""
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    directory = (cache or _cache_root()) / digest
+    library = directory / LIBRARY
+    if library.is_file():
+        return directory
+    reason = gcc_missing()
+    if reason:
+        raise FakeNvmlError(f"can't build the fake {LIBRARY}: {reason}")
+    directory.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: concurrent builders never see a half-written library
+    fd, partial = tempfile.mkstemp(prefix=f".{LIBRARY}.", dir=directory)
+    os.close(fd)
+    command = ["gcc", *_CFLAGS, f"-Wl,-soname,{LIBRARY}", "-o", partial, str(SOURCE), "-lpthread"]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        Path(partial).unlink(missing_ok=True)
+        raise FakeNvmlError(f"gcc failed to build the fake {LIBRARY}:\n{done.stderr.strip()}")
+    os.chmod(partial, 0o755)
+    os.replace(partial, library)
+    return directory
+
+
+def machines() -> list[str]:
+    return sorted(p.stem for p in MACHINES.glob("*.txt"))
+
+
+def machine_file(name: str) -> Path:
+    """A shipped machine by name (``dgx-a100``) or a description file by path."""
+    path = Path(name)
+    if path.is_file():
+        return path.resolve()
+    shipped = MACHINES / f"{name}.txt"
+    if shipped.is_file():
+        return shipped
+    raise FakeNvmlError(f"no machine {name!r}: give a description file or one of {', '.join(machines())}")
+
+
+@dataclass(frozen=True, slots=True)
+class FakeNvml:
+    """One fake machine: the library, its description and the control file that scripts its faults."""
+
+    library_dir: Path
+    machine: Path
+    control: Path
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """``base`` (default: this process's environment) plus what a process needs to load this machine."""
+        env = dict(os.environ if base is None else base)
+        search = [str(self.library_dir), *filter(None, env.get("LD_LIBRARY_PATH", "").split(":"))]
+        env["LD_LIBRARY_PATH"] = ":".join(search)
+        env[ENV_MACHINE] = str(self.machine)
+        env[ENV_CONTROL] = str(self.control)
+        return env
+
+    def xid(self, uuid: str, xid: int) -> None:
+        """Raise XID ``xid`` on the card, as the driver would report it."""
+        self._command(f"xid {uuid} {xid}")
+
+    def lose(self, uuid: str) -> None:
+        """The card falls off the bus: NVML answers NVML_ERROR_GPU_IS_LOST for it."""
+        self._command(f"lose {uuid}")
+
+    def restore(self, uuid: str) -> None:
+        self._command(f"restore {uuid}")
+
+    def _command(self, line: str) -> None:
+        with self.control.open("a") as f:
+            f.write(line + "\n")
+
+
+def prepare(machine: str, workdir: Path, cache: Path | None = None) -> FakeNvml:
+    """Build the library if needed and give ``machine`` an empty control file in ``workdir``."""
+    description = machine_file(machine)
+    control = Path(workdir) / f"{description.stem}.nvml-control"
+    control.write_text("")
+    return FakeNvml(build(cache), description, control)

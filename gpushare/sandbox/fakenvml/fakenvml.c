@@ -1,0 +1,588 @@
+/*
+ * A stand-in for libnvidia-ml.so.1 that presents the GPUs of a described machine.
+ *
+ * It exports the NVML entry points gpushare's inventory reads through pynvml, with NVML's own
+ * signatures, struct layouts and return codes, so the real Python binding runs end to end on a
+ * machine without a GPU. Nothing here touches hardware.
+ *
+ * The machine is read at nvmlInit from the file named by $GPUSHARE_FAKE_NVML_MACHINE: one
+ * "key value" per line, '#' starts a comment.
+ *     driver loaded | not-loaded        not-loaded: nvmlInit answers NVML_ERROR_DRIVER_NOT_LOADED
+ *     gpu                               starts the next card, in NVML index order; then its keys:
+ *       uuid, name, bus (NVML's 8-digit-domain PCI bus ID), memory-mib, minor
+ *       numa N                          absent: the memory-affinity query answers NOT_SUPPORTED
+ *       mig enabled | disabled          absent: MIG queries answer NOT_SUPPORTED
+ *       nvlink BUSID|switch [COUNT]     COUNT active links to that GPU or to the NVSwitch fabric;
+ *                                       "nvlink unsupported": the card has no NVLink at all
+ *       state lost                      the card is off the bus from the start
+ *       fail CALL CODE                  CALL (the exported name, e.g. nvmlDeviceRegisterEvents) answers
+ *                                       CODE for this card: not-supported, gpu-is-lost or unknown
+ * Health is scripted through the file named by $GPUSHARE_FAKE_NVML_CONTROL: lines
+ * appended to it are applied on the next NVML call, one command per line:
+ *     xid <uuid> <n>     raise XID <n> on the card (an nvmlEventTypeXidCriticalError event)
+ *     lose <uuid>        the card falls off the bus: its queries answer NVML_ERROR_GPU_IS_LOST
+ *     restore <uuid>     the card answers again
+ */
+#include <pthread.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+typedef int nvmlReturn_t;
+typedef struct fake_device *nvmlDevice_t;
+typedef struct fake_event_set *nvmlEventSet_t;
+
+enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_UNKNOWN = 999,
+};
+
+#define NVML_P2P_CAPS_INDEX_NVLINK 2
+#define NVML_P2P_STATUS_OK 0
+#define NVML_P2P_STATUS_NOT_SUPPORTED 5
+#define NVML_AFFINITY_SCOPE_NODE 0
+#define NVML_DEVICE_MIG_DISABLE 0
+#define NVML_DEVICE_MIG_ENABLE 1
+#define NVML_EVENT_TYPE_XID_CRITICAL 0x8ULL
+
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain;
+    unsigned int bus;
+    unsigned int device;
+    unsigned int pciDeviceId;
+    unsigned int pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+
+typedef struct {
+    unsigned long long total;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+#define MAX_DEVICES 32
+#define MAX_LINKS 18
+#define MAX_QUEUE 64
+#define MAX_FAILS 4
+
+struct fake_device {
+    char uuid[96];
+    char name[96];
+    char bus_id[32];
+    unsigned long long memory_mib;
+    unsigned int minor;
+    int numa;           /* -1: the memory-affinity query is not supported */
+    int mig;            /* -1: MIG not supported, else NVML_DEVICE_MIG_* */
+    int nvlink;         /* 0: the card has no NVLink (queries answer NOT_SUPPORTED) */
+    int links;          /* active links */
+    char link_peer[MAX_LINKS][32]; /* remote bus ID of each active link; "switch" for an NVSwitch */
+    int lost;
+    int fails;
+    char fail_call[MAX_FAILS][64];
+    nvmlReturn_t fail_code[MAX_FAILS];
+};
+
+struct fake_event_set {
+    unsigned long long mask[MAX_DEVICES];
+    nvmlEventData_t queue[MAX_QUEUE];
+    int head, count;
+    int lost_seen[MAX_DEVICES]; /* the set already answered GPU_IS_LOST for this card */
+    struct fake_event_set *next;
+};
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static struct fake_device devices[MAX_DEVICES];
+static int device_count;
+static int init_count;
+static nvmlReturn_t init_error;
+static struct fake_event_set *sets;
+static FILE *control;
+static char control_partial[256];
+
+/* --- the machine description ---------------------------------------------------------------------- */
+
+static char *trim(char *s) {
+    while (*s == ' ' || *s == '\t') s++;
+    char *end = s + strlen(s);
+    while (end > s && (end[-1] == '\n' || end[-1] == '\r' || end[-1] == ' ' || end[-1] == '\t')) *--end = 0;
+    return s;
+}
+
+static void copy_field(char *dst, size_t size, const char *src) {
+    snprintf(dst, size, "%s", src);
+}
+
+/* Returns 0, or a line number where the description is wrong (reported on stderr). */
+static int load_machine(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "fake NVML: cannot open machine description %s\n", path);
+        return -1;
+    }
+    char line[512];
+    int lineno = 0, bad = 0;
+    struct fake_device *d = NULL;
+    device_count = 0;
+    init_error = NVML_SUCCESS;
+    while (!bad && fgets(line, sizeof line, f)) {
+        lineno++;
+        char *s = trim(line);
+        if (*s == 0 || *s == '#') continue;
+        char *value = s + strcspn(s, " \t");
+        if (*value) *value++ = 0;
+        value = trim(value);
+        if (!strcmp(s, "driver")) {
+            if (!strcmp(value, "not-loaded")) init_error = NVML_ERROR_DRIVER_NOT_LOADED;
+            else if (strcmp(value, "loaded")) bad = lineno;
+        } else if (!strcmp(s, "gpu")) {
+            if (device_count == MAX_DEVICES) { bad = lineno; break; }
+            d = &devices[device_count++];
+            memset(d, 0, sizeof *d);
+            d->numa = -1;
+            d->mig = -1;
+            d->nvlink = 1;
+        } else if (!d) {
+            bad = lineno;
+        } else if (!strcmp(s, "uuid")) {
+            copy_field(d->uuid, sizeof d->uuid, value);
+        } else if (!strcmp(s, "name")) {
+            copy_field(d->name, sizeof d->name, value);
+        } else if (!strcmp(s, "bus")) {
+            copy_field(d->bus_id, sizeof d->bus_id, value);
+        } else if (!strcmp(s, "memory-mib")) {
+            d->memory_mib = strtoull(value, NULL, 10);
+        } else if (!strcmp(s, "minor")) {
+            d->minor = (unsigned int)strtoul(value, NULL, 10);
+        } else if (!strcmp(s, "numa")) {
+            d->numa = atoi(value);
+        } else if (!strcmp(s, "mig")) {
+            d->mig = !strcmp(value, "enabled") ? NVML_DEVICE_MIG_ENABLE : NVML_DEVICE_MIG_DISABLE;
+        } else if (!strcmp(s, "nvlink")) {
+            char peer[32];
+            int count = 1;
+            if (!strcmp(value, "unsupported")) {
+                d->nvlink = 0;
+            } else if (sscanf(value, "%31s %d", peer, &count) < 1 || count < 1 || d->links + count > MAX_LINKS) {
+                bad = lineno;
+            } else {
+                while (count--) copy_field(d->link_peer[d->links++], sizeof d->link_peer[0], peer);
+            }
+        } else if (!strcmp(s, "fail")) {
+            char call[64], code[32];
+            nvmlReturn_t ret = NVML_ERROR_UNKNOWN;
+            if (sscanf(value, "%63s %31s", call, code) != 2 || d->fails == MAX_FAILS) bad = lineno;
+            else if (!strcmp(code, "not-supported")) ret = NVML_ERROR_NOT_SUPPORTED;
+            else if (!strcmp(code, "gpu-is-lost")) ret = NVML_ERROR_GPU_IS_LOST;
+            else if (strcmp(code, "unknown")) bad = lineno;
+            if (!bad) {
+                copy_field(d->fail_call[d->fails], sizeof d->fail_call[0], call);
+                d->fail_code[d->fails++] = ret;
+            }
+        } else if (!strcmp(s, "state")) {
+            d->lost = !strcmp(value, "lost");
+        } else {
+            bad = lineno;
+        }
+    }
+    fclose(f);
+    if (bad) fprintf(stderr, "fake NVML: %s line %d is not understood\n", path, bad);
+    return bad;
+}
+
+/* --- scripted health -------------------------------------------------------------------------------- */
+
+static struct fake_device *by_uuid(const char *uuid) {
+    for (int i = 0; i < device_count; i++)
+        if (!strcmp(devices[i].uuid, uuid)) return &devices[i];
+    return NULL;
+}
+
+static void raise_xid(struct fake_device *d, unsigned long long xid) {
+    int i = (int)(d - devices);
+    for (struct fake_event_set *s = sets; s; s = s->next) {
+        if (!(s->mask[i] & NVML_EVENT_TYPE_XID_CRITICAL) || s->count == MAX_QUEUE) continue;
+        nvmlEventData_t *e = &s->queue[(s->head + s->count++) % MAX_QUEUE];
+        memset(e, 0, sizeof *e);
+        e->device = d;
+        e->eventType = NVML_EVENT_TYPE_XID_CRITICAL;
+        e->eventData = xid;
+    }
+}
+
+static void apply(char *line) {
+    char verb[16], uuid[96];
+    unsigned long long xid = 0;
+    int n = sscanf(line, "%15s %95s %llu", verb, uuid, &xid);
+    struct fake_device *d = n >= 2 ? by_uuid(uuid) : NULL;
+    if (!d) {
+        fprintf(stderr, "fake NVML: control line ignored: %s\n", line);
+    } else if (!strcmp(verb, "xid") && n == 3) {
+        raise_xid(d, xid);
+    } else if (!strcmp(verb, "lose")) {
+        d->lost = 1;
+        for (struct fake_event_set *s = sets; s; s = s->next) s->lost_seen[d - devices] = 0;
+    } else if (!strcmp(verb, "restore")) {
+        d->lost = 0;
+    } else {
+        fprintf(stderr, "fake NVML: control line ignored: %s\n", line);
+    }
+}
+
+/* Apply the control lines appended since the last call. Called with the lock held. */
+static void poll_control(void) {
+    if (!control) return;
+    char chunk[256];
+    clearerr(control);
+    while (fgets(chunk, sizeof chunk, control)) {
+        strncat(control_partial, chunk, sizeof control_partial - strlen(control_partial) - 1);
+        size_t len = strlen(control_partial);
+        if (len == 0 || control_partial[len - 1] != '\n') continue; /* the writer is mid-line */
+        apply(trim(control_partial));
+        control_partial[0] = 0;
+    }
+}
+
+/* --- init ------------------------------------------------------------------------------------------ */
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
+    (void)flags;
+    nvmlReturn_t ret = NVML_SUCCESS;
+    pthread_mutex_lock(&lock);
+    if (init_count == 0) {
+        const char *machine = getenv("GPUSHARE_FAKE_NVML_MACHINE");
+        if (!machine || load_machine(machine) != 0) {
+            ret = NVML_ERROR_UNKNOWN;
+        } else if (init_error != NVML_SUCCESS) {
+            ret = init_error;
+        } else {
+            const char *path = getenv("GPUSHARE_FAKE_NVML_CONTROL");
+            control = path ? fopen(path, "r") : NULL;
+            if (control) fseek(control, 0, SEEK_END); /* only what is written from now on */
+            control_partial[0] = 0;
+        }
+    }
+    if (ret == NVML_SUCCESS) init_count++;
+    pthread_mutex_unlock(&lock);
+    return ret;
+}
+
+nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
+
+nvmlReturn_t nvmlShutdown(void) {
+    pthread_mutex_lock(&lock);
+    nvmlReturn_t ret = init_count ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED;
+    if (init_count && --init_count == 0) {
+        if (control) fclose(control);
+        control = NULL;
+        while (sets) {
+            struct fake_event_set *next = sets->next;
+            free(sets);
+            sets = next;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return ret;
+}
+
+const char *nvmlErrorString(nvmlReturn_t result) {
+    switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    default: return "Unknown Error";
+    }
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    if (!version) return NVML_ERROR_INVALID_ARGUMENT;
+    if (length < 10) return NVML_ERROR_INSUFFICIENT_SIZE;
+    snprintf(version, length, "550.54.15");
+    return NVML_SUCCESS;
+}
+
+/* --- devices --------------------------------------------------------------------------------------- */
+
+/* Every device query starts here: initialised, a known handle, the card still on the bus, and the
+ * call not one the description makes fail. Takes the lock; leave() releases it. */
+static nvmlReturn_t enter_call(nvmlDevice_t device, const char *call) {
+    pthread_mutex_lock(&lock);
+    if (!init_count) return NVML_ERROR_UNINITIALIZED;
+    poll_control();
+    if (device < devices || device >= devices + device_count) return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->lost) return NVML_ERROR_GPU_IS_LOST;
+    for (int i = 0; i < device->fails; i++)
+        if (!strcmp(device->fail_call[i], call)) return device->fail_code[i];
+    return NVML_SUCCESS;
+}
+
+#define enter(device) enter_call(device, __func__)
+
+static nvmlReturn_t leave(nvmlReturn_t ret) {
+    pthread_mutex_unlock(&lock);
+    return ret;
+}
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
+    pthread_mutex_lock(&lock);
+    if (!init_count) return leave(NVML_ERROR_UNINITIALIZED);
+    if (!count) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *count = (unsigned int)device_count;
+    return leave(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+    pthread_mutex_lock(&lock);
+    if (!init_count) return leave(NVML_ERROR_UNINITIALIZED);
+    poll_control();
+    if (!device || index >= (unsigned int)device_count) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (devices[index].lost) return leave(NVML_ERROR_GPU_IS_LOST);
+    *device = &devices[index];
+    return leave(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device) {
+    return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+    pthread_mutex_lock(&lock);
+    if (!init_count) return leave(NVML_ERROR_UNINITIALIZED);
+    poll_control();
+    if (!uuid || !device) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    struct fake_device *d = by_uuid(uuid);
+    if (!d) return leave(NVML_ERROR_NOT_FOUND);
+    if (d->lost) return leave(NVML_ERROR_GPU_IS_LOST);
+    *device = d;
+    return leave(NVML_SUCCESS);
+}
+
+static nvmlReturn_t copy_out(const char *value, char *out, unsigned int length) {
+    if (!out) return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(value) + 1 > length) return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(out, value, strlen(value) + 1);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    nvmlReturn_t ret = enter(device);
+    return leave(ret != NVML_SUCCESS ? ret : copy_out(device->uuid, uuid, length));
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
+    nvmlReturn_t ret = enter(device);
+    return leave(ret != NVML_SUCCESS ? ret : copy_out(device->name, name, length));
+}
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
+    nvmlReturn_t ret = enter(device);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    if (!index) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *index = (unsigned int)(device - devices);
+    return leave(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor) {
+    nvmlReturn_t ret = enter(device);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    if (!minor) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *minor = device->minor;
+    return leave(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    nvmlReturn_t ret = enter(device);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    if (!memory) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    memory->total = device->memory_mib * 1024ULL * 1024ULL;
+    memory->used = 0;
+    memory->free = memory->total;
+    return leave(NVML_SUCCESS);
+}
+
+static void fill_pci(const char *bus_id, nvmlPciInfo_t *pci) {
+    memset(pci, 0, sizeof *pci);
+    snprintf(pci->busId, sizeof pci->busId, "%s", bus_id);
+    unsigned int domain = 0, bus = 0, dev = 0, fn = 0;
+    sscanf(bus_id, "%x:%x:%x.%x", &domain, &bus, &dev, &fn);
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04x:%02x:%02x.%x", domain & 0xffff, bus, dev, fn);
+    pci->domain = domain;
+    pci->bus = bus;
+    pci->device = dev;
+    pci->pciDeviceId = 0x20b010de;
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci) {
+    nvmlReturn_t ret = enter(device);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    if (!pci) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    fill_pci(device->bus_id, pci);
+    return leave(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_t *pci) {
+    return nvmlDeviceGetPciInfo_v3(device, pci);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_t *pci) {
+    return nvmlDeviceGetPciInfo_v3(device, pci);
+}
+
+/* nodeSet is unsigned long[] in NVML's header: 64 NUMA nodes per element on Linux. */
+nvmlReturn_t nvmlDeviceGetMemoryAffinity(nvmlDevice_t device, unsigned int nodeSetSize, unsigned long *nodeSet,
+                                         unsigned int scope) {
+    nvmlReturn_t ret = enter(device);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    if (!nodeSet || nodeSetSize == 0 || scope > 1) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (device->numa < 0) return leave(NVML_ERROR_NOT_SUPPORTED);
+    memset(nodeSet, 0, nodeSetSize * sizeof *nodeSet);
+    unsigned int word = (unsigned int)device->numa / 64;
+    if (word < nodeSetSize) nodeSet[word] = 1UL << (device->numa % 64);
+    return leave(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode) {
+    nvmlReturn_t ret = enter(device);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    if (!currentMode || !pendingMode) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (device->mig < 0) return leave(NVML_ERROR_NOT_SUPPORTED);
+    *currentMode = *pendingMode = (unsigned int)device->mig;
+    return leave(NVML_SUCCESS);
+}
+
+static int on_switch(const struct fake_device *d) {
+    for (int i = 0; i < d->links; i++)
+        if (!strcmp(d->link_peer[i], "switch")) return 1;
+    return 0;
+}
+
+static int linked(const struct fake_device *a, const struct fake_device *b) {
+    for (int i = 0; i < a->links; i++)
+        if (!strcasecmp(a->link_peer[i], b->bus_id)) return 1;
+    return 0;
+}
+
+/* NVLink reachability: a direct link either way, or both cards on the NVSwitch fabric. */
+nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice_t device2, unsigned int p2pIndex,
+                                    unsigned int *p2pStatus) {
+    nvmlReturn_t ret = enter(device1);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    if (device2 < devices || device2 >= devices + device_count || !p2pStatus || p2pIndex > 6)
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (device2->lost) return leave(NVML_ERROR_GPU_IS_LOST);
+    if (p2pIndex != NVML_P2P_CAPS_INDEX_NVLINK) {
+        *p2pStatus = NVML_P2P_STATUS_OK; /* PCIe peer access: every card here allows it */
+        return leave(NVML_SUCCESS);
+    }
+    if (!device1->nvlink || !device2->nvlink) return leave(NVML_ERROR_NOT_SUPPORTED);
+    int ok = device1 != device2 &&
+             (linked(device1, device2) || linked(device2, device1) || (on_switch(device1) && on_switch(device2)));
+    *p2pStatus = ok ? NVML_P2P_STATUS_OK : NVML_P2P_STATUS_NOT_SUPPORTED;
+    return leave(NVML_SUCCESS);
+}
+
+/* --- events ---------------------------------------------------------------------------------------- */
+
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
+    pthread_mutex_lock(&lock);
+    if (!init_count) return leave(NVML_ERROR_UNINITIALIZED);
+    if (!set) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    struct fake_event_set *s = calloc(1, sizeof *s);
+    if (!s) return leave(NVML_ERROR_UNKNOWN);
+    s->next = sets;
+    sets = s;
+    *set = s;
+    return leave(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes) {
+    nvmlReturn_t ret = enter(device);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    if (!eventTypes) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    *eventTypes = NVML_EVENT_TYPE_XID_CRITICAL;
+    return leave(NVML_SUCCESS);
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes, nvmlEventSet_t set) {
+    nvmlReturn_t ret = enter(device);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    if (!set) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (eventTypes & ~NVML_EVENT_TYPE_XID_CRITICAL) return leave(NVML_ERROR_NOT_SUPPORTED);
+    set->mask[device - devices] |= eventTypes;
+    return leave(NVML_SUCCESS);
+}
+
+/* Wait for an event on the set. A registered card that falls off the bus makes the wait answer
+ * NVML_ERROR_GPU_IS_LOST once, as the driver does, without saying which card it was. */
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    struct timespec start, now, pause = {0, 5 * 1000 * 1000};
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        pthread_mutex_lock(&lock);
+        if (!init_count) return leave(NVML_ERROR_UNINITIALIZED);
+        if (!set || !data) return leave(NVML_ERROR_INVALID_ARGUMENT);
+        poll_control();
+        for (int i = 0; i < device_count; i++) {
+            if (set->mask[i] && devices[i].lost && !set->lost_seen[i]) {
+                set->lost_seen[i] = 1;
+                return leave(NVML_ERROR_GPU_IS_LOST);
+            }
+        }
+        if (set->count) {
+            *data = set->queue[set->head];
+            set->head = (set->head + 1) % MAX_QUEUE;
+            set->count--;
+            return leave(NVML_SUCCESS);
+        }
+        pthread_mutex_unlock(&lock);
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long waited = (now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000;
+        if (waited >= (long)timeoutms) return NVML_ERROR_TIMEOUT;
+        nanosleep(&pause, NULL);
+    }
+}
+
+nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    return nvmlEventSetWait_v2(set, data, timeoutms);
+}
+
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
+    pthread_mutex_lock(&lock);
+    if (!init_count) return leave(NVML_ERROR_UNINITIALIZED);
+    for (struct fake_event_set **p = &sets; *p; p = &(*p)->next) {
+        if (*p == set) {
+            *p = set->next;
+            free(set);
+            return leave(NVML_SUCCESS);
+        }
+    }
+    return leave(NVML_ERROR_INVALID_ARGUMENT);
+}

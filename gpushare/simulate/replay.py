@@ -1,0 +1,189 @@
+"""Replaying pods onto nodes the way the FGD paper's simulator does (Weng et al., "Beware of
+Fragmentation", USENIX ATC'23, and its public kubernetes-scheduler-simulator).
+
+Pods only arrive, nobody leaves: the originals sorted by name and shuffled per seed, then clones drawn
+with replacement until the GPU requested reaches ``LOAD`` x the cluster's capacity. One pod at a time:
+the nodes where it fits (CPU, memory, card model, GPUs) are handed to a *chooser*, which picks a node
+and cards, or the pod is dropped (its request still counts as arrived). The metric is the average
+allocation % within each integer arrived-% bucket.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from gpushare.placement.model import models_allow
+from gpushare.simulate.trace import MILLI_PER_CARD, TraceNode, TracePod
+
+LOAD = 1.3
+ARRIVALS = (90, 100, 130)
+
+Choice = tuple[int, tuple[int, ...]]
+
+
+def affinity_tag(pod: TracePod) -> str:
+    """The paper's GPU-affinity class of a pod: no GPU, a share of one card, or k whole cards."""
+    if not pod.num_gpu:
+        return "no-gpu"
+    if pod.num_gpu == 1 and pod.gpu_milli < MILLI_PER_CARD:
+        return "share-gpu"
+    return f"{pod.num_gpu}-gpu"
+
+
+@dataclass(slots=True)
+class ClusterState:
+    """The nodes as arrays: per (node, card) capacity and free milli (capacity 0: no such card), per node
+    free CPU and memory, card model, per-affinity-class pod counts, and a generation that moves on
+    every change (per-node answers are memoised on it)."""
+
+    names: list[str]
+    capacity: np.ndarray
+    free: np.ndarray
+    cpu: np.ndarray
+    memory: np.ndarray
+    model: np.ndarray
+    tags: dict[str, int]
+    affinity: np.ndarray
+    generation: np.ndarray
+    #: where equal scores are concerned, the node with the lowest rank wins (see ``replay``)
+    rank: np.ndarray
+    _allowed: dict[frozenset[str], np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, nodes: Sequence[TraceNode], pods: Sequence[TracePod] = ()) -> ClusterState:
+        width = max(n.gpus for n in nodes)
+        capacity = np.array(
+            [[MILLI_PER_CARD] * n.gpus + [0] * (width - n.gpus) for n in nodes], dtype=np.int64
+        ).reshape(len(nodes), width)
+        tags = {tag: i for i, tag in enumerate(sorted({affinity_tag(p) for p in pods} - {"no-gpu"}))}
+        return cls(
+            names=[n.name for n in nodes],
+            capacity=capacity,
+            free=capacity.copy(),
+            cpu=np.array([n.cpu_milli for n in nodes], dtype=np.int64),
+            memory=np.array([n.memory_mib for n in nodes], dtype=np.int64),
+            model=np.array([n.model for n in nodes], dtype=object),
+            tags=tags,
+            affinity=np.zeros((len(nodes), max(len(tags), 1)), dtype=np.int64),
+            generation=np.zeros(len(nodes), dtype=np.int64),
+            rank=np.arange(len(nodes)),
+        )
+
+    @property
+    def total_milli(self) -> int:
+        return int(self.capacity.sum())
+
+    def allowed(self, models: frozenset[str]) -> np.ndarray:
+        """Per node: whether its cards' model is among ``models`` (any model when empty)."""
+        held = self._allowed.get(models)
+        if held is None:
+            distinct = {m: models_allow(models, m) for m in set(self.model.tolist())}
+            held = np.fromiter((distinct[m] for m in self.model), dtype=bool, count=len(self.model))
+            self._allowed[models] = held
+        return held
+
+    def able(self, pod: TracePod, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """Per (node of ``rows``, card): whether one of the pod's cards can go there."""
+        capacity = self.capacity[rows]
+        need = capacity if pod.gpu_milli >= MILLI_PER_CARD else pod.gpu_milli
+        return (capacity > 0) & (self.free[rows] >= need)
+
+    def feasible(self, pod: TracePod) -> np.ndarray:
+        """Rows where the pod fits: CPU, memory, card model and GPUs."""
+        ok = (self.cpu >= pod.cpu_milli) & (self.memory >= pod.memory_mib)
+        if pod.num_gpu:
+            ok &= self.allowed(pod.models)
+            rows = np.flatnonzero(ok)
+            return rows[self.able(pod, rows).sum(axis=1) >= pod.num_gpu]
+        return np.flatnonzero(ok)
+
+    def place(self, row: int, cards: Sequence[int], pod: TracePod) -> None:
+        for card in cards:
+            taken = self.capacity[row, card] if pod.gpu_milli >= MILLI_PER_CARD else pod.gpu_milli
+            if self.free[row, card] < taken:
+                raise ValueError(f"pod {pod.name}: card {card} of node {self.names[row]} has no room")
+            self.free[row, card] -= taken
+        self.cpu[row] -= pod.cpu_milli
+        self.memory[row] -= pod.memory_mib
+        tag = affinity_tag(pod)
+        if tag in self.tags:
+            self.affinity[row, self.tags[tag]] += 1
+        self.generation[row] += 1
+
+
+class Chooser(Protocol):
+    def choose(self, state: ClusterState, pod: TracePod, rows: np.ndarray, rng: np.random.Generator) -> Choice:
+        """The node (one of ``rows``, never empty) and the card positions the pod takes there."""
+        ...
+
+
+def arrival_order(pods: Sequence[TracePod], seed: int, capacity_milli: int) -> list[TracePod]:
+    """Originals sorted by name and shuffled, then clones drawn from them with replacement; like the
+    paper's simulator, the clones stop at the first whose per-card share would pass LOAD x capacity."""
+    rng = random.Random(seed)
+    originals = sorted(pods, key=lambda p: p.name)
+    order = list(originals)
+    rng.shuffle(order)
+    target = LOAD * capacity_milli
+    requested = sum(p.gpu_request for p in order)
+    while requested < target:
+        clone = originals[rng.randrange(len(originals))]
+        if requested + clone.gpu_milli > target:
+            break
+        order.append(clone)
+        requested += clone.gpu_request
+    return order
+
+
+def replay(state: ClusterState, order: Sequence[TracePod], chooser: Chooser, seed: int) -> Iterator[tuple[int, float]]:
+    """(arrived %, allocated %) after each pod of ``order``, placing them with ``chooser``.
+
+    Like the paper's simulator, which prefixes node names with a random permutation and breaks equal
+    scores by the smallest name, the nodes get a random rank per seed that settles ties for the whole run.
+    """
+    rng = np.random.default_rng(seed)
+    state.rank = rng.permutation(len(state.names))
+    total = state.total_milli
+    requested = allocated = 0
+    for pod in order:
+        requested += pod.gpu_request
+        rows = state.feasible(pod)
+        if rows.size:
+            row, cards = chooser.choose(state, pod, rows, rng)
+            state.place(row, cards, pod)
+            allocated += pod.gpu_request
+        yield int(np.floor(100 * requested / total + 0.5)), 100 * allocated / total
+
+
+def bucket_means(points: Iterator[tuple[int, float]]) -> dict[int, float]:
+    """Average allocation % per integer arrived-% bucket."""
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    for bucket, allocation in points:
+        sums[bucket] = sums.get(bucket, 0.0) + allocation
+        counts[bucket] = counts.get(bucket, 0) + 1
+    return {b: sums[b] / counts[b] for b in sums}
+
+
+def best_of(scores: np.ndarray, rows: np.ndarray, state: ClusterState) -> int:
+    """The row of ``rows`` with the highest score; among equals, the lowest rank."""
+    best = rows[scores == scores.max()]
+    return int(best[0] if best.size == 1 else best[np.argmin(state.rank[best])])
+
+
+def first_free(state: ClusterState, row: int, pod: TracePod) -> tuple[int, ...]:
+    """The first ``num_gpu`` cards (by index) that can take one of the pod's cards."""
+    able = np.flatnonzero(state.able(pod, np.array([row]))[0])
+    return tuple(int(c) for c in able[: pod.num_gpu])
+
+
+def tightest(state: ClusterState, row: int, pod: TracePod) -> tuple[int, ...]:
+    """Best fit: the cards with the least free milli that still take the pod (lowest index first)."""
+    able = np.flatnonzero(state.able(pod, np.array([row]))[0])
+    ranked = sorted(able.tolist(), key=lambda c: (state.free[row, c], c))
+    return tuple(sorted(ranked[: pod.num_gpu]))

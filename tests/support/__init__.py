@@ -1,0 +1,1 @@
+"""Helpers shared by tests: fakes and fixtures that several test modules use."""

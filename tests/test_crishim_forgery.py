@@ -1,0 +1,90 @@
+"""A tenant's pod can write its own annotations and env, not what kubelet puts in the container config:
+the CRI shim decides GPU-ness from the latter, and never decides over-commit from nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from test_crishim_rewrite import (
+    A0,
+    CARDS,
+    POD,
+    FakePods,
+    allocation_of,
+    env_of,
+    plain_config,
+    plugin_config,
+    pod_dict,
+    request_for,
+    slice_of,
+)
+
+from crishim.assignment import CachedPods, Resolver, Target
+from crishim.rewrite import RewriteOptions, rewrite
+from gpushare.contract import ANN_MEM_IDX, ENV_MEM_CONTAINER, ENV_MEM_IDX, ENV_VISIBLE_DEVICES, GIB
+
+SIDECAR = Target(POD.namespace, POD.pod, POD.uid, "sidecar")
+
+
+def decide(resolver: Resolver, annotations: dict[str, str], config: Any) -> tuple[Any, Any]:
+    request = request_for(SIDECAR, annotations, config)
+    found = resolver.resolve(request, CARDS)
+    return found, rewrite(request.config, found, CARDS, GIB, RewriteOptions())
+
+
+def no_gpu_pod() -> dict[str, Any]:
+    """The sidecar's pod from the API: it requests no GPU at all."""
+    pod = pod_dict("train", "uid-train", None)
+    pod["spec"]["containers"] = [{"name": "sidecar"}]
+    return pod
+
+
+def test_a_forged_allocation_gives_no_card_to_a_container_kubelet_served_nothing() -> None:
+    forged = allocation_of(sidecar=(slice_of(A0),))
+    found, outcome = decide(Resolver(GIB, FakePods([no_gpu_pod()])), forged, plain_config())
+    assert not found.wants_gpu
+    assert env_of(outcome.config)[ENV_VISIBLE_DEVICES] == ["void"]
+
+
+def test_forged_original_keys_and_env_give_no_card() -> None:
+    """ALIYUN_COM_GPU_MEM_IDX on the pod plus the plugin's env set in the pod spec."""
+    spec_env = plain_config((ENV_MEM_CONTAINER, "80"), (ENV_MEM_IDX, "0"), (ENV_VISIBLE_DEVICES, A0.uuid))
+    found, outcome = decide(Resolver(GIB, FakePods([no_gpu_pod()])), {ANN_MEM_IDX: "0"}, spec_env)
+    assert not found.wants_gpu
+    assert env_of(outcome.config)[ENV_VISIBLE_DEVICES] == ["void"]
+    # without the API to ask, such a container is refused, never given the card
+    found, outcome = decide(Resolver(GIB, FakePods([], fail=True)), {ANN_MEM_IDX: "0"}, spec_env)
+    assert outcome.refusal is not None and found.refusal.reason == "api-unavailable"
+
+
+def test_the_capacity_check_fails_closed_before_the_pods_were_ever_listed() -> None:
+    mine = {"worker": (slice_of(A0, 30),)}
+    pods = FakePods([pod_dict("train", "uid-train", mine, mem=30)], synced=False)
+    request = request_for(POD, allocation_of(**mine), plugin_config(POD, [slice_of(A0, 30)], pod_mem=30))
+    found = Resolver(GIB, pods).resolve(request, CARDS)
+    assert found.refusal is not None and found.refusal.reason == "api-unavailable"
+
+
+class DisconnectedCache:
+    """A node pod cache that synced once and then lost the API server."""
+
+    synced = True
+    connected = False
+
+    def __init__(self, pods: list[dict[str, Any]]) -> None:
+        self._pods = pods
+
+    def items(self) -> list[dict[str, Any]]:
+        return self._pods
+
+    def get(self, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        return next((p for p in self._pods if p["metadata"]["name"] == name), None)
+
+
+def test_while_the_api_server_is_down_over_commit_is_judged_from_the_last_synced_pods() -> None:
+    others = [pod_dict(f"p{i}", f"uid-{i}", {"worker": (slice_of(A0, 30),)}, mem=30) for i in range(2)]
+    mine = {"worker": (slice_of(A0, 30),)}
+    cache = DisconnectedCache([*others, pod_dict("train", "uid-train", mine, mem=30)])
+    request = request_for(POD, allocation_of(**mine), plugin_config(POD, [slice_of(A0, 30)], pod_mem=30))
+    found = Resolver(GIB, CachedPods(None, cache)).resolve(request, CARDS)
+    assert found.refusal is not None and found.refusal.reason == "overcommit"

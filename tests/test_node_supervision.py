@@ -1,0 +1,132 @@
+"""The node agent's components survive what killed them in the field: kubelet wiping the
+device-plugins directory while the plugin starts, and a component thread dying. Real gRPC over unix
+sockets, the kubelet emulator, and the API stand-in through the official client."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import readiness, wait_until
+from kubernetes import client
+from podfactory import container, gpu_pod
+
+from deviceplugin import plugin as plugin_module
+from deviceplugin.plugin import SOCKETS, DevicePlugin
+from deviceplugin.runtime import start_device_plugin
+from gpushare import contract as c
+from gpushare.cli import NodeSettings
+from gpushare.inventory import InventoryError, SimulatedBackend
+from gpushare.kube import Backoff
+from gpushare.node import components
+from gpushare.observability import serve_http
+from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.supervisor import Supervisor
+
+SPEC = "2xA100-80GB:81920"
+
+
+def settings(directory: Path) -> NodeSettings:
+    return NodeSettings("n1", None, f"sim:{SPEC}", directory, c.GIB, frozenset())
+
+
+def test_kubelet_wiping_the_directory_between_bind_and_chmod_leads_to_a_new_registration(
+    kube_api: client.ApiClient, directory: Path, kubelet: KubeletEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    restrict = plugin_module._restrict
+    wiped = []
+
+    def kubelet_starts_in_between(path: Path) -> None:
+        if not wiped:  # the first socket is bound; kubelet starts now and empties the directory
+            wiped.append(path)
+            kubelet.restart()
+        restrict(path)
+
+    monkeypatch.setattr(plugin_module, "_restrict", kubelet_starts_in_between)
+    running = start_device_plugin(settings(directory), SimulatedBackend("n1", SPEC), kube_api)
+    try:
+        assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) == 160 and k.capacity(c.RESOURCE_COUNT) > 0, 5), (
+            "the plugin never registered after kubelet emptied its directory"
+        )
+        assert wiped == [directory / SOCKETS[c.RESOURCE_MEM]]
+        assert running.plugin.wait_registered(5) and running.alive()
+        assert all((directory / name).stat().st_mode & 0o777 == 0o600 for name in SOCKETS.values())
+    finally:
+        running.stop()
+
+
+class FlakyBackend(SimulatedBackend):
+    """Simulated cards whose reads fail once for one thread, as NVML can."""
+
+    def __init__(self) -> None:
+        super().__init__("n1", SPEC)
+        self.fail_for: str | None = None
+
+    def cards(self):  # type: ignore[no-untyped-def]
+        if self.fail_for == threading.current_thread().name:
+            self.fail_for = None
+            raise InventoryError("NVML: driver not loaded")
+        return super().cards()
+
+
+def readyz(port: int) -> int:
+    return readiness(f"http://127.0.0.1:{port}")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the deaths are the point
+def test_a_component_that_dies_is_restarted_and_readyz_is_false_until_it_is_back(
+    kube_api: client.ApiClient,
+    core_v1: client.CoreV1Api,
+    directory: Path,
+    kubelet: KubeletEmulator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core_v1.create_node({"metadata": {"name": "n1"}})
+    backend = FlakyBackend()
+    supervisor = Supervisor(
+        components(settings(directory), None, backend, kube_api, advertise_interval=0.1),
+        backoff=Backoff(initial=0.5, maximum=1.0, jitter=0),
+        interval=0.02,
+    )
+    supervisor.start()
+    server = serve_http(0, supervisor.ready, host="127.0.0.1")
+    try:
+        wait_until(lambda: readyz(server.port) == 200, 10, "the node agent to be ready")
+
+        # the advertiser's card read fails with an error its loop doesn't expect: its thread dies
+        backend.fail_for = "advertiser"
+        wait_until(lambda: supervisor.down() == ["advertiser"], 5, "the advertiser's death to be noticed")
+        assert readyz(server.port) == 503
+        wait_until(lambda: readyz(server.port) == 200, 5, "the advertiser to be restarted")
+        assert supervisor.restarts("advertiser") == 1
+
+        # the device plugin's watchdog hits a bug once: its thread dies, and kubelet must get it back
+        real = DevicePlugin._needs_restart
+        failed = []
+
+        def broken_once(self: DevicePlugin) -> bool:
+            if not failed:
+                failed.append(self)
+                raise ValueError("unexpected")
+            return real(self)
+
+        monkeypatch.setattr(DevicePlugin, "_needs_restart", broken_once)
+        wait_until(lambda: "device-plugin" in supervisor.down(), 5, "the device plugin's death to be noticed")
+        assert readyz(server.port) == 503
+        wait_until(lambda: readyz(server.port) == 200, 5, "the device plugin to be restarted")
+        assert supervisor.restarts("device-plugin") == 1
+        assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) == 160, 5)
+        a1 = backend.cards()[1]
+        core_v1.create_namespaced_pod("default", gpu_pod("after", [container("main", 4)], original_index=a1.index))
+        admission = kubelet.admit(
+            core_v1.api_client.sanitize_for_serialization(core_v1.read_namespaced_pod("after", "default"))
+        )
+        assert admission.admitted, admission.error
+        assert admission.containers["main"].envs[c.ENV_VISIBLE_DEVICES] == a1.uuid
+        # the dead instances no longer hear of health changes: one subscriber per live component
+        assert len(backend._subscribers._callbacks) == 2
+    finally:
+        server.stop()
+        supervisor.stop()
+    assert not any(directory.glob("gpushare-*.sock"))

@@ -1,0 +1,95 @@
+"""The admission webhook: who may write gpushare's pod annotations, decided without I/O and served
+over HTTPS as the API server calls it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+from pathlib import Path
+from typing import Any
+
+import pytest
+from podfactory import container, gpu_pod, slices
+from tlscerts import make_certs
+
+from gpushare import contract as c
+from gpushare.inventory import simulated_cards
+from gpushare.tlshttp import server_context
+from webhook.review import DEFAULT_TRUSTED, review
+from webhook.server import WebhookServer
+
+EXTENDER, NODE_AGENT = DEFAULT_TRUSTED
+TENANT = "system:serviceaccount:team-a:default"
+A0, A1 = simulated_cards("n1", "2xA100-80GB:81920")
+
+
+def admission(operation: str, user: str, new: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "req-1",
+            "operation": operation,
+            "userInfo": {"username": user},
+            "object": new,
+            "oldObject": old,
+        },
+    }
+
+
+def bound(card: Any = A0) -> dict[str, Any]:
+    """A pod as the extender leaves it."""
+    return gpu_pod("train", [container("main", 80)], allocation={"main": slices([card], 80)}, assume_ns=1)
+
+
+def plain(**annotations: str) -> dict[str, Any]:
+    return gpu_pod("train", [container("main")], node=None, extra_annotations=annotations)
+
+
+def test_a_pod_created_with_a_forged_allocation_is_rejected() -> None:
+    verdict = review(admission("CREATE", TENANT, bound()))
+    assert not verdict.allowed and c.ANN_ALLOCATION in verdict.message and TENANT in verdict.message
+    forged_original = plain(**{c.ANN_MEM_IDX: "0"})
+    assert not review(admission("CREATE", TENANT, forged_original)).allowed
+
+
+def test_a_running_pod_may_not_move_its_own_allocation() -> None:
+    verdict = review(admission("UPDATE", TENANT, bound(A1), bound(A0)))
+    assert not verdict.allowed and "change annotations on pod default/train" in verdict.message
+    stripped = bound(A0)
+    del stripped["metadata"]["annotations"][c.ANN_ALLOCATION]
+    assert not review(admission("UPDATE", TENANT, stripped, bound(A0))).allowed
+
+
+def test_gpushare_may_write_and_tenants_may_touch_everything_else() -> None:
+    assert review(admission("UPDATE", EXTENDER, bound(A1), bound(A0))).allowed
+    assert review(admission("UPDATE", NODE_AGENT, bound(A1), bound(A0))).allowed
+    relabelled = bound(A0)
+    relabelled["metadata"]["annotations"]["team"] = "a"
+    assert review(admission("UPDATE", TENANT, relabelled, bound(A0))).allowed
+    assert review(admission("CREATE", TENANT, plain(**{c.ANN_POLICY: "spread", "team": "a"}))).allowed
+
+
+def test_served_over_https_as_an_admission_review(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path, ("gpushare-webhook.gpushare-system.svc",))
+    server = WebhookServer(0, server_context(certs.server.cert, certs.server.key, None), host="127.0.0.1")
+    server.start()
+    try:
+        conn = http.client.HTTPSConnection(
+            "127.0.0.1", server.port, context=ssl.create_default_context(cafile=certs.ca), timeout=10
+        )
+        conn.request("POST", "/validate", json.dumps(admission("CREATE", TENANT, bound())))
+        reply = json.loads(conn.getresponse().read())
+        assert reply["kind"] == "AdmissionReview" and reply["response"]["uid"] == "req-1"
+        assert reply["response"]["allowed"] is False and reply["response"]["status"]["code"] == 403
+        conn.request("POST", "/validate", b'{"request": "x"}')
+        assert conn.getresponse().status == 400
+        conn.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("key", [c.ANN_ALLOCATION, c.ANN_ASSIGNED_CONTAINERS, c.ANN_MEM_ASSUME_TIME, c.ANN_MEM_IDX])
+def test_every_key_the_components_trust_is_protected(key: str) -> None:
+    assert c.protected_annotation(key) and not c.protected_annotation(c.ANN_POLICY)

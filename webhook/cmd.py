@@ -1,0 +1,45 @@
+"""``gpushare webhook``: the validating admission webhook for gpushare's pod annotations."""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+
+from gpushare.cli import UsageError, wait_for_termination
+from gpushare.tlshttp import server_context
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from webhook.review import DEFAULT_TRUSTED
+
+    parser.add_argument("--port", type=int, default=8443)
+    parser.add_argument(
+        "--tls-cert", required=True, help="serving certificate (PEM), e.g. from a kubernetes.io/tls Secret"
+    )
+    parser.add_argument("--tls-key", required=True, help="its private key (PEM)")
+    parser.add_argument(
+        "--client-ca", default=None, help="require the API server's client certificate, signed by this CA"
+    )
+    parser.add_argument(
+        "--trusted-user",
+        action="append",
+        default=None,
+        help=f"a user allowed to write the annotations (repeatable; default: {', '.join(DEFAULT_TRUSTED)})",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from webhook.review import DEFAULT_TRUSTED
+    from webhook.server import WebhookServer
+
+    try:
+        tls = server_context(args.tls_cert, args.tls_key, args.client_ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"TLS certificate, key or CA can't be loaded: {exc}") from None
+    server = WebhookServer(args.port, tls, trusted=args.trusted_user or DEFAULT_TRUSTED)
+    server.start()
+    try:
+        wait_for_termination()
+    finally:
+        server.stop()
+    return 0
