@@ -572,9 +572,10 @@ class RealCluster:
             ],
         )
 
-    def wait_node_ready(self, node: RealNode, timeout: float = 60) -> None:
-        """Wait for Ready, gpu-mem on offer and the node agent ready; then lift the not-ready taint,
-        which only kube-controller-manager would otherwise remove."""
+    def wait_node_ready(self, node: RealNode, timeout: float = 60, reported_after: float = 0.0) -> None:
+        """Wait for Ready, gpu-mem on offer and the node agent ready, in a status kubelet reported after
+        ``reported_after`` (epoch seconds) when given; then lift the not-ready taint, which only
+        kube-controller-manager would otherwise remove."""
         from kubernetes import client
 
         core = client.CoreV1Api(self.api)
@@ -587,9 +588,10 @@ class RealCluster:
                 status = core.read_node(node.name).status
             except client.ApiException:
                 return False
-            conditions = {cond.type: cond.status for cond in status.conditions or []}
-            offered = int((status.allocatable or {}).get(c.RESOURCE_MEM, "0"))
-            return conditions.get("Ready") == "True" and offered > 0 and node.agent_ready()
+            ready = next((cond for cond in status.conditions or [] if cond.type == "Ready"), None)
+            if ready is None or ready.status != "True" or ready.last_heartbeat_time.timestamp() < reported_after:
+                return False
+            return int((status.allocatable or {}).get(c.RESOURCE_MEM, "0")) > 0 and node.agent_ready()
 
         wait_for(ready, timeout, f"node {node.name} to be Ready with {c.RESOURCE_MEM} (logs in {self.workdir})", 0.2)
         taints = core.read_node(node.name).spec.taints or []
@@ -628,11 +630,30 @@ class RealCluster:
     # --- operations ------------------------------------------------------------------------------------
 
     def restart_kubelet(self, name: str) -> None:
+        """Restart the node's kubelet and return once the device plugin has registered with the new one
+        and kubelet has reported its resources since. Until then kubelet refuses GPU pods for want of
+        devices, as any kubelet does after a restart."""
         node = self.nodes[name]
         assert node.kubelet is not None
         node.kubelet.stop()
         self.processes.remove(node.kubelet)
+        restarted = time.time()
         self.start_kubelet(node)
+        kubelet = node.kubelet
+
+        def plugin_serves_again() -> bool:
+            """kubelet recreated its socket and wiped the plugin's; the plugin's are back, newer than kubelet's."""
+            kubelet.check()
+            try:
+                kubelet_made = (node.device_plugin_dir / "kubelet.sock").stat().st_ctime
+                plugins = [p.stat().st_ctime for p in node.device_plugin_dir.glob("*.sock") if p.name != "kubelet.sock"]
+            except FileNotFoundError:
+                return False
+            return kubelet_made >= restarted and bool(plugins) and min(plugins) >= kubelet_made
+
+        wait_for(plugin_serves_again, 30, f"node {name}: the device plugin to serve the restarted kubelet")
+        # heartbeats are stamped to the second
+        self.wait_node_ready(node, reported_after=time.time() + 1)
 
     def restart_agent(self, name: str) -> None:
         node = self.nodes[name]
