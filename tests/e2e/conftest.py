@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import itertools
 import tempfile
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_until
 from kubernetes import client
 
 from gpushare import contract as c
@@ -29,6 +29,8 @@ NODES = (("node-a", "2xA100-80GB:81920,1xT4:15360"), ("node-b", "1xA100-40GB:409
 #: a second kube-scheduler with its own extender replica, for concurrent binds
 SECOND_SCHEDULER = "gpushare-second"
 POD_TIMEOUT = 60.0
+#: seconds between polls of the API server
+API_POLL = 0.2
 _names = itertools.count()
 
 
@@ -60,17 +62,6 @@ def cluster() -> Iterator[RealCluster]:
 @pytest.fixture(scope="session")
 def core(cluster: RealCluster) -> client.CoreV1Api:
     return client.CoreV1Api(cluster.api)
-
-
-def wait_until(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.2)
 
 
 def pod_manifest(
@@ -136,7 +127,7 @@ class Pods:
             return pod if status.get("phase") == "Running" else None
 
         try:
-            return wait_until(running, timeout, f"pod {name} to run")
+            return wait_until(running, timeout, f"pod {name} to run", API_POLL)
         except AssertionError as exc:
             raise AssertionError(f"{exc}; it is {self.why_not(name)}") from None
 

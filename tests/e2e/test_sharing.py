@@ -8,7 +8,7 @@ from collections import defaultdict
 from gpushare import contract as c
 from gpushare.usage import holds_resources
 
-from .conftest import SECOND_SCHEDULER, Pods, assert_sees_assigned_cards, pod_manifest, wait_until
+from .conftest import API_POLL, SECOND_SCHEDULER, Pods, assert_sees_assigned_cards, pod_manifest, wait_until
 
 
 def test_two_equal_requests_each_see_their_own_card(pods: Pods) -> None:
@@ -60,7 +60,7 @@ def test_two_extender_replicas_binding_at_once_never_overcommit(pods: Pods) -> N
             assert used[card.uuid] <= inventory.units_of(card), f"card {card.index} over-committed: {dict(used)}"
         return [pod["metadata"]["name"] for pod in live]
 
-    placed = wait_until(lambda: len(live := placed_within_capacity()) == 8 and live, 60, "eight pods placed")
+    placed = wait_until(lambda: len(live := placed_within_capacity()) == 8 and live, 60, "eight pods placed", API_POLL)
     for name in placed:
         pods.wait_running(name)
         assert_sees_assigned_cards(pods, name)
