@@ -9,6 +9,7 @@ says why in one line.
 from __future__ import annotations
 
 import itertools
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -57,6 +58,7 @@ def cluster() -> Iterator[RealCluster]:
         yield real
     finally:
         real.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
