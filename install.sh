@@ -1,24 +1,38 @@
 #!/usr/bin/env bash
 # Installs everything gpushare, its sandbox and its tests need on a Debian machine.
-# containerd, runc and busybox-static are only needed for real containers (sandbox, CRI shim tests),
-# gcc only for the fake libnvidia-ml that the NVML tests and `gpushare sandbox --nvml-fake` load;
-# they are installed when missing and we are root, and skipped with a note otherwise.
+# containerd, runc and busybox-static run real containers (sandbox, CRI shim tests); gcc builds the
+# fake libnvidia-ml that the NVML tests and `gpushare sandbox --nvml-fake` load; etcd-server,
+# containernetworking-plugins and Kubernetes v1.20.2 (kube-apiserver, kube-scheduler, kubelet, built
+# once from Debian's source package by gpushare/sandbox/build_kube.sh and cached) run the real cluster
+# (sandbox, tests/e2e). They are installed when missing and we are root with apt-get; otherwise those
+# parts are skipped with a note.
 set -euo pipefail
 cd "$(dirname "$0")"
+
+as_root_with_apt() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }
 
 missing=()
 command -v containerd >/dev/null 2>&1 || missing+=(containerd)
 command -v runc >/dev/null 2>&1 || missing+=(runc)
 [ -x /bin/busybox ] || missing+=(busybox-static)
 command -v gcc >/dev/null 2>&1 || missing+=(gcc)  # builds the fake libnvidia-ml for the NVML tests
+command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+[ -x /usr/lib/cni/loopback ] || missing+=(containernetworking-plugins)
 if [ ${#missing[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  if as_root_with_apt; then
     echo "install.sh: installing ${missing[*]} with apt-get"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "install.sh: ${missing[*]} missing and not root: real-container parts will be skipped" >&2
+    echo "install.sh: ${missing[*]} missing and not root: real-container and real-cluster parts will be skipped" >&2
   fi
+fi
+
+if as_root_with_apt; then
+  # the first run on a machine builds Kubernetes (about 10 minutes on 2 cores); later runs find the cache
+  gpushare/sandbox/build_kube.sh
+else
+  echo "install.sh: not root with apt-get: Kubernetes v1.20.2 not built, the real-cluster tests will be skipped" >&2
 fi
 
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -17,18 +17,17 @@ from kubernetes import client
 from gpushare.kube import load_api
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.sandbox.realcluster import ClusterError, wait_for
 
 
-def wait_until(predicate: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> object:
+def wait_until(
+    predicate: Callable[[], object], timeout: float = 5.0, what: str = "condition", interval: float = 0.01
+) -> Any:
     """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
+    try:
+        return wait_for(predicate, timeout, what, interval)
+    except ClusterError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ EXTENDER_GRANTS = {
     ("", "nodes", "get"),
     ("", "nodes", "list"),
     ("", "nodes", "watch"),
+    ("", "nodes", "patch"),  # the bind's compare-and-swap on the node
     ("", "events", "create"),
     # the original gpushare's fenced cards, only in kube-system
     ("", "configmaps", "get"),

@@ -4,6 +4,7 @@ admission (preferred allocation, one request per call, checkpoint) and restarts.
 from __future__ import annotations
 
 import queue
+import random
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -26,10 +27,18 @@ class ScriptedPlugin(pb_grpc.DevicePluginServicer):
     """Serves a fixed device list for one resource and records what kubelet asks."""
 
     def __init__(
-        self, directory: Path, device_ids: list[str], *, preferred: list[str] | None = None, endpoint: str = ENDPOINT
+        self,
+        directory: Path,
+        device_ids: list[str],
+        *,
+        preferred: list[str] | None = None,
+        endpoint: str = ENDPOINT,
+        calls: list[str] | None = None,
     ) -> None:
         self.dir = directory
         self.endpoint = endpoint
+        #: a log shared between plugins: the endpoint of each Allocate, in the order kubelet called them
+        self.calls = calls if calls is not None else []
         self.lists: queue.Queue[list[pb.Device] | None] = queue.Queue()
         self.lists.put([pb.Device(ID=d, health="Healthy") for d in device_ids])
         self.preferred = preferred
@@ -73,6 +82,7 @@ class ScriptedPlugin(pb_grpc.DevicePluginServicer):
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         with self._lock:
             self.allocations.append([list(r.devices_ids) for r in request.container_requests])
+            self.calls.append(self.endpoint)
             number = len(self.allocations)
         if self.refuse:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.refuse)
@@ -160,6 +170,35 @@ def test_admission_calls_allocate_once_per_container_with_one_request_init_first
     assert "plain" not in result.containers
     # the two containers never share a device
     assert not set(plugin.allocations[0][0]) & set(plugin.allocations[1][0])
+
+
+def test_one_containers_resources_are_allocated_in_either_order_as_kubelet_ranges_over_a_map(
+    directory: Path,
+) -> None:
+    # kubelet 1.20 (devicemanager allocateContainerResources) loops over container.Resources.Limits, a Go
+    # map: gpu-mem and gpu-count of one container reach their plugins in no fixed order
+    emulator = KubeletEmulator(directory, rng=random.Random(7))
+    emulator.start()
+    calls: list[str] = []
+    plugins = [plugin_with(directory, 16, endpoint="mem.sock", calls=calls),
+               plugin_with(directory, 16, endpoint="count.sock", calls=calls)]  # fmt: skip
+    try:
+        plugins[0].register(c.RESOURCE_MEM)
+        plugins[1].register(c.RESOURCE_COUNT)
+        assert emulator.wait_registered(c.RESOURCE_COUNT, 5)
+        firsts = set()
+        for i in range(8):
+            calls.clear()
+            assert emulator.admit(gpu_pod(f"p{i}", [container("main", 2, 2)], uid=f"u{i}")).admitted
+            assert sorted(calls) == ["count.sock", "mem.sock"]
+            firsts.add(calls[0])
+            emulator.release(f"u{i}")
+        assert firsts == {"count.sock", "mem.sock"}
+    finally:
+        emulator.stop()
+        for scripted in plugins:
+            scripted.lists.put(None)
+            scripted.server.stop(grace=0)
 
 
 def test_admitted_containers_are_never_allocated_again(kubelet: KubeletEmulator, plugin: ScriptedPlugin) -> None:

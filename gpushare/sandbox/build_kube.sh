@@ -18,9 +18,11 @@ fi
 
 src_list=/etc/apt/sources.list.d/gpushare-bookworm-src.sources
 if [ ! -f "$src_list" ]; then
+  # the same mirror as the machine's own bookworm entry
+  uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
   cat >"$src_list" <<SRC
 Types: deb-src
-URIs: http://deb.debian.org/debian
+URIs: ${uri:-http://deb.debian.org/debian}
 Suites: bookworm
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -309,7 +309,7 @@ class Sandbox:
         core = client.CoreV1Api(self.api)
         outcomes = []
         for manifest in manifests:
-            body = _with_string_quantities(manifest)
+            body = with_string_quantities(manifest)
             created = core.create_namespaced_pod(manifest["metadata"].get("namespace", "default"), body)
             outcomes.append(self._run(get_pod(self.api, created.metadata.namespace, created.metadata.name)))
         return outcomes
@@ -333,7 +333,7 @@ class Sandbox:
                 {"phase": "Failed", "reason": "UnexpectedAdmissionError", "message": admission.error},
             )
             return outcome
-        outcome.cards = _cards_of(get_pod(self.api, meta["namespace"], meta["name"]), sim.backend)
+        outcome.cards = cards_of(get_pod(self.api, meta["namespace"], meta["name"]), sim.backend.cards())
         self._start_containers(pod, admission, sim, outcome)
         return outcome
 
@@ -400,7 +400,7 @@ class Sandbox:
         return render_details(build_cluster(list_nodes(self.api), list_pods(self.api)))
 
 
-def _with_string_quantities(manifest: Mapping[str, Any]) -> dict[str, Any]:
+def with_string_quantities(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """Resource quantities as the API serves them (strings); YAML reads ``gpu-mem: 8`` as a number."""
     body = copy.deepcopy(dict(manifest))
     spec = body.get("spec") or {}
@@ -422,17 +422,18 @@ def _ready(url: str) -> bool:
         return False
 
 
-def _cards_of(pod: Mapping[str, Any], backend: SimulatedBackend | PublishedCards) -> str:
+def cards_of(pod: Mapping[str, Any], cards: Iterable[Card]) -> str:
+    """The pod's cards per container, for the report."""
     from gpushare.usage import pod_allocation
 
-    allocation = pod_allocation(pod, backend.cards()) or {}
+    allocation = pod_allocation(pod, list(cards)) or {}
     return "; ".join(
         f"{name}: " + ",".join(f"card {s.index} ({s.units} GiB)" for s in slices)
         for name, slices in sorted(allocation.items())
     )
 
 
-def _log_to(path: Path) -> None:
+def log_to(path: Path) -> None:
     """Component logs go to a file; the terminal keeps the progress lines, warnings and the report."""
     root = logging.getLogger()
     for handler in root.handlers:
@@ -471,13 +472,29 @@ def run(
     policy: str,
     containers: bool,
     keep_running: bool,
+    standin: bool = False,
     out: Any = sys.stdout,
     nvml_fake: Sequence[str] = (),
 ) -> int:
+    """On a real Kubernetes when it can run here (and ``standin`` is off), else on the stand-ins."""
     # with fake-NVML nodes and no --node, the fake-NVML nodes run alone
     specs = [parse_node(n) for n in nodes or (() if nvml_fake else DEFAULT_NODES)]
+    if not standin:
+        from gpushare.sandbox.realcluster import realcluster_available
+        from gpushare.sandbox.realsandbox import run_real
+
+        reason = (
+            "--no-containers asks for no containers"
+            if not containers
+            else "--nvml-fake nodes run on the stand-ins"
+            if nvml_fake
+            else realcluster_available()
+        )
+        if reason is None:
+            return run_real(specs, policy, keep_running, out)
+        print(f"gpushare sandbox: using the API stand-in and kubelet emulator: {reason}", file=sys.stderr)
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-sandbox-"))
-    _log_to(workdir / "sandbox.log")
+    log_to(workdir / "sandbox.log")
     policy = policy or DEFAULT_POLICY
     sandbox = Sandbox(specs, policy, containers, workdir, nvml_fake)
     progress = Progress(total=5)
@@ -488,25 +505,30 @@ def run(
             f"scheduling and starting the example pods from {EXAMPLES.relative_to(EXAMPLES.parents[1])}"
         ):
             outcomes = sandbox.submit(load_examples())
-        print(f"\nPods (policy {policy}; {time.monotonic() - started:.1f}s from start)\n", file=out)
-        print(render_pods(outcomes), file=out)
-        print("\nPer-card allocation (gpushare inspect -d)\n", file=out)
-        print(sandbox.inspect(), file=out)
-        print(f"\nGPU environment of each container ({sandbox.container_note})\n", file=out)
-        print(render_env(outcomes), file=out)
+        report(outcomes, policy, started, sandbox.inspect(), sandbox.container_note, out)
         if keep_running:
-            print(
-                f"\nRunning. Try: gpushare inspect --kubeconfig {sandbox.kubeconfig}\n"
-                f"         curl {sandbox.extender_url}/metrics\nCtrl-C to stop.",
-                file=out,
-                flush=True,
+            stay_up(
+                f"gpushare inspect --kubeconfig {sandbox.kubeconfig}\n         curl {sandbox.extender_url}/metrics", out
             )
-            with contextlib.suppress(KeyboardInterrupt):
-                while True:
-                    time.sleep(3600)
     except SandboxError as exc:
         print(f"gpushare sandbox: {exc}", file=sys.stderr)
         return 1
     finally:
         sandbox.stop()
     return 0
+
+
+def report(outcomes: Sequence[PodOutcome], policy: str, started: float, inspect: str, note: str, out: Any) -> None:
+    print(f"\nPods (policy {policy}; {time.monotonic() - started:.1f}s from start)\n", file=out)
+    print(render_pods(outcomes), file=out)
+    print("\nPer-card allocation (gpushare inspect -d)\n", file=out)
+    print(inspect, file=out)
+    print(f"\nGPU environment of each container ({note})\n", file=out)
+    print(render_env(outcomes), file=out)
+
+
+def stay_up(hints: str, out: Any) -> None:
+    print(f"\nRunning. Try: {hints}\nCtrl-C to stop.", file=out, flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            time.sleep(3600)

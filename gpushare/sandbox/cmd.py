@@ -1,4 +1,4 @@
-"""``gpushare sandbox``: a whole simulated cluster on this machine."""
+"""``gpushare sandbox``: a whole cluster with simulated cards on this machine."""
 
 from __future__ import annotations
 
@@ -24,10 +24,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--policy", default="", help="placement policy for the extender (default: its default)")
     parser.add_argument("--no-containers", action="store_true", help="don't start real containers even if possible")
-    parser.add_argument("--keep-running", action="store_true", help="stay up for gpushare inspect and /metrics")
+    parser.add_argument(
+        "--keep-running", action="store_true", help="stay up for kubectl, gpushare inspect and /metrics"
+    )
+    parser.add_argument(
+        "--standin",
+        action="store_true",
+        help="use the API server stand-in and kubelet emulator even where a real Kubernetes can run "
+        "(the default is real kube-apiserver, kube-scheduler and kubelets when their binaries are built)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from gpushare.sandbox.cluster import run as run_sandbox
 
-    return run_sandbox(args.node, args.policy, not args.no_containers, args.keep_running, nvml_fake=args.nvml_fake)
+    return run_sandbox(
+        args.node, args.policy, not args.no_containers, args.keep_running, args.standin, nvml_fake=args.nvml_fake
+    )

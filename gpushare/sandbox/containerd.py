@@ -171,9 +171,11 @@ def render_config(base: Path, sandbox_image: str = PAUSE_IMAGE) -> str:
 class Containerd:
     """One containerd process serving CRI on a private socket under ``base``."""
 
-    def __init__(self, base: Path, sandbox_image: str = PAUSE_IMAGE) -> None:
+    def __init__(self, base: Path, sandbox_image: str = PAUSE_IMAGE, command_prefix: Sequence[str] = ()) -> None:
         self.base = base
         self.sandbox_image = sandbox_image
+        #: run containerd through this, e.g. ``nsenter --mount=...`` to start it in a node's mount namespace
+        self.command_prefix = tuple(command_prefix)
         self.socket = base / "containerd.sock"
         self.config = base / "config.toml"
         self.log_path = base / "containerd.log"
@@ -196,7 +198,7 @@ class Containerd:
         self.config.write_text(render_config(self.base, self.sandbox_image))
         with self.log_path.open("ab") as log_file:
             self._process = subprocess.Popen(
-                ["containerd", "--config", str(self.config)],
+                [*self.command_prefix, "containerd", "--config", str(self.config)],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -279,13 +281,52 @@ class Containerd:
                 stub.StopPodSandbox(cri_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout)
                 stub.RemovePodSandbox(cri_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox.id), timeout=timeout)
 
+    def shim_pids(self) -> list[int]:
+        """The runc shims this daemon started. They leave its session on start, so stopping the daemon
+        doesn't reach them; each names its daemon's socket with ``-address``."""
+        wanted = str(self.socket).encode()
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0].endswith(b"containerd-shim-runc-v2") and wanted in argv:
+                pids.append(int(entry.name))
+        return pids
+
     def close(self) -> None:
-        """Remove every pod, stop the daemon and delete its directory."""
+        """Remove every pod, stop the daemon, end any shim left behind and delete its directory."""
         if self.running:
             with contextlib.suppress(grpc.RpcError):
                 self.remove_all_pods()
         self.stop()
+        for shim in self.shim_pids():
+            for pid in [*descendants(shim), shim]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below ``root``, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, queue = [], [root]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
 
 
 @contextlib.contextmanager

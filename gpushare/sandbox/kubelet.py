@@ -1,16 +1,17 @@
 """A kubelet emulator: kubelet's side of the device plugin protocol, for the sandbox and the tests.
 
 It serves ``Registration`` on ``kubelet.sock``, rejects registrations kubelet would reject, follows each
-plugin's ListAndWatch stream, and admits pods the way kubelet does: per container (init containers
-first), per resource, one Allocate call with as many free healthy device IDs as the limit, after
-asking GetPreferredAllocation when the plugin offers it. Results are checkpointed: an admitted
-container is never allocated again. :meth:`restart` reproduces what a kubelet restart does to the
-device-plugins directory.
+plugin's ListAndWatch stream, and admits pods the way kubelet 1.20 does: per container (init containers
+first, then in spec order), per resource in random order, one Allocate call with as many free healthy
+device IDs as the limit, after asking GetPreferredAllocation when the plugin offers it. Results are
+checkpointed: an admitted container is never allocated again. :meth:`restart` reproduces what a kubelet
+restart does to the device-plugins directory.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import re
 import stat
 import threading
@@ -104,8 +105,10 @@ class _Registration(pb_grpc.RegistrationServicer):
 
 
 class KubeletEmulator:
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, rng: random.Random | None = None) -> None:
         self.dir = Path(directory)
+        #: orders one container's resources per admission; kubelet ranges over a Go map, so its order is random
+        self._rng = rng or random.Random()
         self._server: grpc.Server | None = None
         self._plugins: dict[str, _Plugin] = {}
         self._changed = threading.Condition()
@@ -249,17 +252,23 @@ class KubeletEmulator:
             try:
                 for container in parse_pod_request(pod).gpu_containers:
                     outcome = result.containers.setdefault(container.name, ContainerResult())
-                    for resource, size in ((RESOURCE_MEM, container.mem), (RESOURCE_COUNT, container.count)):
-                        if size:
-                            done = self._allocated(uid, container.name, resource, size)
-                            outcome.device_ids[resource] = done.device_ids
-                            outcome.envs.update(done.response.envs)
-                            outcome.annotations.update(done.response.annotations)
-                            outcome.devices.extend(done.response.devices)
+                    for resource, size in self._resource_order(container.mem, container.count):
+                        done = self._allocated(uid, container.name, resource, size)
+                        outcome.device_ids[resource] = done.device_ids
+                        outcome.envs.update(done.response.envs)
+                        outcome.annotations.update(done.response.annotations)
+                        outcome.devices.extend(done.response.devices)
             except (AdmissionError, ContractError) as exc:
                 result = AdmissionResult(pod=key, admitted=False, error=f"UnexpectedAdmissionError: pod {key}: {exc}")
                 log.warning("kubelet: %s", result.error)
             return result
+
+    def _resource_order(self, mem: int, count: int) -> list[tuple[str, int]]:
+        """The container's device-plugin resources in the order kubelet 1.20 calls Allocate for them: it
+        ranges over the container's limits, a Go map, so gpu-mem and gpu-count come in either order."""
+        wanted = [(r, n) for r, n in ((RESOURCE_MEM, mem), (RESOURCE_COUNT, count)) if n]
+        self._rng.shuffle(wanted)
+        return wanted
 
     def _allocated(self, uid: str, container: str, resource: str, size: int) -> _Checkpointed:
         checkpoint_key = (uid, container, resource)

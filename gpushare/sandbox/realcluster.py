@@ -1,0 +1,764 @@
+"""A real Kubernetes v1.20 cluster on this machine: etcd, kube-apiserver, kube-scheduler with the gpushare
+extender, and per simulated node a private containerd, the gpushare node agent (simulated cards, CRI
+shim in front of containerd) and a kubelet.
+
+Kubelet hard-wires its device-plugin directory to ``/var/lib/kubelet/device-plugins``, so each simulated
+node is a private mount namespace (held open by a sleeping process) with its own directories bound over
+that path and over ``/var/log/pods``; the node's containerd, node agent and kubelet all run inside it,
+as they would on a machine of their own. Nothing listens beyond 127.0.0.1 and every port is a free one.
+
+The config renderers are pure functions; :class:`RealCluster` starts and stops the processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from gpushare import contract as c
+from gpushare.pb import cri_pb2, cri_pb2_grpc
+from gpushare.sandbox.containerd import (
+    PAUSE_IMAGE,
+    TEST_IMAGE,
+    Containerd,
+    build_busybox_image,
+    containerd_available,
+)
+
+log = logging.getLogger(__name__)
+
+KUBE_VERSION = "v1.20.2"
+KUBE_BINARIES = ("kube-apiserver", "kube-scheduler", "kubelet")
+DEFAULT_KUBE_BIN = Path(f"/var/cache/gpushare/kube-{KUBE_VERSION}")
+DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+POD_LOG_DIR = Path("/var/log/pods")
+CNI_PLUGINS = Path("/usr/lib/cni")
+REPO = Path(__file__).resolve().parents[2]
+SCHEDULER_CONFIG = REPO / "deploy" / "scheduler-config.yaml"
+RBAC_MANIFESTS = (REPO / "deploy" / "namespace.yaml", REPO / "deploy" / "rbac.yaml")
+#: the image name the pods in deploy/examples use
+EXAMPLE_IMAGE = "docker.io/library/busybox:1.36"
+SYSTEM_NAMESPACE = "gpushare-system"
+#: containerd's socket sits three levels below the workdir, and unix socket paths end at 107 bytes
+MAX_WORKDIR = 60
+NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not come up; the message names the part and its log."""
+
+
+def kube_bin_dir() -> Path:
+    return Path(os.environ.get("GPUSHARE_KUBE_BIN") or DEFAULT_KUBE_BIN)
+
+
+def realcluster_available() -> str | None:
+    """None when a real cluster can run here, else why not (a reason to skip or fall back)."""
+    if reason := containerd_available():
+        return reason
+    missing = [b for b in KUBE_BINARIES if not os.access(kube_bin_dir() / b, os.X_OK)]
+    if missing:
+        return f"{', '.join(missing)} not built in {kube_bin_dir()} (./install.sh builds them as root)"
+    for tool in ("etcd", "unshare", "nsenter", "mount", "openssl"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (./install.sh installs it as root)"
+    if not (CNI_PLUGINS / "loopback").is_file():
+        return f"{CNI_PLUGINS / 'loopback'} is missing (apt-get install -y containernetworking-plugins)"
+    return None
+
+
+# --- configuration (pure) ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """A static-token user of the API server."""
+
+    user: str
+    token: str
+    groups: tuple[str, ...] = ()
+
+
+def render_token_file(identities: Sequence[Identity]) -> str:
+    """kube-apiserver's ``--token-auth-file``: ``token,user,uid,"group1,group2"`` per line."""
+    lines = []
+    for i, who in enumerate(identities):
+        groups = f',"{",".join(who.groups)}"' if who.groups else ""
+        lines.append(f"{who.token},{who.user},uid-{i}{groups}")
+    return "\n".join(lines) + "\n"
+
+
+def render_kubeconfig(server: str, user: str, token: str, ca_file: Path) -> str:
+    """A kubeconfig for one identity, trusting ``ca_file`` for the server's certificate."""
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "gpushare", "cluster": {"server": server, "certificate-authority": str(ca_file)}}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": "gpushare", "context": {"cluster": "gpushare", "user": user}}],
+            "current-context": "gpushare",
+        },
+        sort_keys=False,
+    )
+
+
+def render_scheduler_config(
+    kubeconfig: Path, extender_url: str, scheduler_name: str, template: Mapping[str, Any], healthz: str
+) -> str:
+    """kube-scheduler 1.20 reads ``v1beta1``; the extender block of ``deploy/scheduler-config.yaml`` is
+    taken unchanged but for its URL and plain HTTP (both ends are on loopback here). ``healthz``
+    (host:port) also serves metrics; with a config file the scheduler ignores ``--port``, so this is how
+    it stays off the shared default port."""
+    extenders = [
+        {**{k: v for k, v in e.items() if k != "tlsConfig"}, "urlPrefix": extender_url, "enableHTTPS": False}
+        for e in template.get("extenders") or []
+    ]
+    if not extenders:
+        raise ClusterError(f"{SCHEDULER_CONFIG} has no extenders block")
+    return yaml.safe_dump(
+        {
+            "apiVersion": "kubescheduler.config.k8s.io/v1beta1",
+            "kind": "KubeSchedulerConfiguration",
+            "clientConnection": {"kubeconfig": str(kubeconfig)},
+            "leaderElection": {"leaderElect": False},
+            "healthzBindAddress": healthz,
+            "metricsBindAddress": healthz,
+            "profiles": [{"schedulerName": scheduler_name}],
+            "extenders": extenders,
+        },
+        sort_keys=False,
+    )
+
+
+def render_kubelet_config(port: int, healthz_port: int) -> str:
+    """Kubelet settings for a node that shares its machine with other simulated nodes: loopback only,
+    no QoS cgroups or node-allocatable enforcement (they would be shared), no evictions."""
+    return yaml.safe_dump(
+        {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": "127.0.0.1",
+            "port": port,
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": healthz_port,
+            "cgroupDriver": "cgroupfs",
+            "cgroupsPerQOS": False,
+            "enforceNodeAllocatable": [],
+            "failSwapOn": False,
+            "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
+            "authorization": {"mode": "AlwaysAllow"},
+            "evictionHard": {
+                "memory.available": "1Mi",
+                "nodefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+                "imagefs.available": "1%",
+            },
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "nodeStatusUpdateFrequency": "2s",
+            "syncFrequency": "5s",
+            "fileCheckFrequency": "5s",
+            "serializeImagePulls": False,
+        },
+        sort_keys=False,
+    )
+
+
+def render_loopback_conflist() -> str:
+    """containerd's CRI reports the node's network ready only with a CNI config; pods use the host network."""
+    return json.dumps({"cniVersion": "0.4.0", "name": "gpushare-loopback", "plugins": [{"type": "loopback"}]})
+
+
+def as_host_network(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """A pod manifest as it must run here: the only network is the host's (CNI has just loopback) and
+    deletion needs no grace period; quantities become strings as the API serves them."""
+    from gpushare.sandbox.cluster import with_string_quantities
+
+    body = with_string_quantities(manifest)
+    spec = body.setdefault("spec", {})
+    spec["hostNetwork"] = True
+    spec["terminationGracePeriodSeconds"] = 0
+    return body
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll until ``predicate`` returns something truthy; :class:`ClusterError` naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+# --- processes -----------------------------------------------------------------------------------------
+
+
+class Process:
+    """One child in its own session, logging to a file; stopped with SIGTERM then SIGKILL to its group."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path) -> None:
+        """``log_path``'s directory is also the working directory."""
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Process:
+        with self.log_path.open("ab") as out:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.log_path.parent,
+            )
+        log.info("started %s (pid %d), log %s", self.name, self.popen.pid, self.log_path)
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid if self.popen else 0
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def check(self) -> None:
+        """:class:`ClusterError` with the log's tail if the process has exited."""
+        if self.popen is not None and self.popen.poll() is not None:
+            raise ClusterError(f"{self.name} exited with {self.popen.returncode}; {self.log_path}:\n{self.tail()}")
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+        log.info("stopped %s (pid %d)", self.name, self.popen.pid)
+
+
+def _get(url: str, token: str = "", timeout: float = 1.0) -> int:
+    """HTTP(S) status of a GET, 0 when nothing answers; certificates are not checked (loopback, self-signed)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+# --- the cluster ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RealNode:
+    """One simulated node: a mount namespace with its containerd, node agent and kubelet."""
+
+    name: str
+    gpus: str
+    base: Path
+    holder: subprocess.Popen[bytes] | None = None
+    containerd: Containerd | None = None
+    agent: Process | None = None
+    kubelet: Process | None = None
+    agent_metrics_port: int = 0
+    kubelet_healthz_port: int = 0
+
+    @property
+    def in_namespace(self) -> list[str]:
+        """The command prefix that runs a program inside this node's mount namespace."""
+        assert self.holder is not None
+        return ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", "--"]
+
+    @property
+    def cri_socket(self) -> Path:
+        """The CRI shim's socket, which kubelet talks to."""
+        return self.base / "cri.sock"
+
+    @property
+    def device_plugin_dir(self) -> Path:
+        """What this node's kubelet sees as /var/lib/kubelet/device-plugins."""
+        return self.base / "device-plugins"
+
+    def agent_ready(self) -> bool:
+        return _get(f"http://127.0.0.1:{self.agent_metrics_port}/readyz") == 200
+
+
+@dataclass
+class Control:
+    """Which scheduler profile is served by which kube-scheduler process and extender replica."""
+
+    scheduler_name: str
+    extender_port: int
+    extender: Process | None = None
+    scheduler: Process | None = None
+    healthz_port: int = 0
+
+    @property
+    def extender_url(self) -> str:
+        return f"http://127.0.0.1:{self.extender_port}"
+
+    def ready(self) -> bool:
+        """Both answer their health checks; :class:`ClusterError` if either has exited."""
+        for proc in (self.extender, self.scheduler):
+            if proc is not None:
+                proc.check()
+        return (
+            _get(f"{self.extender_url}/readyz") == 200 and _get(f"http://127.0.0.1:{self.healthz_port}/healthz") == 200
+        )
+
+
+@dataclass
+class RealCluster:
+    """Start with :meth:`start`, stop with :meth:`stop` (which ends every process it started)."""
+
+    nodes_spec: Sequence[tuple[str, str]]
+    workdir: Path
+    rbac: bool = False
+    policy: str = ""
+    #: one kube-scheduler and one extender replica per name; pods choose with ``spec.schedulerName``
+    scheduler_names: Sequence[str] = ("default-scheduler",)
+    bin_dir: Path = field(default_factory=kube_bin_dir)
+    nodes: dict[str, RealNode] = field(default_factory=dict)
+    controls: list[Control] = field(default_factory=list)
+    processes: list[Process] = field(default_factory=list)
+    api: Any = None
+
+    def __post_init__(self) -> None:
+        if len(str(self.workdir)) > MAX_WORKDIR:
+            raise ClusterError(f"workdir {self.workdir} is too long: unix socket paths under it must stay short")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.api_port = free_port()
+        self.admin = Identity("gpushare-admin", os.urandom(16).hex(), ("system:masters",))
+        self._started = False
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.api_port}"
+
+    @property
+    def kubeconfig(self) -> Path:
+        """The administrator's kubeconfig (``kubectl --kubeconfig``)."""
+        return self.kubeconfig_of(self.admin.user)
+
+    def _path(self, name: str) -> Path:
+        return self.workdir / name
+
+    def _spawn(self, name: str, argv: Sequence[str]) -> Process:
+        proc = Process(name, argv, self._path(f"{name}.log")).start()
+        self.processes.append(proc)
+        return proc
+
+    # --- start -----------------------------------------------------------------------------------------
+
+    def start(
+        self, step: Callable[[str], contextlib.AbstractContextManager[None]] = lambda _what: contextlib.nullcontext()
+    ) -> None:
+        """Bring everything up; on failure stop what was started and raise :class:`ClusterError`."""
+        self._started = True
+        try:
+            with step("etcd and kube-apiserver"):
+                self._start_control_plane()
+            with step(f"{len(self.nodes_spec)} node(s): containerd, gpushare node agent, kubelet"):
+                self._start_nodes()
+            with step("gpushare extender and kube-scheduler"):
+                self._start_schedulers()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_control_plane(self) -> None:
+        from gpushare.kube import load_api
+
+        etcd_port, peer_port = free_port(), free_port()
+        self._spawn(
+            "etcd",
+            [
+                "etcd",
+                "--data-dir", str(self._path("etcd")),
+                "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
+                "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+                "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+                "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
+            ],
+        )  # fmt: skip
+        sa_key = self._path("sa.key")
+        subprocess.run(["openssl", "genrsa", "-out", str(sa_key), "2048"], check=True, capture_output=True)
+        self.identities = [
+            self.admin,
+            Identity("system:kube-scheduler", os.urandom(16).hex()),
+            *(Identity(f"system:node:{n}", os.urandom(16).hex(), ("system:nodes", "system:masters"))
+              for n, _ in self.nodes_spec),
+        ]  # fmt: skip
+        if not self.rbac:
+            # without RBAC the gpushare components are ordinary users; with it they use service accounts
+            self.identities += [Identity("gpushare-node-agent", os.urandom(16).hex()),
+                                Identity("gpushare-extender", os.urandom(16).hex())]  # fmt: skip
+        self._path("tokens.csv").write_text(render_token_file(self.identities))
+        self.apiserver = self._spawn(
+            "kube-apiserver",
+            [
+                str(self.bin_dir / "kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.api_port}",
+                "--insecure-port=0",
+                f"--cert-dir={self._path('apiserver-certs')}",
+                f"--token-auth-file={self._path('tokens.csv')}",
+                f"--authorization-mode={'RBAC' if self.rbac else 'AlwaysAllow'}",
+                f"--service-account-key-file={sa_key}",
+                f"--service-account-signing-key-file={sa_key}",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                "--service-cluster-ip-range=10.96.0.0/24",
+                "--allow-privileged=true",
+                # no kube-controller-manager, so no default ServiceAccount to admit pods with
+                "--disable-admission-plugins=ServiceAccount",
+                "--enable-priority-and-fairness=false",
+            ],
+        )
+
+        def ready() -> bool:
+            self.apiserver.check()
+            return _get(f"{self.server}/readyz", self.admin.token) == 200
+
+        wait_for(ready, 60, f"kube-apiserver to answer /readyz (log {self.apiserver.log_path})", 0.2)
+        for who in self.identities:
+            self._write_kubeconfig(who.user, who.token)
+        self.api = load_api(str(self.kubeconfig))
+        if self.rbac:
+            self._apply_rbac()
+
+    def _apply_rbac(self) -> None:
+        """Apply deploy/namespace.yaml and deploy/rbac.yaml, then mint tokens for their service accounts."""
+        from kubernetes import client, utils
+
+        for manifest in RBAC_MANIFESTS:
+            utils.create_from_yaml(self.api, str(manifest))
+        core = client.CoreV1Api(self.api)
+        for account in ("gpushare-node-agent", "gpushare-extender"):
+            request = client.AuthenticationV1TokenRequest(
+                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=86400)
+            )
+            token = core.create_namespaced_service_account_token(account, SYSTEM_NAMESPACE, request).status.token
+            self._write_kubeconfig(account, token)
+
+    def _start_nodes(self) -> None:
+        image = build_busybox_image(self._path("busybox.tar"), (PAUSE_IMAGE, TEST_IMAGE, EXAMPLE_IMAGE))
+        for name, gpus in self.nodes_spec:
+            self.nodes[name] = node = RealNode(name, gpus, self._path(name))
+            self._start_namespace(node)
+            node.containerd = Containerd(node.base / "ctrd", PAUSE_IMAGE, node.in_namespace)
+            (node.containerd.base / "cni-conf").mkdir(parents=True)
+            (node.containerd.base / "cni-conf" / "10-loopback.conflist").write_text(render_loopback_conflist())
+            (node.containerd.base / "cni-bin").symlink_to(CNI_PLUGINS)
+            node.containerd.start()
+            node.containerd.import_image(image)
+            self.start_agent(node)
+            self.start_kubelet(node)
+        for node in self.nodes.values():
+            self.wait_node_ready(node)
+
+    def _start_namespace(self, node: RealNode) -> None:
+        """A process holding a private mount namespace with the node's own kubelet directories."""
+        for directory in (node.device_plugin_dir, node.base / "pod-logs"):
+            directory.mkdir(parents=True, exist_ok=True)
+        for target in (DEVICE_PLUGIN_DIR, POD_LOG_DIR):
+            target.mkdir(parents=True, exist_ok=True)
+        script = 'mount --bind "$1" "$2" && mount --bind "$3" "$4" && echo ready && exec sleep 2147483647'
+        node.holder = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
+             str(node.device_plugin_dir), str(DEVICE_PLUGIN_DIR), str(node.base / "pod-logs"), str(POD_LOG_DIR)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
+            cwd=node.base,
+        )  # fmt: skip
+        assert node.holder.stdout is not None
+        if node.holder.stdout.readline().strip() != b"ready":
+            node.holder.wait()
+            err = node.holder.stderr.read().decode(errors="replace") if node.holder.stderr else ""
+            raise ClusterError(f"node {node.name}: could not make its mount namespace: {err.strip()}")
+
+    def _write_kubeconfig(self, user: str, token: str) -> None:
+        """Its self-signed serving certificate (written once it serves) is the CA every kubeconfig trusts."""
+        ca = self._path("apiserver-certs") / "apiserver.crt"
+        self.kubeconfig_of(user).write_text(render_kubeconfig(self.server, user, token, ca))
+
+    def kubeconfig_of(self, account: str) -> Path:
+        return self._path(f"{_file_name(account)}.kubeconfig")
+
+    def start_agent(self, node: RealNode) -> None:
+        """``gpushare node`` in the node's namespace, as its DaemonSet pod would run it."""
+        node.agent_metrics_port = free_port()
+        node.agent = self._spawn(
+            f"node-agent-{node.name}",
+            [
+                *node.in_namespace,
+                sys.executable, "-m", "gpushare.cli", "node",
+                "--node-name", node.name,
+                "--kubeconfig", str(self.kubeconfig_of("gpushare-node-agent")),
+                "--gpus", f"sim:{node.gpus}",
+                "--listen", f"unix://{node.cri_socket}",
+                "--runtime", node.containerd.address if node.containerd else "",
+                "--metrics-port", str(node.agent_metrics_port),
+            ],
+        )  # fmt: skip
+        agent = node.agent
+        wait_for(lambda: agent.check() or node.cri_socket.exists(), 30, f"node {node.name}: the CRI shim's socket")
+
+    def start_kubelet(self, node: RealNode) -> None:
+        port, node.kubelet_healthz_port = free_port(), free_port()
+        config = node.base / "kubelet.yaml"
+        config.write_text(render_kubelet_config(port, node.kubelet_healthz_port))
+        node.kubelet = self._spawn(
+            f"kubelet-{node.name}",
+            [
+                *node.in_namespace,
+                str(self.bin_dir / "kubelet"),
+                f"--config={config}",
+                f"--kubeconfig={self.kubeconfig_of(f'system:node:{node.name}')}",
+                "--container-runtime=remote",
+                f"--container-runtime-endpoint=unix://{node.cri_socket}",
+                f"--root-dir={node.base / 'kubelet'}",
+                f"--cert-dir={node.base / 'kubelet-pki'}",
+                f"--hostname-override={node.name}",
+                "--node-ip=127.0.0.1",
+                "--v=2",
+            ],
+        )
+
+    def wait_node_ready(self, node: RealNode, timeout: float = 60, reported_after: float = 0.0) -> None:
+        """Wait for Ready, gpu-mem on offer and the node agent ready, in a status kubelet reported after
+        ``reported_after`` (epoch seconds) when given; then lift the not-ready taint, which only
+        kube-controller-manager would otherwise remove."""
+        from kubernetes import client
+
+        core = client.CoreV1Api(self.api)
+
+        def ready() -> bool:
+            for proc in (node.kubelet, node.agent):
+                if proc is not None:
+                    proc.check()
+            try:
+                status = core.read_node(node.name).status
+            except client.ApiException:
+                return False
+            ready = next((cond for cond in status.conditions or [] if cond.type == "Ready"), None)
+            if ready is None or ready.status != "True" or ready.last_heartbeat_time.timestamp() < reported_after:
+                return False
+            return int((status.allocatable or {}).get(c.RESOURCE_MEM, "0")) > 0 and node.agent_ready()
+
+        wait_for(ready, timeout, f"node {node.name} to be Ready with {c.RESOURCE_MEM} (logs in {self.workdir})", 0.2)
+        taints = core.read_node(node.name).spec.taints or []
+        kept = [t.to_dict() for t in taints if t.key != NOT_READY_TAINT]
+        if len(kept) != len(taints):
+            core.patch_node(node.name, {"spec": {"taints": kept or None}})
+
+    def _start_schedulers(self) -> None:
+        template = yaml.safe_load(SCHEDULER_CONFIG.read_text())
+        for name in self.scheduler_names:
+            control = Control(name, free_port())
+            self.controls.append(control)
+            argv = [sys.executable, "-m", "gpushare.cli", "extender", "--port", str(control.extender_port),
+                    "--kubeconfig", str(self.kubeconfig_of("gpushare-extender"))]  # fmt: skip
+            control.extender = self._spawn(
+                f"extender-{name}", [*argv, "--policy", self.policy] if self.policy else argv
+            )
+            config = self._path(f"scheduler-{name}.yaml")
+            control.healthz_port = free_port()
+            config.write_text(
+                render_scheduler_config(
+                    self.kubeconfig_of("system:kube-scheduler"),
+                    control.extender_url,
+                    name,
+                    template,
+                    f"127.0.0.1:{control.healthz_port}",
+                )
+            )
+            control.scheduler = self._spawn(
+                f"kube-scheduler-{name}",
+                [str(self.bin_dir / "kube-scheduler"), f"--config={config}", "--secure-port=0", "--v=2"],
+            )
+        for control in self.controls:
+            wait_for(lambda ctl=control: ctl.ready(), 30, f"scheduler {control.scheduler_name} and its extender")
+
+    # --- operations ------------------------------------------------------------------------------------
+
+    def restart_kubelet(self, name: str) -> None:
+        """Restart the node's kubelet and return once the device plugin has registered with the new one
+        and kubelet has reported its resources since. Until then kubelet refuses GPU pods for want of
+        devices, as any kubelet does after a restart."""
+        node = self.nodes[name]
+        assert node.kubelet is not None
+        node.kubelet.stop()
+        self.processes.remove(node.kubelet)
+        restarted = time.time()
+        self.start_kubelet(node)
+        kubelet = node.kubelet
+
+        def plugin_serves_again() -> bool:
+            """kubelet recreated its socket and wiped the plugin's; the plugin's are back, newer than kubelet's."""
+            kubelet.check()
+            try:
+                kubelet_made = (node.device_plugin_dir / "kubelet.sock").stat().st_ctime
+                plugins = [p.stat().st_ctime for p in node.device_plugin_dir.glob("*.sock") if p.name != "kubelet.sock"]
+            except FileNotFoundError:
+                return False
+            return kubelet_made >= restarted and bool(plugins) and min(plugins) >= kubelet_made
+
+        wait_for(plugin_serves_again, 30, f"node {name}: the device plugin to serve the restarted kubelet")
+        # heartbeats are stamped to the second
+        self.wait_node_ready(node, reported_after=time.time() + 1)
+
+    def restart_agent(self, name: str) -> None:
+        node = self.nodes[name]
+        assert node.agent is not None
+        node.agent.stop()
+        self.processes.remove(node.agent)
+        self.start_agent(node)
+
+    def container_env(self, node: str, namespace: str, pod: str, container: str) -> dict[str, str]:
+        """The environment of a running container's process, read with CRI ExecSync from the node's containerd."""
+        ctrd = self.nodes[node].containerd
+        assert ctrd is not None
+        with grpc.insecure_channel(ctrd.address) as channel:
+            stub = cri_pb2_grpc.RuntimeServiceStub(channel)
+            selector = {
+                c.CRI_LABEL_POD_NAME: pod,
+                c.CRI_LABEL_POD_NAMESPACE: namespace,
+                c.CRI_LABEL_CONTAINER_NAME: container,
+            }
+            found = stub.ListContainers(
+                cri_pb2.ListContainersRequest(
+                    filter=cri_pb2.ContainerFilter(
+                        label_selector=selector, state=cri_pb2.ContainerStateValue(state=cri_pb2.CONTAINER_RUNNING)
+                    )
+                ),
+                timeout=10,
+            ).containers
+            if not found:
+                raise ClusterError(f"no running container {container} of pod {namespace}/{pod} on node {node}")
+            reply = stub.ExecSync(
+                cri_pb2.ExecSyncRequest(container_id=found[0].id, cmd=["env"], timeout=10), timeout=20
+            )
+        if reply.exit_code != 0:
+            raise ClusterError(f"env in {namespace}/{pod}/{container} exited {reply.exit_code}: {reply.stderr!r}")
+        return dict(line.split("=", 1) for line in reply.stdout.decode().splitlines() if "=" in line)
+
+    def node_inventory(self, name: str) -> c.NodeInventory:
+        """The cards node ``name``'s advertiser published."""
+        from kubernetes import client
+
+        annotations = client.CoreV1Api(self.api).read_node(name).metadata.annotations or {}
+        return c.parse_inventory(annotations.get(c.NODE_ANN_INVENTORY, ""), name)
+
+    def all_pids(self) -> list[int]:
+        """Every process this cluster runs now, containerd's shims and the containers included."""
+        return processes_using(self.workdir)
+
+    # --- stop ------------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop every process: schedulers and extenders, kubelets (so nothing restarts pods), node agents,
+        each containerd with its pods and shims, the API server and etcd, then the namespaces."""
+        if not self._started:
+            return
+        self._started = False
+        order = [p for p in self.processes if p.name.startswith(("kube-scheduler", "extender", "kubelet"))]
+        order += [p for p in self.processes if p.name.startswith("node-agent")]
+        for proc in order:
+            with contextlib.suppress(Exception):
+                proc.stop()
+        for node in self.nodes.values():
+            if node.containerd is not None:
+                with contextlib.suppress(Exception):
+                    node.containerd.close()
+        for proc in reversed(self.processes):
+            with contextlib.suppress(Exception):
+                proc.stop()
+        for node in self.nodes.values():
+            if node.holder is not None and node.holder.poll() is None:
+                node.holder.kill()
+                node.holder.wait()
+        for pid in processes_using(self.workdir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if self.api is not None:
+            self.api.close()
+
+
+def processes_using(path: Path) -> list[int]:
+    """Processes whose command line, working directory or root lies under ``path``: every process a
+    cluster in that directory started, container processes included (their root is a snapshot there)."""
+    inside = str(path).encode() + b"/"
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes()
+            places = [os.readlink(entry / "cwd").encode(), os.readlink(entry / "root").encode()]
+        except OSError:
+            continue
+        if inside in argv or any((p + b"/").startswith(inside) for p in places):
+            found.append(int(entry.name))
+    return found
+
+
+def _file_name(user: str) -> str:
+    return user.replace(":", "-")
+
+
+@contextlib.contextmanager
+def running_cluster(nodes: Sequence[tuple[str, str]], workdir: Path, **options: Any) -> Iterator[RealCluster]:
+    cluster = RealCluster(nodes, workdir, **options)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

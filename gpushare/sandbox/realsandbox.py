@@ -1,0 +1,103 @@
+"""``gpushare sandbox`` on a real Kubernetes: the cluster of :mod:`gpushare.sandbox.realcluster` with the
+pods of deploy/examples applied as a user would, then the same report as the stand-in sandbox, with
+every container's GPU environment read from its running process."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpushare.inspectview import build_cluster, render_details
+from gpushare.kube import get_pod, list_nodes, list_pods
+from gpushare.placement import DEFAULT_POLICY
+from gpushare.sandbox.cluster import (
+    EXAMPLES,
+    NodeSpec,
+    PodOutcome,
+    Progress,
+    cards_of,
+    load_examples,
+    log_to,
+    report,
+    stay_up,
+)
+from gpushare.sandbox.realcluster import KUBE_VERSION, ClusterError, RealCluster, as_host_network, wait_for
+
+#: how long an example pod may take to reach a final answer (Running, Failed or Unschedulable)
+SETTLE_SECONDS = 60.0
+
+
+def settled(pod: Mapping[str, Any]) -> PodOutcome | None:
+    """What the report says about a pod once its fate is known, else None."""
+    meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+    outcome = PodOutcome(name=meta["name"], node=spec.get("nodeName") or "", state=status.get("phase", "Pending"))
+    if outcome.state in ("Running", "Failed", "Succeeded"):
+        outcome.reason = status.get("message") or ""
+        return outcome
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
+            outcome.reason = cond.get("message") or ""
+            return outcome
+    return None
+
+
+def apply_examples(cluster: RealCluster, manifests: Sequence[Mapping[str, Any]]) -> list[PodOutcome]:
+    from kubernetes import client
+
+    core = client.CoreV1Api(cluster.api)
+    names = []
+    for manifest in manifests:
+        body = as_host_network(manifest)
+        core.create_namespaced_pod(body["metadata"].get("namespace", "default"), body)
+        names.append((body["metadata"].get("namespace", "default"), body["metadata"]["name"]))
+    outcomes = []
+    for namespace, name in names:
+        try:
+            outcome = wait_for(lambda ns=namespace, n=name: settled(get_pod(cluster.api, ns, n)), SETTLE_SECONDS, name)
+        except ClusterError:
+            outcome = PodOutcome(name=name, reason=f"no decision within {SETTLE_SECONDS:.0f}s")
+        if outcome.state == "Running":
+            pod = get_pod(cluster.api, namespace, name)
+            outcome.cards = cards_of(pod, cluster.node_inventory(outcome.node).cards)
+            outcome.env = {
+                spec["name"]: cluster.container_env(outcome.node, namespace, name, spec["name"])
+                for spec in pod["spec"]["containers"]
+            }
+            outcome.env_source = "container"
+        outcomes.append(outcome)
+    return outcomes
+
+
+def run_real(specs: Sequence[NodeSpec], policy: str, keep_running: bool, out: Any = sys.stdout) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="gpushare-sandbox-", dir="/tmp"))
+    log_to(workdir / "sandbox.log")
+    policy = policy or DEFAULT_POLICY
+    cluster = RealCluster([(s.name, s.gpus) for s in specs], workdir, policy=policy)
+    progress = Progress(total=4)
+    started = time.monotonic()
+    try:
+        cluster.start(progress.step)
+        print(f"Kubernetes {KUBE_VERSION} is up: kubectl --kubeconfig {cluster.kubeconfig} get pods", file=out)
+        with progress.step(f"applying the example pods from {EXAMPLES.relative_to(EXAMPLES.parents[1])}"):
+            outcomes = apply_examples(cluster, load_examples())
+        inspect = render_details(build_cluster(list_nodes(cluster.api), list_pods(cluster.api)))
+        report(outcomes, policy, started, inspect, "env read with CRI ExecSync from each running container", out)
+        print(f"\nComponent logs: {workdir}", file=out)
+        if keep_running:
+            stay_up(
+                f"kubectl --kubeconfig {cluster.kubeconfig} get pods -o wide\n"
+                f"         gpushare inspect --kubeconfig {cluster.kubeconfig}",
+                out,
+            )
+    except ClusterError as exc:
+        print(f"gpushare sandbox: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        with contextlib.suppress(KeyboardInterrupt):
+            cluster.stop()
+    return 0

@@ -1,0 +1,186 @@
+"""One real Kubernetes v1.20 cluster for the whole e2e session: kube-apiserver with RBAC and the
+manifests' service accounts, two kube-scheduler/extender pairs, and two simulated nodes, each a mount
+namespace with containerd, the gpushare node agent and a kubelet.
+
+Without root, the built binaries or the packages, every test here is skipped and the session header
+says why in one line.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import wait_until
+from kubernetes import client
+
+from gpushare import contract as c
+from gpushare.kube import get_pod
+from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available
+from gpushare.usage import resolve_allocation
+
+E2E_DIR = Path(__file__).parent
+UNAVAILABLE = realcluster_available()
+NODES = (("node-a", "2xA100-80GB:81920,1xT4:15360"), ("node-b", "1xA100-40GB:40960,2xA10:24576"))
+#: a second kube-scheduler with its own extender replica, for concurrent binds
+SECOND_SCHEDULER = "gpushare-second"
+POD_TIMEOUT = 60.0
+#: seconds between polls of the API server
+API_POLL = 0.2
+_names = itertools.count()
+
+
+def pytest_report_header() -> str | None:
+    if UNAVAILABLE:
+        return f"real-cluster e2e tests SKIPPED: {UNAVAILABLE}"
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if UNAVAILABLE:
+        skip = pytest.mark.skip(reason=f"no real cluster here: {UNAVAILABLE}")
+        for item in items:
+            if E2E_DIR in Path(str(item.fspath)).parents:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[RealCluster]:
+    workdir = Path(tempfile.mkdtemp(prefix="gs-e2e-", dir="/tmp"))
+    real = RealCluster(NODES, workdir, rbac=True, scheduler_names=("default-scheduler", SECOND_SCHEDULER))
+    real.start()
+    try:
+        yield real
+    finally:
+        real.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def core(cluster: RealCluster) -> client.CoreV1Api:
+    return client.CoreV1Api(cluster.api)
+
+
+def pod_manifest(
+    name: str,
+    limits: Sequence[Mapping[str, int]] = ({c.RESOURCE_MEM: 4},),
+    *,
+    node: str | None = None,
+    scheduler: str | None = None,
+    annotations: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A busybox pod with one container per entry of ``limits`` (``main``, ``c1``, ...)."""
+    containers = [
+        {
+            "name": "main" if i == 0 else f"c{i}",
+            "image": "busybox:1.36",
+            "command": ["sleep", "3600"],
+            "resources": {"limits": dict(limit)},
+        }
+        for i, limit in enumerate(limits)
+    ]
+    spec: dict[str, Any] = {"restartPolicy": "Never", "containers": containers}
+    if node:
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+    if scheduler:
+        spec["schedulerName"] = scheduler
+    metadata: dict[str, Any] = {"name": name, "namespace": "default"}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
+    return as_host_network({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec})
+
+
+class Pods:
+    """Creates pods and deletes every one of them when the test ends."""
+
+    def __init__(self, cluster: RealCluster, core: client.CoreV1Api) -> None:
+        self.cluster = cluster
+        self.core = core
+        self.created: list[str] = []
+
+    def name(self, prefix: str) -> str:
+        return f"{prefix}-{next(_names)}"
+
+    def create(self, manifest: Mapping[str, Any]) -> str:
+        name = manifest["metadata"]["name"]
+        self.core.create_namespaced_pod("default", manifest)
+        self.created.append(name)
+        return name
+
+    def get(self, name: str) -> dict[str, Any]:
+        return get_pod(self.cluster.api, "default", name)
+
+    def phase(self, name: str) -> str:
+        return (self.get(name).get("status") or {}).get("phase", "")
+
+    def wait_running(self, name: str, timeout: float = POD_TIMEOUT) -> dict[str, Any]:
+        """The pod once Running; fails at once, with kubelet's reason, if the pod failed."""
+
+        def running() -> dict[str, Any] | None:
+            pod = self.get(name)
+            status = pod.get("status") or {}
+            if status.get("phase") == "Failed":
+                raise AssertionError(f"pod {name} failed: {status.get('reason')}: {status.get('message')}")
+            return pod if status.get("phase") == "Running" else None
+
+        try:
+            return wait_until(running, timeout, f"pod {name} to run", API_POLL)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; it is {self.why_not(name)}") from None
+
+    def why_not(self, name: str) -> str:
+        status = self.get(name).get("status") or {}
+        conditions = [
+            f"{x.get('type')}={x.get('status')} {x.get('message', '')}" for x in status.get("conditions") or []
+        ]
+        return f"{status.get('phase')}: {'; '.join(conditions)}"
+
+    def delete_all(self) -> None:
+        for name in self.created:
+            try:
+                self.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+        self.created.clear()
+
+    def env(self, name: str, container: str = "main") -> dict[str, str]:
+        """The environment the container's process really has."""
+        pod = self.get(name)
+        return self.cluster.container_env(pod["spec"]["nodeName"], "default", name, container)
+
+    def allocation(self, name: str) -> dict[str, tuple[c.CardSlice, ...]]:
+        """The cards the scheduler wrote for each container, named by UUID through the node's inventory."""
+        pod = self.get(name)
+        allocation = resolve_allocation(pod, self.cluster.node_inventory(pod["spec"]["nodeName"]).cards)
+        assert allocation, f"pod {name} carries no card assignment"
+        return allocation
+
+
+@pytest.fixture
+def pods(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[Pods]:
+    made = Pods(cluster, core)
+    try:
+        yield made
+    finally:
+        made.delete_all()
+
+
+def assert_sees_assigned_cards(pods: Pods, name: str) -> None:
+    """Every GPU container of the pod sees exactly the cards the scheduler wrote for it, with the matching
+    ALIYUN_COM_GPU_MEM_* values."""
+    pod = pods.get(name)
+    allocation = pods.allocation(name)
+    inventory = pods.cluster.node_inventory(pod["spec"]["nodeName"])
+    units = {card.uuid: inventory.units_of(card) for card in inventory.cards}
+    pod_mem = c.parse_pod_request(pod).total_mem
+    for container, slices in allocation.items():
+        env = pods.env(name, container)
+        expected = c.assigned_env(slices, pod_mem, units)
+        seen = {k: env.get(k) for k in expected}
+        assert seen == expected, f"pod {name} container {container}: env {seen} != assigned {expected}"

@@ -1,0 +1,65 @@
+"""The pods of deploy/examples on the real cluster, as a user applies them (with host networking, the
+only network here)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client
+
+from gpushare import contract as c
+from gpushare.sandbox.cluster import load_examples
+from gpushare.sandbox.realcluster import RealCluster, as_host_network
+
+from .conftest import API_POLL, Pods, assert_sees_assigned_cards, wait_until
+
+RUNNING = ("multi-container", "shared-1", "shared-2", "two-cards", "no-gpu-all-devices")
+
+
+@pytest.fixture(scope="module")
+def examples(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[Pods]:
+    made = Pods(cluster, core)
+    for manifest in load_examples():
+        made.create(as_host_network(manifest))
+    try:
+        yield made
+    finally:
+        made.delete_all()
+
+
+@pytest.mark.parametrize("name", [n for n in RUNNING if n != "no-gpu-all-devices"])
+def test_example_runs_with_the_cards_the_scheduler_wrote(examples: Pods, name: str) -> None:
+    examples.wait_running(name)
+    assert_sees_assigned_cards(examples, name)
+
+
+def test_two_card_example_sees_two_distinct_cards(examples: Pods) -> None:
+    examples.wait_running("two-cards")
+    (slices,) = examples.allocation("two-cards").values()
+    uuids = examples.env("two-cards")[c.ENV_VISIBLE_DEVICES].split(",")
+    assert len(set(uuids)) == 2 and set(uuids) == {s.uuid for s in slices}
+
+
+def test_too_big_stays_pending_and_says_why(examples: Pods, core: client.CoreV1Api) -> None:
+    def unschedulable() -> str | None:
+        for cond in (examples.get("too-big").get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
+                return cond.get("message", "")
+        return None
+
+    message = wait_until(unschedulable, 30, "too-big to be marked Unschedulable", API_POLL)
+    assert "0/2 nodes are available" in message and c.RESOURCE_MEM in message, message
+    events = core.list_namespaced_event(
+        "default", field_selector="involvedObject.name=too-big,reason=FailedScheduling"
+    ).items
+    assert events and c.RESOURCE_MEM in events[0].message
+    assert examples.phase("too-big") == "Pending"
+    assert not (examples.get("too-big")["spec"].get("nodeName"))
+
+
+def test_the_pod_without_a_gpu_request_sees_void(examples: Pods) -> None:
+    examples.wait_running("no-gpu-all-devices")
+    env = examples.env("no-gpu-all-devices")
+    assert env[c.ENV_VISIBLE_DEVICES] == c.VISIBLE_DEVICES_VOID
+    assert not [k for k in env if k.startswith(c.ENV_MEM_PREFIX)]

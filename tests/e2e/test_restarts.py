@@ -1,0 +1,44 @@
+"""Restarts on a real node: kubelet (it wipes the device-plugin directory) and the gpushare node agent."""
+
+from __future__ import annotations
+
+from kubernetes import client
+
+from gpushare import contract as c
+from gpushare.sandbox.realcluster import RealCluster
+
+from .conftest import Pods, assert_sees_assigned_cards, pod_manifest
+
+
+def container_id(pods: Pods, name: str) -> str:
+    return pods.get(name)["status"]["containerStatuses"][0]["containerID"]
+
+
+def test_after_a_kubelet_restart_the_plugin_registers_again_and_new_pods_run(
+    cluster: RealCluster, core: client.CoreV1Api, pods: Pods
+) -> None:
+    before = pods.create(pod_manifest(pods.name("pre-kubelet"), node="node-b"))
+    pods.wait_running(before)
+    cluster.restart_kubelet("node-b")  # returns once the plugin registered again and kubelet reported it
+    after = pods.create(pod_manifest(pods.name("post-kubelet"), node="node-b"))
+    pods.wait_running(after)
+    assert_sees_assigned_cards(pods, after)
+    assert pods.phase(before) == "Running"
+
+
+def test_after_a_node_agent_restart_running_pods_are_untouched_and_new_pods_run(
+    cluster: RealCluster, pods: Pods
+) -> None:
+    running = pods.create(pod_manifest(pods.name("pre-agent"), ({c.RESOURCE_MEM: 3}, {c.RESOURCE_MEM: 2}),
+                                       node="node-b"))  # fmt: skip
+    pods.wait_running(running)
+    env_before = {ctr: pods.env(running, ctr) for ctr in ("main", "c1")}
+    id_before = container_id(pods, running)
+    cluster.restart_agent("node-b")
+    cluster.wait_node_ready(cluster.nodes["node-b"])
+    new = pods.create(pod_manifest(pods.name("post-agent"), node="node-b"))
+    pods.wait_running(new)
+    assert_sees_assigned_cards(pods, new)
+    assert pods.phase(running) == "Running"
+    assert container_id(pods, running) == id_before
+    assert {ctr: pods.env(running, ctr) for ctr in ("main", "c1")} == env_before

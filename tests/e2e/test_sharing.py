@@ -1,0 +1,93 @@
+"""Card sharing on the real cluster: equal requests, multi-card sharing pods, concurrent extenders and
+pods written by the original Alibaba extender."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from gpushare import contract as c
+from gpushare.usage import holds_resources
+
+from .conftest import API_POLL, SECOND_SCHEDULER, Pods, assert_sees_assigned_cards, pod_manifest, wait_until
+
+
+def test_two_equal_requests_each_see_their_own_card(pods: Pods) -> None:
+    # spread puts them on different cards of one node, so a swap would show in the env
+    names = [
+        pods.create(pod_manifest(pods.name("equal"), ({c.RESOURCE_MEM: 20},), node="node-b",
+                                 annotations={c.ANN_POLICY: "spread"}))
+        for _ in range(2)
+    ]  # fmt: skip
+    for name in names:
+        pods.wait_running(name)
+        assert_sees_assigned_cards(pods, name)
+    cards = [pods.env(name)[c.ENV_VISIBLE_DEVICES] for name in names]
+    assert cards[0] != cards[1], "spread should have used two cards"
+
+
+def test_four_two_card_sharing_pods_run_on_a_three_card_node(pods: Pods) -> None:
+    names = [
+        pods.create(pod_manifest(pods.name("pair"), ({c.RESOURCE_MEM: 8, c.RESOURCE_COUNT: 2},), node="node-a"))
+        for _ in range(4)
+    ]
+    for name in names:
+        pods.wait_running(name)
+        assert_sees_assigned_cards(pods, name)
+        (slices,) = pods.allocation(name).values()
+        assert len({s.uuid for s in slices}) == 2
+
+
+def test_two_extender_replicas_binding_at_once_never_overcommit(pods: Pods) -> None:
+    # node-b holds 40 + 24 + 24 GiB: eight 10 GiB pods fit (4 + 2 + 2), ten are asked for at once,
+    # half through each kube-scheduler and its own extender replica
+    names = [
+        pods.create(pod_manifest(pods.name("race"), ({c.RESOURCE_MEM: 10},), node="node-b",
+                                 scheduler=SECOND_SCHEDULER if i % 2 else None))
+        for i in range(10)
+    ]  # fmt: skip
+
+    inventory = pods.cluster.node_inventory("node-b")
+
+    def placed_within_capacity() -> list[str]:
+        """The pods bound and holding their cards, after checking that no card holds more than it has."""
+        live = [pod for pod in map(pods.get, names) if pod["spec"].get("nodeName") and holds_resources(pod)]
+        used: dict[str, int] = defaultdict(int)
+        for pod in live:
+            for slices in pods.allocation(pod["metadata"]["name"]).values():
+                for s in slices:
+                    used[s.uuid] += s.units
+        for card in inventory.cards:
+            assert used[card.uuid] <= inventory.units_of(card), f"card {card.index} over-committed: {dict(used)}"
+        return [pod["metadata"]["name"] for pod in live]
+
+    placed = wait_until(lambda: len(live := placed_within_capacity()) == 8 and live, 60, "eight pods placed", API_POLL)
+    for name in placed:
+        pods.wait_running(name)
+        assert_sees_assigned_cards(pods, name)
+    assert len(placed_within_capacity()) == 8
+    assert sorted(set(names) - set(placed)) == sorted(n for n in names if not pods.get(n)["spec"].get("nodeName"))
+
+
+def test_a_pod_with_only_the_original_alibaba_annotations_runs_on_its_card(pods: Pods) -> None:
+    # as the original extender leaves a pod: its five annotations, then bound to the node
+    inventory = pods.cluster.node_inventory("node-b")
+    card = inventory.cards[1]
+    manifest = pod_manifest(
+        pods.name("alibaba"),
+        ({c.RESOURCE_MEM: 6},),
+        annotations={
+            c.ANN_MEM_IDX: str(card.index),
+            c.ANN_MEM_POD: "6",
+            c.ANN_MEM_DEV: str(inventory.units_of(card)),
+            c.ANN_MEM_ASSIGNED: "false",
+            c.ANN_MEM_ASSUME_TIME: c.format_assume_time(1_700_000_000_000_000_000),
+        },
+    )
+    manifest["spec"].pop("nodeSelector", None)
+    manifest["spec"]["nodeName"] = "node-b"
+    name = pods.create(manifest)
+    pods.wait_running(name)
+    env = pods.env(name)
+    assert env[c.ENV_VISIBLE_DEVICES] == card.uuid
+    assert env[c.ENV_MEM_IDX] == str(card.index)
+    assert env[c.ENV_MEM_CONTAINER] == "6"
