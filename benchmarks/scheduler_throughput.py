@@ -218,14 +218,14 @@ def main() -> int:
                  "--kubeconfig", str(cluster.kubeconfig_of("gpushare-extender"))],
                 workdir / "extender.log",
             ).start()  # fmt: skip
+            url = f"http://127.0.0.1:{port}"
+            wait_for(lambda: extender.check() or _get(f"{url}/readyz") == 200, 120, "the extender to be ready")
             rates: dict[str, list[float]] = {setup: [] for setup in SETUPS}
             for round_ in range(args.rounds):
                 order = SETUPS if round_ % 2 == 0 else SETUPS[::-1]
                 for setup in order:
-                    url = f"http://127.0.0.1:{port}" if setup == SETUPS[1] else None
-                    if url:
-                        wait_for(lambda: extender.check() or _ready(url), 120, "the extender to be ready")
-                    rate = run_once(cluster, core, pool, args, f"r{round_}-{'ext' if url else 'plain'}", url)
+                    via = url if setup == SETUPS[1] else None
+                    rate = run_once(cluster, core, pool, args, f"r{round_}-{'ext' if via else 'plain'}", via)
                     rates[setup].append(rate)
                     print(f"round {round_ + 1}: {setup}: {rate:.1f} pods/s", flush=True)
         alone, ext = (statistics.median(rates[s]) for s in SETUPS)
@@ -242,10 +242,6 @@ def main() -> int:
             print(f"logs in {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _ready(url: str) -> bool:
-    return _get(f"{url}/readyz") == 200
 
 
 if __name__ == "__main__":
