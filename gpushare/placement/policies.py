@@ -251,4 +251,4 @@ class FgdFit(Fgd):
 
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (Binpack(), Spread(), Fgd(), FgdFit())}
-DEFAULT_POLICY = "fgd"
+DEFAULT_POLICY = "fgdfit"
