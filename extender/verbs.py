@@ -229,15 +229,22 @@ def _filter_reply(
     return reply
 
 
-def prioritize_result(engine: Placement, body: Any) -> Raw | list[dict[str, Any]]:
+def _prioritize_args(
+    engine: Placement, body: Any
+) -> tuple[Mapping[str, Any], NodeNames, tuple[placement.Demand, ...], str, placement.Policy | None]:
+    """The pod, the node names, its GPU demands and its policy (no demands and no policy when the pod's
+    request or policy can't be read: it then scores 0 everywhere, and filter says why)."""
     pod = request_pod(body)
     names, _ = candidate_names(body)
     try:
-        demands = demands_of(pod)
-        policy_name, policy = engine.policy_for(pod)
+        return pod, names, demands_of(pod), *engine.policy_for(pod)
     except (ContractError, ValueError):
-        demands = ()
-    if not demands:
+        return pod, names, (), "", None
+
+
+def prioritize_result(engine: Placement, body: Any) -> Raw | list[dict[str, Any]]:
+    pod, names, demands, policy_name, policy = _prioritize_args(engine, body)
+    if not demands or policy is None:
         return names.priorities(np.zeros(len(names), dtype=np.int64))
     if len(demands) == 1:
         costs = engine.batch_costs(names, demands[0].shape, policy_name, host_request(pod))
@@ -251,13 +258,7 @@ def host_prioritize_result(engine: Placement, body: Any) -> Raw | list[dict[str,
     weighs CPU and memory, the nodes where its CPU and memory would strand the least GPU and that have
     the least idle GPU score highest; a node the extender has no cards for counts as having no idle GPU.
     GPU pods, and policies that don't weigh CPU, get 0 everywhere (the GPU entry scores GPU pods)."""
-    pod = request_pod(body)
-    names, _ = candidate_names(body)
-    try:
-        demands = demands_of(pod)
-        policy_name, policy = engine.policy_for(pod)
-    except (ContractError, ValueError):
-        demands, policy = (), None
+    pod, names, demands, policy_name, policy = _prioritize_args(engine, body)
     if demands or policy is None or not policy.uses_host:
         return names.priorities(np.zeros(len(names), dtype=np.int64))
     costs = engine.batch_costs(names, NO_GPU, policy_name, host_request(pod))
