@@ -22,7 +22,7 @@ from kubernetes import client
 from gpushare import contract as c
 from gpushare.kube import get_pod
 from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available
-from gpushare.usage import resolve_allocation
+from gpushare.usage import pod_allocation
 
 E2E_DIR = Path(__file__).parent
 UNAVAILABLE = realcluster_available()
@@ -177,7 +177,7 @@ class Pods:
     def allocation(self, name: str) -> dict[str, tuple[c.CardSlice, ...]]:
         """The cards the scheduler wrote for each container, named by UUID through the node's inventory."""
         pod = self.get(name)
-        allocation = resolve_allocation(pod, self.cluster.node_inventory(pod["spec"]["nodeName"]).cards)
+        allocation = pod_allocation(pod, self.cluster.node_inventory(pod["spec"]["nodeName"]).cards)
         assert allocation, f"pod {name} carries no card assignment"
         return allocation
 
@@ -198,7 +198,7 @@ def assert_sees_assigned_cards(pods: Pods, name: str) -> None:
     allocation = pods.allocation(name)
     inventory = pods.cluster.node_inventory(pod["spec"]["nodeName"])
     units = {card.uuid: inventory.units_of(card) for card in inventory.cards}
-    pod_mem = c.parse_pod_request(pod).total_mem
+    pod_mem = c.parse_pod_request(pod).effective_mem
     for container, slices in allocation.items():
         env = pods.env(name, container)
         expected = c.assigned_env(slices, pod_mem, units)
