@@ -258,7 +258,7 @@ def test_the_extender_binds_only_gpu_pods_onto_nodes_they_accept(cluster: RealCl
     no_gpu = pods.create(pod_manifest(pods.name("no-gpu"), ({},), scheduler="nobody"))
     pinned = pods.create(pod_manifest(pods.name("pinned"), ({c.RESOURCE_MEM: 2},), node="node-b", scheduler="nobody"))
     refused = bind(cluster, scheduler, pods.get(no_gpu), "node-a")
-    assert no_gpu in refused.get("Error", "") and c.RESOURCE_MEM in refused["Error"], refused
+    assert no_gpu in refused.get("Error", "") and "requests no gpushare resource" in refused["Error"], refused
     refused = bind(cluster, scheduler, pods.get(pinned), "node-a")
     assert pinned in refused.get("Error", "") and "node-a" in refused["Error"], refused
     for name in (no_gpu, pinned):
