@@ -16,11 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from advertiser.agent import Advertiser
     from gpushare.cli import node_settings, wait_for_termination
-    from gpushare.inventory import open_backend
     from gpushare.kube import load_api
 
     settings = node_settings(args)
-    backend = open_backend(settings.gpus, settings.node_name, settings.ignored_xids)
+    backend = settings.open_backend()
     advertiser = Advertiser(
         load_api(settings.kubeconfig), settings.node_name, backend, settings.memory_unit, args.interval
     )

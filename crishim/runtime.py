@@ -10,7 +10,7 @@ from crishim.assignment import CachedPods, Resolver, Target
 from crishim.rewrite import RewriteOptions
 from crishim.server import CreateContainerGuard, CriShim
 from gpushare.cli import NodeSettings, wait_for_termination
-from gpushare.inventory import GpuBackend, open_backend
+from gpushare.inventory import GpuBackend
 from gpushare.kube import BackgroundEvents, KubeConfigError, WatchCache, load_api, node_pod_cache
 from gpushare.observability import serve_http
 
@@ -97,7 +97,7 @@ def _api_for(node: NodeSettings, settings: ShimSettings) -> Any | None:
 
 
 def run_cri_shim(node: NodeSettings, settings: ShimSettings, metrics_port: int) -> int:
-    backend = open_backend(node.gpus, node.node_name, node.ignored_xids)
+    backend = node.open_backend()
     running = start_cri_shim(node, settings, backend, _api_for(node, settings))
     if metrics_port:
         serve_http(metrics_port, lambda: running.shim.serving)

@@ -10,7 +10,7 @@ from deviceplugin.devices import REPLICAS_PER_UNIT, DeviceListTooLarge, check_me
 from deviceplugin.plugin import DevicePlugin
 from gpushare.cli import NodeSettings, UsageError, wait_for_termination
 from gpushare.contract import MemoryUnit
-from gpushare.inventory import GpuBackend, open_backend
+from gpushare.inventory import GpuBackend
 from gpushare.kube import WatchCache, load_api, node_pod_cache
 from gpushare.observability import serve_http
 
@@ -53,7 +53,7 @@ def start_device_plugin(settings: NodeSettings, backend: GpuBackend, api: object
 
 
 def run_device_plugin(settings: NodeSettings, metrics_port: int) -> int:
-    backend = open_backend(settings.gpus, settings.node_name, settings.ignored_xids)
+    backend = settings.open_backend()
     check_unit(backend, settings.memory_unit, settings.count_replicas)
     running = start_device_plugin(settings, backend, load_api(settings.kubeconfig))
     server = serve_http(metrics_port, running.ready) if metrics_port else None

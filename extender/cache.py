@@ -15,12 +15,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 from gpushare import placement
 from gpushare.contract import (
     FENCE_CONFIGMAP_KEY,
     FENCE_CONFIGMAP_NAMESPACE,
     FENCE_CONFIGMAP_PREFIX,
     PLACEMENT_ANNOTATIONS,
+    RESOURCE_CPU,
+    RESOURCE_MEMORY,
     ContractError,
     NodeInventory,
     annotations_of,
@@ -50,6 +54,40 @@ def demands_of(pod: Mapping[str, Any]) -> tuple[placement.Demand, ...]:
         )
         for c in parse_pod_request(pod).gpu_containers
     )
+
+
+#: what a node or pod without a readable CPU or memory figure is taken to have: no limit
+UNLIMITED = 1 << 60
+
+
+def _host_amounts(resources: Mapping[str, Any] | None) -> tuple[int, int]:
+    """(CPU milli, memory bytes) of a requests or allocatable map; a missing or unreadable entry is 0."""
+    amounts = []
+    for name, scale in ((RESOURCE_CPU, 1000), (RESOURCE_MEMORY, 1)):
+        try:
+            amounts.append(int(parse_quantity((resources or {}).get(name, 0)) * scale))
+        except (ValueError, TypeError, ArithmeticError):
+            amounts.append(0)
+    return amounts[0], amounts[1]
+
+
+def host_request(pod: Mapping[str, Any]) -> tuple[int, int]:
+    """The pod's (CPU milli, memory bytes) request as kube-scheduler counts it: per resource, the larger
+    of the app containers' sum and the largest init container."""
+    spec = pod.get("spec") or {}
+    apps = [_host_amounts((c.get("resources") or {}).get("requests")) for c in spec.get("containers") or []]
+    inits = [_host_amounts((c.get("resources") or {}).get("requests")) for c in spec.get("initContainers") or []]
+    return (
+        max(sum(a[0] for a in apps), max((i[0] for i in inits), default=0)),
+        max(sum(a[1] for a in apps), max((i[1] for i in inits), default=0)),
+    )
+
+
+def host_allocatable(node: Mapping[str, Any]) -> tuple[int, int]:
+    """The node's allocatable (CPU milli, memory bytes); ``UNLIMITED`` for a figure the node doesn't give."""
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    cpu, memory = _host_amounts(allocatable)
+    return (cpu if RESOURCE_CPU in allocatable else UNLIMITED, memory if RESOURCE_MEMORY in allocatable else UNLIMITED)
 
 
 def placement_cards(
@@ -100,6 +138,12 @@ class ClusterCache:
         self._shapes: Counter[placement.Shape] = Counter()
         self._shapes_of_pod: dict[str, tuple[placement.Shape, ...]] = {}
         self.shapes_version = 0
+        #: per node: allocatable (CPU milli, memory bytes); and the free amounts per node, until it changes
+        self._allocatable: dict[str, tuple[int, int]] = {}
+        self._host_free: dict[str, tuple[int, int]] = {}
+        #: the (GPU shape, CPU, memory) of every pod, GPU or not, that the host-aware policy learns from
+        self._pod_shapes: Counter[tuple[placement.Shape, int, int]] = Counter()
+        self._pod_shapes_of_pod: dict[str, tuple[tuple[placement.Shape, int, int], ...]] = {}
         self._change_listeners: list[Callable[[str], None]] = []
         self.nodes.add_listener(self._on_node)
         self.pods.add_listener(self._on_pod)
@@ -131,6 +175,7 @@ class ClusterCache:
     def _bump(self, node: str) -> None:
         self._generation[node] = next(self._counter)
         self._views.pop(node, None)
+        self._host_free.pop(node, None)
         for listener in self._change_listeners:
             listener(node)
 
@@ -147,7 +192,9 @@ class ClusterCache:
         with self._lock:
             if kind == "DELETED":
                 self._inventory.pop(name, None)
+                self._allocatable.pop(name, None)
             else:
+                self._allocatable[name] = host_allocatable(node)
                 try:
                     self._inventory[name] = node_inventory(node)
                 except ContractError as exc:
@@ -190,6 +237,21 @@ class ClusterCache:
                 if assumed is not None:
                     self._bump(assumed[0])
             self._observe_shapes(key, pod if kind != "DELETED" else None)
+            self._observe_pod_shapes(key, pod if kind != "DELETED" else None)
+
+    def _observe_pod_shapes(self, key: str, pod: Mapping[str, Any] | None) -> None:
+        """Keep the histogram of pod shapes with their CPU and memory (``Shape(0, 0)`` for no GPU)."""
+        self._pod_shapes.subtract(self._pod_shapes_of_pod.pop(key, ()))
+        if pod is None:
+            return
+        try:
+            shapes = tuple(d.shape for d in demands_of(pod)) or (placement.Shape(0, 0),)
+        except (ContractError, ValueError):
+            return
+        cpu, memory = host_request(pod)
+        entries = tuple((shape, cpu, memory) for shape in shapes)
+        self._pod_shapes.update(entries)
+        self._pod_shapes_of_pod[key] = entries
 
     def _observe_shapes(self, key: str, pod: Mapping[str, Any] | None) -> None:
         """Keep the histogram of GPU demand shapes that the fragmentation-aware policy learns from."""
@@ -244,6 +306,25 @@ class ClusterCache:
     def observed_shapes(self) -> list[placement.Shape]:
         with self._lock:
             return list(self._shapes.elements())
+
+    def observed_pod_shapes(self) -> list[tuple[placement.Shape, int, int]]:
+        """Every pod's (GPU shape, CPU milli, memory bytes), one entry per GPU container."""
+        with self._lock:
+            return list(self._pod_shapes.elements())
+
+    def host_free(self, node: str) -> tuple[int, int]:
+        """The node's allocatable (CPU milli, memory bytes) less the requests of the pods that hold
+        resources on it (``UNLIMITED`` where the node gives no figure)."""
+        with self._lock:
+            held = self._host_free.get(node)
+            if held is None:
+                cpu, memory = self._allocatable.get(node, (UNLIMITED, UNLIMITED))
+                for pod in self._pods_by_node.get(node, {}).values():
+                    if holds_resources(pod):
+                        pod_cpu, pod_memory = host_request(pod)
+                        cpu, memory = cpu - pod_cpu, memory - pod_memory
+                held = self._host_free[node] = (cpu, memory)
+            return held
 
     # --- in-flight binds ------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=32766)
     parser.add_argument("--kubeconfig", default=None, help="default: in-cluster config, then ~/.kube/config")
-    parser.add_argument("--policy", default="", help="binpack, spread or fgd (default: fgd, the measured best)")
+    parser.add_argument("--policy", default="", help="binpack, spread, fgd or fgdfit (default: fgdfit)")
     tls = parser.add_argument_group("TLS (without a certificate the verbs are served over plain HTTP on loopback only)")
     tls.add_argument("--tls-cert", default=None, help="the extender's certificate (PEM)")
     tls.add_argument("--tls-key", default=None, help="its private key (PEM)")

@@ -1,7 +1,8 @@
 """The cache's nodes as numpy rows, so filter and prioritize over thousands of nodes are array maths.
 
 Each known node owns one row: its cards' capacity and free units (0 for unhealthy or absent cards,
-and for every card of a node the extender can't place on) and the generation they were read at.
+and for every card of a node the extender can't place on), its free CPU and memory, a fixed rank for
+ties, and the generation they were read at.
 Rows are refreshed lazily: the cache reports which nodes changed, and the next query re-reads only
 those. A query works on every row at once, then picks the rows of the nodes it was asked about; the
 row numbers of the last few lists of names asked about are kept, since kube-scheduler asks about the
@@ -35,22 +36,31 @@ def fits(capacity: np.ndarray, free: np.ndarray, shape: placement.Shape) -> np.n
     return able.sum(axis=1) >= shape.cards
 
 
+Host = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
 class CostMemo(RowMemo):
-    """One policy's node costs for one demand shape, per row; only rows whose node changed since are
-    computed again."""
+    """One policy's node costs for one demand shape and CPU/memory request, per row; only rows whose
+    node changed since are computed again."""
 
     def costs(
         self,
         capacity: np.ndarray,
         free: np.ndarray,
         generation: np.ndarray,
+        host: Host,
         policy: placement.Policy,
         shape: placement.Shape,
+        request: tuple[int, int] = (0, 0),
     ) -> np.ndarray:
-        """Per row: the policy's cost of the demand (``inf`` where it doesn't fit). The result is the
-        memo's own array: read it before the memo is asked again."""
+        """Per row: the policy's cost of the demand (``inf`` where it doesn't fit); ``host`` holds per row
+        free CPU, free memory and the fixed rank. The result is the memo's own array: read it before the
+        memo is asked again."""
         return self.values(
-            generation, lambda stale: placement.batch_place(policy, capacity[stale], free[stale], shape).cost
+            generation,
+            lambda stale: placement.batch_costs(
+                policy, capacity[stale], free[stale], shape, tuple(h[stale] for h in host), request
+            ),
         )
 
 
@@ -61,6 +71,9 @@ class NodeMatrix:
         self._row: dict[str, int] = {}
         self._capacity = np.zeros((0, _INITIAL_WIDTH), dtype=np.int64)
         self._free = np.zeros((0, _INITIAL_WIDTH), dtype=np.int64)
+        self._cpu = np.zeros(0, dtype=np.int64)
+        self._memory = np.zeros(0, dtype=np.int64)
+        self._order = np.zeros(0)
         self._generation = np.zeros(0, dtype=np.int64)
         self._dirty: set[str] = set()
         self._dirty_lock = threading.Lock()
@@ -85,26 +98,46 @@ class NodeMatrix:
             rows = len(self._row)
             return _pick(fits(self._capacity[:rows], self._free[:rows], shape), self._lookup(names), False)
 
-    def costs(self, names: NodeNames, memo: CostMemo, policy: placement.Policy, shape: placement.Shape) -> np.ndarray:
-        """Per name: the policy's cost of one demand of ``shape`` on the node, kept in ``memo``
-        (``inf`` where it doesn't fit, or the node is unknown)."""
+    def costs(
+        self,
+        names: NodeNames,
+        memo: CostMemo,
+        policy: placement.Policy,
+        shape: placement.Shape,
+        request: tuple[int, int] = (0, 0),
+    ) -> np.ndarray:
+        """Per name: the policy's cost of one demand of ``shape`` on the node for a pod requesting
+        ``request`` (CPU milli, memory bytes), kept in ``memo`` (``inf`` where it doesn't fit, or the
+        node is unknown or unusable)."""
         with self._lock:
             self._refresh()
             rows = len(self._row)
-            cost = memo.costs(self._capacity[:rows], self._free[:rows], self._generation[:rows], policy, shape)
+            host = (self._cpu[:rows], self._memory[:rows], self._order[:rows])
+            cost = memo.costs(
+                self._capacity[:rows], self._free[:rows], self._generation[:rows], host, policy, shape, request
+            )
             return _pick(cost, self._lookup(names), np.inf)
 
-    def memo(self, policy: placement.Policy, shape: placement.Shape) -> CostMemo:
+    def memo(self, policy: placement.Policy, shape: placement.Shape, request: tuple[int, int] = (0, 0)) -> CostMemo:
         """A memo of ``policy``'s costs of ``shape`` on every node, computed on a copy of the rows so that
         queries go on meanwhile; rows that change in between are computed again when next asked."""
         with self._lock:
             self._refresh()
             rows = len(self._row)
             capacity, free = self._capacity[:rows].copy(), self._free[:rows].copy()
+            host = (self._cpu[:rows].copy(), self._memory[:rows].copy(), self._order[:rows].copy())
             generation = self._generation[:rows].copy()
         memo = CostMemo()
-        memo.costs(capacity, free, generation, policy, shape)
+        memo.costs(capacity, free, generation, host, policy, shape, request)
         return memo
+
+    def card_units(self) -> int:
+        """The most common capacity of a usable card, in the plugin's unit (1 with no cards)."""
+        with self._lock:
+            self._refresh()
+            capacity = self._capacity[: len(self._row)]
+            sizes, counts = np.unique(capacity[capacity > 0], return_counts=True)
+        return int(sizes[np.argmax(counts)]) if sizes.size else 1
 
     def _lookup(self, names: NodeNames) -> np.ndarray:
         """Row numbers of ``names`` (-1 for unknown names)."""
@@ -130,6 +163,7 @@ class NodeMatrix:
             view = self._cache.view(name)
             self._capacity[row] = 0
             self._free[row] = 0
+            self._cpu[row], self._memory[row] = self._cache.host_free(name)
             if view is None:
                 self._generation[row] = _UNUSABLE
                 continue
@@ -145,9 +179,13 @@ class NodeMatrix:
         if row == len(self._generation):
             grow = max(64, row)
             self._generation = np.concatenate([self._generation, np.full(grow, _UNUSABLE, dtype=np.int64)])
+            self._cpu = np.concatenate([self._cpu, np.zeros(grow, dtype=np.int64)])
+            self._memory = np.concatenate([self._memory, np.zeros(grow, dtype=np.int64)])
+            self._order = np.concatenate([self._order, np.zeros(grow)])
             pad = np.zeros((grow, self._capacity.shape[1]), dtype=np.int64)
             self._capacity = np.concatenate([self._capacity, pad])
             self._free = np.concatenate([self._free, pad])
+        self._order[row] = placement.node_order([name])[0]
         self._row[name] = row
         self._lookups.clear()  # a remembered lookup may have missed this name
         return row

@@ -14,7 +14,14 @@ from typing import Any
 from extender.bind import Binder, BindError
 from extender.cache import ClusterCache
 from extender.metrics import CARD_ALLOCATED, CARD_TOTAL, VERB_LATENCY
-from extender.verbs import BadRequest, Placement, filter_result, preempt_result, prioritize_result
+from extender.verbs import (
+    BadRequest,
+    Placement,
+    filter_result,
+    host_prioritize_result,
+    preempt_result,
+    prioritize_result,
+)
 from extender.wire import encode
 from gpushare.contract import quoted
 from gpushare.observability import health_reply
@@ -120,6 +127,7 @@ class ExtenderServer:
         self._routes: dict[str, Callable[[Any], Any]] = {
             "/filter": lambda body: filter_result(engine, body),
             "/prioritize": lambda body: prioritize_result(engine, body),
+            "/prioritize-host": lambda body: host_prioritize_result(engine, body),
             "/preempt": lambda body: preempt_result(engine, body),
             "/bind": lambda body: _bind(binder, body),
         }

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from extender import podfit
-from extender.cache import ClusterCache, NodeView, demands_of, placement_cards
+from extender.cache import ClusterCache, NodeView, demands_of, host_request, placement_cards
 from extender.matrix import CostMemo, NodeMatrix
 from extender.wire import NodeNames, Raw
 from gpushare import placement
@@ -27,9 +27,14 @@ log = logging.getLogger(__name__)
 
 
 MEMO_LIMIT = 200_000
-#: distinct (policy, demand shape) pairs whose per-node costs are kept
+#: distinct (policy, demand shape, CPU/memory request) whose per-node costs are kept
 BATCH_MEMO_LIMIT = 256
 WORKLOAD_DRIFT = 20
+#: policies built from the workload the cache has observed
+LEARNED = ("fgd", "fgdfit")
+NO_GPU = placement.Shape(0, 0)
+
+BatchKey = tuple[str, placement.Shape, tuple[int, int]]
 
 
 class BadRequest(ValueError):
@@ -109,8 +114,8 @@ class Placement:
         self._lock = threading.Lock()
         self._fits: dict[tuple[str, int, tuple[placement.Shape, ...]], placement.NoFit | None] = {}
         self._costs: dict[tuple[str, int, tuple[placement.Shape, ...], placement.Policy], float] = {}
-        self._batch_costs: dict[tuple[str, placement.Shape], tuple[placement.Policy, CostMemo]] = {}
-        self._fgd: placement.Policy = placement.Fgd()
+        self._batch_costs: dict[BatchKey, tuple[placement.Policy, CostMemo]] = {}
+        self._learned: dict[str, placement.Policy] = {name: placement.POLICIES[name] for name in LEARNED}
         #: the cache's shapes_version and number of observed demands the fgd workload was built from
         self._fgd_built = (-1, 0)
         self._fgd_rebuilding = False
@@ -125,7 +130,7 @@ class Placement:
 
     def _policy(self, name: str) -> placement.Policy:
         """The policy called ``name`` as it is now; under the lock."""
-        return self._fgd_policy() if name == "fgd" else placement.POLICIES[name]
+        return self._learned_policies()[name] if name in LEARNED else placement.POLICIES[name]
 
     def warm(self) -> None:
         """Build every node's row, and the default policy's costs on every node for the demand shapes
@@ -135,8 +140,8 @@ class Placement:
         for shape, _ in Counter(self.cache.observed_shapes()).most_common(BATCH_MEMO_LIMIT):
             self.batch_costs(names, shape, self.default_policy)
 
-    def _fgd_policy(self) -> placement.Policy:
-        """The fragmentation-aware policy with the workload observed so far; under the lock.
+    def _learned_policies(self) -> dict[str, placement.Policy]:
+        """The fragmentation-aware policies with the workload observed so far; under the lock.
 
         The workload is rebuilt once the observed demands changed by a twentieth since the last build:
         rebuilding it on every pod would recompute every node's cost on every pod, and typical
@@ -147,27 +152,29 @@ class Placement:
         version = self.cache.shapes_version
         built_version, built_count = self._fgd_built
         if built_version < 0:
-            self._fgd, self._fgd_built = self._build_fgd()
+            self._learned, self._fgd_built = self._build_fgd()
         elif version - built_version > built_count // WORKLOAD_DRIFT and not self._fgd_rebuilding:
             self._fgd_rebuilding = True
             threading.Thread(target=self._rebuild_fgd, name="fgd-rebuild", daemon=True).start()
-        return self._fgd
+        return self._learned
 
-    def _build_fgd(self) -> tuple[placement.Policy, tuple[int, int]]:
+    def _build_fgd(self) -> tuple[dict[str, placement.Policy], tuple[int, int]]:
         version = self.cache.shapes_version
         shapes = self.cache.observed_shapes()
-        return placement.Fgd(placement.Workload.from_shapes(shapes) if shapes else None), (version, len(shapes))
+        fgd = placement.Fgd(placement.Workload.from_shapes(shapes) if shapes else None)
+        fgdfit = placement.FgdFit.of(self.cache.observed_pod_shapes(), self.matrix.card_units())
+        return {"fgd": fgd, "fgdfit": fgdfit}, (version, len(shapes))
 
     def _rebuild_fgd(self) -> None:
         try:
-            policy, built = self._build_fgd()
+            policies, built = self._build_fgd()
             with self._lock:
-                shapes = [shape for name, shape in self._batch_costs if name == "fgd"]
-            memos = {shape: self.matrix.memo(policy, shape) for shape in shapes}
+                keys = [key for key in self._batch_costs if key[0] in LEARNED]
+            memos = {key: self.matrix.memo(policies[key[0]], key[1], key[2]) for key in keys}
             with self._lock:
-                self._fgd, self._fgd_built = policy, built
-                for shape, memo in memos.items():
-                    self._batch_costs[("fgd", shape)] = (policy, memo)
+                self._learned, self._fgd_built = policies, built
+                for key, memo in memos.items():
+                    self._batch_costs[key] = (policies[key[0]], memo)
         except Exception:
             log.exception("rebuilding the fragmentation-aware policy's workload failed; the previous one stays")
         finally:
@@ -206,18 +213,21 @@ class Placement:
             _remember(self._costs, key, cost)
             return cost
 
-    def batch_costs(self, names: NodeNames, shape: placement.Shape, name: str) -> np.ndarray:
+    def batch_costs(
+        self, names: NodeNames, shape: placement.Shape, name: str, request: tuple[int, int] = (0, 0)
+    ) -> np.ndarray:
         """Per node of ``names``: the cost of one demand of ``shape`` under the policy called ``name`` as
-        it is now (``inf`` where it can't go)."""
+        it is now, for a pod requesting ``request`` (CPU milli, memory bytes; ``inf`` where it can't go)."""
         with self._lock:
             policy = self._policy(name)
-            held = self._batch_costs.get((name, shape))
+            key = (name, shape, request if policy.uses_host else (0, 0))
+            held = self._batch_costs.get(key)
             if held is None or held[0] is not policy:
                 if len(self._batch_costs) >= BATCH_MEMO_LIMIT:
                     self._batch_costs.clear()
                 held = (policy, CostMemo())
-                self._batch_costs[(name, shape)] = held
-        return self.matrix.costs(names, held[1], policy, shape)
+                self._batch_costs[key] = held
+        return self.matrix.costs(names, held[1], policy, shape, key[2])
 
 
 def _remember(memo: dict, key: Any, value: Any) -> None:
@@ -287,22 +297,44 @@ def _filter_reply(
     return reply
 
 
-def prioritize_result(engine: Placement, body: Any) -> Raw | list[dict[str, Any]]:
+def _prioritize_args(
+    engine: Placement, body: Any
+) -> tuple[Mapping[str, Any], NodeNames, tuple[placement.Demand, ...], str, placement.Policy | None]:
+    """The pod, the node names, its GPU demands and its policy (no demands and no policy when the pod's
+    request or policy can't be read: it then scores 0 everywhere, and filter says why)."""
     pod = request_pod(body)
     names, _ = candidate_names(body)
     try:
-        demands = demands_of(pod)
-        init = podfit.init_names(pod)
-        policy_name, policy = engine.policy_for(pod)
+        return pod, names, demands_of(pod), *engine.policy_for(pod)
     except (ContractError, ValueError):
-        demands = ()
-    if not demands:
+        return pod, names, (), "", None
+
+
+def prioritize_result(engine: Placement, body: Any) -> Raw | list[dict[str, Any]]:
+    pod, names, demands, policy_name, policy = _prioritize_args(engine, body)
+    if not demands or policy is None:
         return names.priorities(np.zeros(len(names), dtype=np.int64))
     if len(demands) == 1:
-        costs = engine.batch_costs(names, demands[0].shape, policy_name)
+        costs = engine.batch_costs(names, demands[0].shape, policy_name, host_request(pod))
     else:
-        costs = _node_costs(engine, names.names, demands, policy, init)
+        costs = _node_costs(engine, names.names, demands, policy, podfit.init_names(pod))
     return names.priorities(placement.batch_scores(costs))
+
+
+def host_prioritize_result(engine: Placement, body: Any) -> Raw | list[dict[str, Any]]:
+    """Scores for a pod WITHOUT GPUs (kube-scheduler asks about every pod here): under a policy that
+    weighs CPU and memory, the nodes where its CPU and memory would strand the least GPU and that have
+    the least idle GPU score highest; a node the extender has no cards for counts as having no idle GPU.
+    GPU pods, and policies that don't weigh CPU, get 0 everywhere (the GPU entry scores GPU pods)."""
+    pod, names, demands, policy_name, policy = _prioritize_args(engine, body)
+    if demands or policy is None or not policy.uses_host:
+        return names.priorities(np.zeros(len(names), dtype=np.int64))
+    costs = engine.batch_costs(names, NO_GPU, policy_name, host_request(pod))
+    scores = placement.batch_scores(np.where(np.isfinite(costs), costs, 0.0))
+    if len(names):
+        best = int(np.argmax(scores))
+        log.info("host prioritize pod %s: node %s scores best of %d", pod_key(pod), names.names[best], len(names))
+    return names.priorities(scores)
 
 
 def _node_costs(

@@ -19,7 +19,14 @@ from pathlib import Path
 from types import ModuleType
 
 from gpushare.contract import ENV_NODE_NAME, ContractError, MemoryUnit, parse_unit
-from gpushare.inventory import DEFAULT_IGNORED_XIDS, InventoryError, parse_ignored_xids
+from gpushare.inventory import (
+    DEFAULT_IGNORED_XIDS,
+    DEFAULT_NVML_RECOVERY,
+    GpuBackend,
+    InventoryError,
+    open_backend,
+    parse_ignored_xids,
+)
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "device-plugin": ("deviceplugin.cmd", "serve aliyun.com/gpu-mem and aliyun.com/gpu-count to kubelet"),
@@ -74,6 +81,11 @@ class NodeSettings:
     reread: Reread = DEFAULT_REREAD
     #: gpu-count replicas listed per card; 0: one per memory unit of the card (never runs out)
     count_replicas: int = 0
+    #: seconds without a fault after which an NVML card that failed is trusted again
+    nvml_recovery: float = DEFAULT_NVML_RECOVERY
+
+    def open_backend(self) -> GpuBackend:
+        return open_backend(self.gpus, self.node_name, self.ignored_xids, self.nvml_recovery)
 
 
 def add_node_flags(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +98,13 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         "--ignore-xids",
         default=",".join(str(x) for x in sorted(DEFAULT_IGNORED_XIDS)),
         help="XIDs that don't mark a card unhealthy (application errors)",
+    )
+    parser.add_argument(
+        "--nvml-recovery-seconds",
+        type=float,
+        default=DEFAULT_NVML_RECOVERY,
+        help="with --gpus nvml: seconds without a fault (and NVML answering again) before a card that hit a "
+        f"critical XID or fell off the bus is advertised Healthy again (default {DEFAULT_NVML_RECOVERY:g})",
     )
     parser.add_argument(
         "--count-replicas",
@@ -111,8 +130,11 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
 def node_settings(args: argparse.Namespace) -> NodeSettings:
     if not args.node_name:
         raise UsageError("--node-name is required (or set $NODE_NAME)")
-    if args.allocate_rereads < 0 or args.allocate_reread_wait < 0 or args.count_replicas < 0:
-        raise UsageError("--allocate-rereads, --allocate-reread-wait and --count-replicas must not be negative")
+    if min(args.allocate_rereads, args.allocate_reread_wait, args.count_replicas, args.nvml_recovery_seconds) < 0:
+        raise UsageError(
+            "--allocate-rereads, --allocate-reread-wait, --count-replicas and --nvml-recovery-seconds "
+            "must not be negative"
+        )
     try:
         unit = parse_unit(args.memory_unit)
         ignored = parse_ignored_xids(args.ignore_xids)
@@ -127,6 +149,7 @@ def node_settings(args: argparse.Namespace) -> NodeSettings:
         ignored_xids=ignored,
         reread=Reread(args.allocate_rereads, args.allocate_reread_wait),
         count_replicas=args.count_replicas,
+        nvml_recovery=args.nvml_recovery_seconds,
     )
 
 

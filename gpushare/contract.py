@@ -21,6 +21,9 @@ from gpushare.cards import Card
 RESOURCE_MEM = "aliyun.com/gpu-mem"
 RESOURCE_COUNT = "aliyun.com/gpu-count"
 RESOURCES = (RESOURCE_MEM, RESOURCE_COUNT)
+#: Kubernetes' own resources, read for the host-aware placement policy
+RESOURCE_CPU = "cpu"
+RESOURCE_MEMORY = "memory"
 
 # --- pod annotations (original gpushare keys) -----------------------------------------------------
 

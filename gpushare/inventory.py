@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 #: XIDs that are the application's fault, not the card's (the same set NVIDIA's own plugin ignores).
 DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+#: seconds a failed NVML card must stay quiet before it is trusted again (``--nvml-recovery-seconds``)
+DEFAULT_NVML_RECOVERY = 300.0
 
 _SIM_NAMESPACE = uuidlib.UUID("6d0c9b0e-2f4a-4a53-9f5e-8f8f3b1f1a10")
 _SIM_PART = re.compile(r"^([1-9][0-9]*)x([A-Za-z0-9._-]+):([1-9][0-9]*)$")
@@ -258,7 +260,7 @@ class NvmlBackend(_CardBook):
     def __init__(
         self,
         ignored_xids: frozenset[int] = DEFAULT_IGNORED_XIDS,
-        recovery_after: float = 300.0,
+        recovery_after: float = DEFAULT_NVML_RECOVERY,
         poll_interval: float = 1.0,
     ) -> None:
         try:
@@ -470,10 +472,15 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def open_backend(gpus: str, node_name: str, ignored_xids: frozenset[int] = DEFAULT_IGNORED_XIDS) -> GpuBackend:
+def open_backend(
+    gpus: str,
+    node_name: str,
+    ignored_xids: frozenset[int] = DEFAULT_IGNORED_XIDS,
+    nvml_recovery: float = DEFAULT_NVML_RECOVERY,
+) -> GpuBackend:
     """``--gpus nvml`` or ``--gpus sim:SPEC``."""
     if gpus == "nvml":
-        return NvmlBackend(ignored_xids)
+        return NvmlBackend(ignored_xids, nvml_recovery)
     if gpus.startswith("sim:"):
         return SimulatedBackend(node_name, gpus[4:], ignored_xids)
     raise InventoryError(f"--gpus {gpus!r} is neither 'nvml' nor 'sim:SPEC'")

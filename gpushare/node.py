@@ -52,7 +52,6 @@ def run(args: argparse.Namespace) -> int:
     from crishim.cmd import shim_settings
     from deviceplugin.runtime import check_unit
     from gpushare.cli import node_settings, wait_for_termination
-    from gpushare.inventory import open_backend
     from gpushare.kube import load_api
     from gpushare.observability import serve_http
     from gpushare.supervisor import Supervisor
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("gpushare.node")
     settings = node_settings(args)
     shim = None if args.no_cri_shim else shim_settings(args)
-    backend = open_backend(settings.gpus, settings.node_name, settings.ignored_xids)
+    backend = settings.open_backend()
     check_unit(backend, settings.memory_unit, settings.count_replicas)
     api = load_api(settings.kubeconfig)
     supervisor = Supervisor(components(settings, shim, backend, api, args.advertise_interval))

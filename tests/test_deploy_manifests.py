@@ -255,7 +255,9 @@ def test_scheduler_config_has_the_extender_entry() -> None:
     (config,) = documents(SCHEDULER_CONFIG)
     assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
     assert config["kind"] == SCHEDULER_CONFIG_KIND
-    (extender,) = [e for e in config["extenders"] if c.RESOURCE_MEM in {r["name"] for r in e["managedResources"]}]
+    (extender,) = [
+        e for e in config["extenders"] if c.RESOURCE_MEM in {r["name"] for r in e.get("managedResources") or []}
+    ]
     for verb in ("filterVerb", "prioritizeVerb", "bindVerb", "preemptVerb"):
         assert isinstance(extender.get(verb), str) and extender[verb], verb
     assert {r["name"] for r in extender["managedResources"]} == set(c.RESOURCES)

@@ -122,9 +122,9 @@ def test_a_rebuilt_fgd_workload_takes_over_once_its_costs_are_ready(
     release = threading.Event()
     memo = engine.matrix.memo
 
-    def held(policy: placement.Policy, shape: placement.Shape) -> CostMemo:
+    def held(policy: placement.Policy, shape: placement.Shape, request: tuple[int, int] = (0, 0)) -> CostMemo:
         release.wait()
-        return memo(policy, shape)
+        return memo(policy, shape, request)
 
     monkeypatch.setattr(engine.matrix, "memo", held)
     try:

@@ -3,11 +3,21 @@
 No I/O here; the extender and the trace-replay benchmark both drive these functions.
 """
 
-from gpushare.placement.batch import BatchChoice, batch_place, batch_scores
+from gpushare.placement.batch import BatchChoice, batch_costs, batch_place, batch_scores, node_order
 from gpushare.placement.fit import SEARCH_BUDGET, check_fit, node_cost, place
 from gpushare.placement.fragmentation import Workload, fragmentation
 from gpushare.placement.model import Assignment, Card, Demand, NoFit, Shape, shape_key
-from gpushare.placement.policies import DEFAULT_POLICY, POLICIES, Binpack, Fgd, HostFit, Policy, Spread
+from gpushare.placement.policies import (
+    DEFAULT_POLICY,
+    POLICIES,
+    Binpack,
+    Fgd,
+    FgdFit,
+    HostFit,
+    Policy,
+    Spread,
+    host_fit,
+)
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -19,17 +29,21 @@ __all__ = [
     "Card",
     "Demand",
     "Fgd",
+    "FgdFit",
     "HostFit",
     "NoFit",
     "Policy",
     "Shape",
     "Spread",
     "Workload",
+    "batch_costs",
     "batch_place",
     "batch_scores",
     "check_fit",
     "fragmentation",
+    "host_fit",
     "node_cost",
+    "node_order",
     "place",
     "shape_key",
 ]

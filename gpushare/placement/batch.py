@@ -9,12 +9,14 @@ here (the traces carry no topology), so equally keyed cards go by position.
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from gpushare.placement.model import Shape
-from gpushare.placement.policies import HostFit, Policy
+from gpushare.placement.policies import HostFit, Policy, host_fit
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,7 @@ def batch_place(
         return BatchChoice(cost, cards)
     if rows.size < nodes:
         capacity, free, able = capacity[rows], free[rows], able[rows]
-        host = None if host is None else HostFit(host.before[rows], host.after[rows])
+        host = None if host is None else host.rows(rows)
     take = capacity if shape.exclusive else np.full_like(free, shape.units)
     pod = (shape,)
     if shape.cards:
@@ -57,6 +59,29 @@ def batch_place(
         cost[rows] = policy.batch_node_cost(capacity, free, after, pod, host)
     cards[rows] = chosen
     return BatchChoice(cost, cards)
+
+
+def node_order(names: Sequence[str]) -> np.ndarray:
+    """A fixed rank in [0, 1) per node name, the same in every process and run, for settling ties."""
+    return np.fromiter((zlib.crc32(n.encode()) / 2**32 for n in names), dtype=np.float64, count=len(names))
+
+
+def batch_costs(
+    policy: Policy,
+    capacity: np.ndarray,
+    free: np.ndarray,
+    shape: Shape,
+    host: tuple[np.ndarray, np.ndarray, np.ndarray],
+    request: tuple[int, int],
+) -> np.ndarray:
+    """Per node: the policy's cost of one demand of ``shape`` (``inf`` where it doesn't fit), for a pod
+    requesting ``request`` (CPU, memory); ``host`` is per node (free CPU, free memory, ``node_order``).
+    What the prioritize verb rates nodes with, and the replay too."""
+    workload = getattr(policy, "workload", None)
+    fit = None
+    if policy.uses_host and workload is not None:
+        fit = host_fit(workload, host[0], host[1], request, host[2])
+    return batch_place(policy, capacity, free, shape, fit).cost
 
 
 def batch_scores(costs: np.ndarray) -> np.ndarray:

@@ -54,6 +54,8 @@ class Workload:
 
     shapes: tuple[Shape, ...]
     counts: tuple[int, ...]
+    #: per shape, what a pod of it needs of the node besides GPUs: (CPU milli, memory); empty when unknown
+    hosts: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_shapes(cls, observed: Iterable[Shape], coverage: float = 0.95) -> Workload:
@@ -61,6 +63,13 @@ class Workload:
         observed, an empty workload."""
         kept = most_common(observed, coverage)
         return cls(tuple(s for s, _ in kept), tuple(n for _, n in kept))
+
+    @classmethod
+    def from_pods(cls, observed: Iterable[tuple[Shape, int, int]], coverage: float = 0.95) -> Workload:
+        """The typical (GPU shape, CPU milli, memory) of the GPU pods among ``observed``, so that a node
+        whose CPU or memory ran out counts its idle GPUs as fragments for the shapes it can't host."""
+        kept = most_common(observed, coverage)
+        return cls(tuple(s for (s, _, _), _ in kept), tuple(n for _, n in kept), tuple((c, m) for (_, c, m), _ in kept))
 
     def __len__(self) -> int:
         return len(self.shapes)

@@ -36,6 +36,8 @@ class Policy(Protocol):
     name: str
     #: True when a card's key is exactly the node cost of a pod that takes only that card
     keys_are_node_costs: bool
+    #: True when the policy weighs the nodes' CPU and memory (``HostFit``) too
+    uses_host: bool
 
     def card_keys(self, capacity: Ints, free: Ints, candidates: Ints, take: Ints, pod: Pod) -> list[float]:
         """One key per candidate card position (taking ``take[i]`` units from it); lower is preferred."""
@@ -61,10 +63,32 @@ class Policy(Protocol):
 @dataclass(frozen=True, slots=True)
 class HostFit:
     """What a caller knows beyond GPUs (CPU, memory, model): per (node, workload shape), could the node
-    host the shape apart from its GPUs, before and after the placement. Only ``fgd`` uses it."""
+    host the shape apart from its GPUs, before and after the placement; and optionally per node a fixed
+    rank in [0, 1) that settles otherwise equal costs. Only the fragmentation-aware policies use it."""
 
     before: np.ndarray
     after: np.ndarray
+    order: np.ndarray | None = None
+
+    def rows(self, rows: np.ndarray) -> HostFit:
+        return HostFit(self.before[rows], self.after[rows], None if self.order is None else self.order[rows])
+
+
+def host_fit(
+    workload: Workload,
+    cpu: np.ndarray,
+    memory: np.ndarray,
+    request: tuple[int, int],
+    order: np.ndarray | None = None,
+) -> HostFit:
+    """Whether each node (free ``cpu`` and ``memory`` arrays) could host each of the workload's shapes
+    apart from its GPUs, before and after a pod requesting ``request`` (CPU, memory) lands there."""
+    need = np.array(workload.hosts, dtype=np.int64).reshape(len(workload), 2)
+
+    def fit(c: np.ndarray, m: np.ndarray) -> np.ndarray:
+        return (c[:, None] >= need[:, 0]) & (m[:, None] >= need[:, 1])
+
+    return HostFit(fit(cpu, memory), fit(cpu - request[0], memory - request[1]), order)
 
 
 class Binpack:
@@ -72,6 +96,7 @@ class Binpack:
 
     name = "binpack"
     keys_are_node_costs = False
+    uses_host = False
 
     def card_keys(self, capacity: Ints, free: Ints, candidates: Ints, take: Ints, pod: Pod) -> list[float]:
         return [free[p] for p in candidates]
@@ -95,6 +120,7 @@ class Spread:
 
     name = "spread"
     keys_are_node_costs = False
+    uses_host = False
 
     def card_keys(self, capacity: Ints, free: Ints, candidates: Ints, take: Ints, pod: Pod) -> list[float]:
         return [-free[p] for p in candidates]
@@ -122,6 +148,7 @@ class Fgd:
 
     name = "fgd"
     keys_are_node_costs = True
+    uses_host = False
 
     def __init__(self, workload: Workload | None = None) -> None:
         self.workload = workload if workload is not None and len(workload) else None
@@ -157,5 +184,71 @@ class Fgd:
         )
 
 
-POLICIES: dict[str, Policy] = {p.name: p for p in (Binpack(), Spread(), Fgd())}
-DEFAULT_POLICY = "fgd"
+class FgdFit(Fgd):
+    """Fragmentation gradient descent that also counts CPU and memory, weighs the typical shapes by the
+    GPU they ask for, and settles near-equal placements by best fit and then a fixed node order.
+
+    Cost of a placement, lowest first: the fragmentation it adds (GPU the typical pods could no longer
+    use, including a node's idle GPU for shapes whose CPU or memory it can't hold) in steps of
+    ``1/QUANTA`` of a card; then the node's fixed rank, so that equal placements keep going to the same
+    nodes. A pod without GPUs also pays ``IDLE_WEIGHT`` cards for a node whose GPUs are all idle (in
+    proportion for fewer), so that it goes where the GPUs are taken already. One vectorised
+    implementation serves one node and many.
+    """
+
+    name = "fgdfit"
+    keys_are_node_costs = True
+    uses_host = True
+    QUANTA = 25
+    IDLE_WEIGHT = 8.0
+
+    @classmethod
+    def of(cls, observed: Sequence[tuple[Shape, int, int]], card: int) -> FgdFit:
+        """The policy for pods ``observed`` as (GPU shape, CPU, memory); ``card`` is a whole card's units."""
+        workload = Workload.from_pods(observed)
+        weights = tuple(
+            n * s.cards * (card if s.exclusive else s.units)
+            for s, n in zip(workload.shapes, workload.counts, strict=True)
+        )
+        return cls(Workload(workload.shapes, weights, workload.hosts) if any(weights) else None)
+
+    def card_keys(self, capacity: Ints, free: Ints, candidates: Ints, take: Ints, pod: Pod) -> list[float]:
+        takes = np.zeros(len(free), dtype=np.int64)
+        takes[list(candidates)] = take
+        keys = self.batch_card_keys(np.array([capacity]), np.array([free]), takes[None, :], pod, None)[0]
+        return keys[list(candidates)].tolist()
+
+    def node_cost(self, capacity: Ints, before: Ints, after: Ints, pod: Pod) -> float:
+        arrays = (np.array([capacity]), np.array([before]), np.array([after]))
+        return float(self.batch_node_cost(*arrays, pod, None)[0])
+
+    def batch_card_keys(
+        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None
+    ) -> np.ndarray:
+        delta = super().batch_card_keys(capacity, free, take, pod, host)
+        return self._settle(capacity, delta, free.sum(axis=1)[:, None] - take, pod, host)
+
+    def batch_node_cost(
+        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None
+    ) -> np.ndarray:
+        delta = super().batch_node_cost(capacity, before, after, pod, host)
+        return self._settle(capacity, delta, after.sum(axis=1), pod, host)
+
+    def _settle(
+        self, capacity: np.ndarray, delta: np.ndarray, idle: np.ndarray, pod: Pod, host: HostFit | None
+    ) -> np.ndarray:
+        """Quantised fragmentation (plus the idle charge of a pod without GPUs), then the fixed rank."""
+        total = np.maximum(capacity.sum(axis=1), 1)
+        card = total / np.maximum((capacity > 0).sum(axis=1), 1)
+        if delta.ndim == 2:
+            total, card = total[:, None], card[:, None]
+        cost = np.floor(delta * self.QUANTA / card + 1e-9)
+        if not any(shape.cards for shape in pod):
+            cost = cost + self.IDLE_WEIGHT * self.QUANTA * idle / total
+        if host is not None and host.order is not None:
+            cost = cost + 1e-3 * (host.order if delta.ndim == 1 else host.order[:, None])
+        return cost
+
+
+POLICIES: dict[str, Policy] = {p.name: p for p in (Binpack(), Spread(), Fgd(), FgdFit())}
+DEFAULT_POLICY = "fgdfit"

@@ -483,15 +483,9 @@ def run(
         from gpushare.sandbox.realcluster import realcluster_available
         from gpushare.sandbox.realsandbox import run_real
 
-        reason = (
-            "--no-containers asks for no containers"
-            if not containers
-            else "--nvml-fake nodes run on the stand-ins"
-            if nvml_fake
-            else realcluster_available()
-        )
+        reason = "--no-containers asks for no containers" if not containers else realcluster_available()
         if reason is None:
-            return run_real(specs, policy, keep_running, out)
+            return run_real(specs, policy, keep_running, out, nvml_fake)
         print(f"gpushare sandbox: using the API stand-in and kubelet emulator: {reason}", file=sys.stderr)
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-sandbox-"))
     log_to(workdir / "sandbox.log")

@@ -35,6 +35,7 @@ import yaml
 
 from gpushare import contract as c
 from gpushare.pb import cri_pb2, cri_pb2_grpc
+from gpushare.sandbox.certs import Certs, make_certs
 from gpushare.sandbox.containerd import (
     PAUSE_IMAGE,
     TEST_IMAGE,
@@ -42,6 +43,8 @@ from gpushare.sandbox.containerd import (
     build_busybox_image,
     containerd_available,
 )
+from gpushare.sandbox.fakenvml import FakeNvml, FakeNvmlError
+from gpushare.sandbox.fakenvml import prepare as prepare_fake_nvml
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,10 @@ SYSTEM_NAMESPACE = "gpushare-system"
 #: containerd's socket sits three levels below the workdir, and unix socket paths end at 107 bytes
 MAX_WORKDIR = 60
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+#: a node spec's GPUs starting with this run on the fake libnvidia-ml
+NVML_PREFIX = "nvml:"
+#: the server name kube-scheduler checks the extender's certificate against without a shipped one
+EXTENDER_SERVER_NAME = "gpushare-extender.gpushare-system.svc"
 
 
 class ClusterError(RuntimeError):
@@ -122,16 +129,18 @@ def render_kubeconfig(server: str, user: str, token: str, ca_file: Path) -> str:
 
 
 def render_scheduler_config(
-    kubeconfig: Path, extender_url: str, scheduler_name: str, template: Mapping[str, Any], healthz: str
+    kubeconfig: Path,
+    extender_url: str,
+    scheduler_name: str,
+    template: Mapping[str, Any],
+    healthz: str,
+    tls: SchedulerTls | None = None,
 ) -> str:
     """kube-scheduler 1.20 reads ``v1beta1``; the extender block of ``deploy/scheduler-config.yaml`` is
-    taken unchanged but for its URL and plain HTTP (both ends are on loopback here). ``healthz``
-    (host:port) also serves metrics; with a config file the scheduler ignores ``--port``, so this is how
-    it stays off the shared default port."""
-    extenders = [
-        {**{k: v for k, v in e.items() if k != "tlsConfig"}, "urlPrefix": extender_url, "enableHTTPS": False}
-        for e in template.get("extenders") or []
-    ]
+    taken unchanged but for its URL and the files of its ``tlsConfig`` (``tls``), or without TLS when
+    ``tls`` is None. ``healthz`` (host:port) also serves metrics; with a config file the scheduler
+    ignores ``--port``, so this is how it stays off the shared default port."""
+    extenders = [_extender_entry(e, extender_url, tls) for e in template.get("extenders") or []]
     if not extenders:
         raise ClusterError(f"{SCHEDULER_CONFIG} has no extenders block")
     return yaml.safe_dump(
@@ -147,6 +156,29 @@ def render_scheduler_config(
         },
         sort_keys=False,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerTls:
+    """kube-scheduler's side of its TLS connection to the extender: its client certificate and key, and
+    the CA that signed the extender's serving certificate."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+
+def _extender_entry(template: Mapping[str, Any], url: str, tls: SchedulerTls | None) -> dict[str, Any]:
+    entry = {k: v for k, v in template.items() if k != "tlsConfig"}
+    entry["urlPrefix"] = url
+    entry["enableHTTPS"] = tls is not None
+    if tls is not None:
+        shipped = template.get("tlsConfig") or {}
+        missing = [k for k in ("certFile", "keyFile", "caFile", "serverName") if k not in shipped]
+        if missing:
+            raise ClusterError(f"{SCHEDULER_CONFIG}: the extender's tlsConfig lacks {', '.join(missing)}")
+        entry["tlsConfig"] = {**shipped, "certFile": tls.cert_file, "keyFile": tls.key_file, "caFile": tls.ca_file}
+    return entry
 
 
 def render_kubelet_config(port: int, healthz_port: int) -> str:
@@ -225,11 +257,12 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
 class Process:
     """One child in its own session, logging to a file; stopped with SIGTERM then SIGKILL to its group."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path) -> None:
-        """``log_path``'s directory is also the working directory."""
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> None:
+        """``log_path``'s directory is also the working directory; ``env`` replaces the inherited environment."""
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
+        self.env = dict(env) if env is not None else None
         self.popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Process:
@@ -241,6 +274,7 @@ class Process:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 cwd=self.log_path.parent,
+                env=self.env,
             )
         log.info("started %s (pid %d), log %s", self.name, self.popen.pid, self.log_path)
         return self
@@ -298,11 +332,16 @@ def _get(url: str, token: str = "", timeout: float = 1.0) -> int:
 
 @dataclass
 class RealNode:
-    """One simulated node: a mount namespace with its containerd, node agent and kubelet."""
+    """One simulated node: a mount namespace with its containerd, node agent and kubelet.
+
+    ``gpus`` is ``sim:SPEC``'s SPEC, or ``nvml:MACHINE`` for a node agent running ``--gpus nvml`` on the
+    fake libnvidia-ml presenting MACHINE (see :mod:`gpushare.sandbox.fakenvml`; then :attr:`fake_nvml`
+    scripts its faults)."""
 
     name: str
     gpus: str
     base: Path
+    fake_nvml: FakeNvml | None = None
     holder: subprocess.Popen[bytes] | None = None
     containerd: Containerd | None = None
     agent: Process | None = None
@@ -329,6 +368,10 @@ class RealNode:
     def agent_ready(self) -> bool:
         return _get(f"http://127.0.0.1:{self.agent_metrics_port}/readyz") == 200
 
+    @property
+    def nvml_machine(self) -> str | None:
+        return self.gpus[len(NVML_PREFIX) :] if self.gpus.startswith(NVML_PREFIX) else None
+
 
 @dataclass
 class Control:
@@ -339,10 +382,17 @@ class Control:
     extender: Process | None = None
     scheduler: Process | None = None
     healthz_port: int = 0
+    #: the extender serves its verbs over TLS with a required client certificate; health on its own port
+    tls: bool = False
+    extender_health_port: int = 0
 
     @property
     def extender_url(self) -> str:
-        return f"http://127.0.0.1:{self.extender_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.extender_port}"
+
+    @property
+    def extender_health_url(self) -> str:
+        return f"http://127.0.0.1:{self.extender_health_port}" if self.tls else self.extender_url
 
     def ready(self) -> bool:
         """Both answer their health checks; :class:`ClusterError` if either has exited."""
@@ -350,7 +400,8 @@ class Control:
             if proc is not None:
                 proc.check()
         return (
-            _get(f"{self.extender_url}/readyz") == 200 and _get(f"http://127.0.0.1:{self.healthz_port}/healthz") == 200
+            _get(f"{self.extender_health_url}/readyz") == 200
+            and _get(f"http://127.0.0.1:{self.healthz_port}/healthz") == 200
         )
 
 
@@ -364,6 +415,13 @@ class RealCluster:
     policy: str = ""
     #: one kube-scheduler and one extender replica per name; pods choose with ``spec.schedulerName``
     scheduler_names: Sequence[str] = ("default-scheduler",)
+    #: kube-scheduler reaches its extender over HTTPS with a client certificate, as deploy/ ships it
+    extender_tls: bool = True
+    #: ``--nvml-recovery-seconds`` of the fake-NVML nodes' agents
+    nvml_recovery_seconds: float = 300.0
+    #: per node name, taints its kubelet registers with (``key=value:Effect``), so only pods that
+    #: tolerate them land there
+    node_taints: Mapping[str, Sequence[str]] = field(default_factory=dict)
     bin_dir: Path = field(default_factory=kube_bin_dir)
     nodes: dict[str, RealNode] = field(default_factory=dict)
     controls: list[Control] = field(default_factory=list)
@@ -377,6 +435,8 @@ class RealCluster:
         self.api_port = free_port()
         self.admin = Identity("gpushare-admin", os.urandom(16).hex(), ("system:masters",))
         self._started = False
+        #: the extender's CA and serving certificate, and kube-scheduler's client certificate
+        self.extender_certs: Certs | None = None
 
     @property
     def server(self) -> str:
@@ -390,8 +450,8 @@ class RealCluster:
     def _path(self, name: str) -> Path:
         return self.workdir / name
 
-    def _spawn(self, name: str, argv: Sequence[str]) -> Process:
-        proc = Process(name, argv, self._path(f"{name}.log")).start()
+    def _spawn(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Process:
+        proc = Process(name, argv, self._path(f"{name}.log"), env).start()
         self.processes.append(proc)
         return proc
 
@@ -470,7 +530,7 @@ class RealCluster:
 
         wait_for(ready, 60, f"kube-apiserver to answer /readyz (log {self.apiserver.log_path})", 0.2)
         for who in self.identities:
-            self._write_kubeconfig(who.user, who.token)
+            self.write_kubeconfig(who.user, who.token)
         self.api = load_api(str(self.kubeconfig))
         if self.rbac:
             self._apply_rbac()
@@ -487,7 +547,7 @@ class RealCluster:
                 spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=86400)
             )
             token = core.create_namespaced_service_account_token(account, SYSTEM_NAMESPACE, request).status.token
-            self._write_kubeconfig(account, token)
+            self.write_kubeconfig(account, token)
 
     def _start_nodes(self) -> None:
         image = build_busybox_image(self._path("busybox.tar"), (PAUSE_IMAGE, TEST_IMAGE, EXAMPLE_IMAGE))
@@ -524,10 +584,12 @@ class RealCluster:
             err = node.holder.stderr.read().decode(errors="replace") if node.holder.stderr else ""
             raise ClusterError(f"node {node.name}: could not make its mount namespace: {err.strip()}")
 
-    def _write_kubeconfig(self, user: str, token: str) -> None:
+    def write_kubeconfig(self, user: str, token: str) -> Path:
         """Its self-signed serving certificate (written once it serves) is the CA every kubeconfig trusts."""
         ca = self._path("apiserver-certs") / "apiserver.crt"
-        self.kubeconfig_of(user).write_text(render_kubeconfig(self.server, user, token, ca))
+        path = self.kubeconfig_of(user)
+        path.write_text(render_kubeconfig(self.server, user, token, ca))
+        return path
 
     def kubeconfig_of(self, account: str) -> Path:
         return self._path(f"{_file_name(account)}.kubeconfig")
@@ -535,6 +597,15 @@ class RealCluster:
     def start_agent(self, node: RealNode) -> None:
         """``gpushare node`` in the node's namespace, as its DaemonSet pod would run it."""
         node.agent_metrics_port = free_port()
+        gpus, env = [f"sim:{node.gpus}"], None
+        if (machine := node.nvml_machine) is not None:
+            if node.fake_nvml is None:
+                try:
+                    node.fake_nvml = prepare_fake_nvml(machine, node.base)
+                except FakeNvmlError as exc:
+                    raise ClusterError(f"node {node.name}: {exc}") from None
+            gpus = ["nvml", "--nvml-recovery-seconds", f"{self.nvml_recovery_seconds:g}"]
+            env = node.fake_nvml.env()
         node.agent = self._spawn(
             f"node-agent-{node.name}",
             [
@@ -542,11 +613,12 @@ class RealCluster:
                 sys.executable, "-m", "gpushare.cli", "node",
                 "--node-name", node.name,
                 "--kubeconfig", str(self.kubeconfig_of("gpushare-node-agent")),
-                "--gpus", f"sim:{node.gpus}",
+                "--gpus", *gpus,
                 "--listen", f"unix://{node.cri_socket}",
                 "--runtime", node.containerd.address if node.containerd else "",
                 "--metrics-port", str(node.agent_metrics_port),
             ],
+            env,
         )  # fmt: skip
         agent = node.agent
         wait_for(lambda: agent.check() or node.cri_socket.exists(), 30, f"node {node.name}: the CRI shim's socket")
@@ -569,6 +641,11 @@ class RealCluster:
                 f"--hostname-override={node.name}",
                 "--node-ip=127.0.0.1",
                 "--v=2",
+                *(
+                    [f"--register-with-taints={','.join(taints)}"]
+                    if (taints := self.node_taints.get(node.name))
+                    else []
+                ),
             ],
         )
 
@@ -601,11 +678,23 @@ class RealCluster:
 
     def _start_schedulers(self) -> None:
         template = yaml.safe_load(SCHEDULER_CONFIG.read_text())
+        tls = None
+        if self.extender_tls:
+            shipped = next(iter(template.get("extenders") or []), {}).get("tlsConfig") or {}
+            certs = self.extender_certs = make_certs(
+                self._path("extender-tls"), (shipped.get("serverName", EXTENDER_SERVER_NAME),)
+            )
+            tls = SchedulerTls(certs.client.cert, certs.client.key, certs.ca)
         for name in self.scheduler_names:
-            control = Control(name, free_port())
+            control = Control(name, free_port(), tls=tls is not None)
             self.controls.append(control)
             argv = [sys.executable, "-m", "gpushare.cli", "extender", "--port", str(control.extender_port),
                     "--kubeconfig", str(self.kubeconfig_of("gpushare-extender"))]  # fmt: skip
+            if self.extender_certs is not None:
+                control.extender_health_port = free_port()
+                argv += ["--host", "127.0.0.1", "--health-port", str(control.extender_health_port),
+                         "--tls-cert", self.extender_certs.server.cert, "--tls-key", self.extender_certs.server.key,
+                         "--client-ca", self.extender_certs.ca]  # fmt: skip
             control.extender = self._spawn(
                 f"extender-{name}", [*argv, "--policy", self.policy] if self.policy else argv
             )
@@ -618,6 +707,7 @@ class RealCluster:
                     name,
                     template,
                     f"127.0.0.1:{control.healthz_port}",
+                    tls,
                 )
             )
             control.scheduler = self._spawn(

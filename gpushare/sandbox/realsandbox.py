@@ -26,7 +26,14 @@ from gpushare.sandbox.cluster import (
     report,
     stay_up,
 )
-from gpushare.sandbox.realcluster import KUBE_VERSION, ClusterError, RealCluster, as_host_network, wait_for
+from gpushare.sandbox.realcluster import (
+    KUBE_VERSION,
+    NVML_PREFIX,
+    ClusterError,
+    RealCluster,
+    as_host_network,
+    wait_for,
+)
 
 #: how long an example pod may take to reach a final answer (Running, Failed or Unschedulable)
 SETTLE_SECONDS = 60.0
@@ -73,11 +80,16 @@ def apply_examples(cluster: RealCluster, manifests: Sequence[Mapping[str, Any]])
     return outcomes
 
 
-def run_real(specs: Sequence[NodeSpec], policy: str, keep_running: bool, out: Any = sys.stdout) -> int:
+def run_real(
+    specs: Sequence[NodeSpec], policy: str, keep_running: bool, out: Any = sys.stdout, nvml_fake: Sequence[str] = ()
+) -> int:
+    """``nvml_fake``: machines for nodes whose agent runs ``--gpus nvml`` on the fake libnvidia-ml."""
     workdir = Path(tempfile.mkdtemp(prefix="gpushare-sandbox-", dir="/tmp"))
     log_to(workdir / "sandbox.log")
     policy = policy or DEFAULT_POLICY
-    cluster = RealCluster([(s.name, s.gpus) for s in specs], workdir, policy=policy)
+    nodes = [(s.name, s.gpus) for s in specs]
+    nodes += [(f"nvml-{Path(machine).stem}", f"{NVML_PREFIX}{machine}") for machine in nvml_fake]
+    cluster = RealCluster(nodes, workdir, policy=policy)
     progress = Progress(total=4)
     started = time.monotonic()
     try:

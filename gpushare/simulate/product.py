@@ -1,10 +1,13 @@
 """The extender's own policies in the replay, driven through the extender's entry points: node costs from
-``batch_place`` memoised per node generation (as the prioritize verb gets them), the cheapest node where
+``batch_costs`` memoised per node generation (as the prioritize verb gets them), the cheapest node where
 the pod fits (kube-scheduler takes the extender's best score, equal scores at random), and the cards
 from ``place`` (as the bind verb gets them).
 
-Pods without GPUs never reach the extender (kube-scheduler calls it only for pods that request GPUs),
-so the replay puts them on a random node where they fit.
+Pods without GPUs never reach the GPU extender entry. kube-scheduler scores them itself: the replay
+models its default scoring (NodeResourcesLeastAllocated plus NodeResourcesBalancedAllocation, weight 1
+each, 0..100 per plugin), plus, for a policy that weighs CPU and memory, the host entry's prioritize
+score (0..10) x ``HOST_WEIGHT`` x 10 (kube-scheduler v1.20 scales extender scores to its 0..100 range);
+the highest total wins, equal totals at random.
 """
 
 from __future__ import annotations
@@ -18,9 +21,17 @@ from gpushare.placement.memo import RowMemo
 from gpushare.simulate.replay import Choice, ClusterState
 from gpushare.simulate.trace import MILLI_PER_CARD, TracePod
 
+#: the weight of the host prioritize entry in deploy/scheduler-config.yaml
+HOST_WEIGHT = 20
+#: kube-scheduler's stand-in request for a pod that requests no CPU (milli) or memory (MiB here)
+NONZERO_CPU, NONZERO_MEMORY = 100, 200
+NO_GPU = placement.Shape(0, 0)
+
 
 def gpu_shape(pod: TracePod) -> placement.Shape:
-    """A trace pod's GPU request as a placement shape: whole cards, or a share of each card."""
+    """A trace pod's GPU request as a placement shape: whole cards, a share of each card, or none."""
+    if not pod.num_gpu:
+        return NO_GPU
     if pod.gpu_milli >= MILLI_PER_CARD:
         return placement.Shape(0, pod.num_gpu, exclusive=True)
     return placement.Shape(pod.gpu_milli, pod.num_gpu)
@@ -31,6 +42,15 @@ def workload(pods: Sequence[TracePod]) -> placement.Workload:
     return placement.Workload.from_shapes(gpu_shape(p) for p in pods if p.num_gpu)
 
 
+def learned(name: str, pods: Sequence[TracePod]) -> placement.Policy:
+    """The extender's policy called ``name`` as it would be after watching ``pods``."""
+    if name == "fgd":
+        return placement.Fgd(workload(pods))
+    if name == "fgdfit":
+        return placement.FgdFit.of([(gpu_shape(p), p.cpu_milli, p.memory_mib) for p in pods], MILLI_PER_CARD)
+    return placement.POLICIES[name]
+
+
 def node_cards(state: ClusterState, row: int) -> list[placement.Card]:
     return [
         placement.Card(index=j, uuid=f"{state.names[row]}/{j}", capacity=int(cap), used=int(cap - free))
@@ -39,25 +59,55 @@ def node_cards(state: ClusterState, row: int) -> list[placement.Card]:
     ]
 
 
+def kube_default_scores(state: ClusterState, rows: np.ndarray, pod: TracePod) -> np.ndarray:
+    """kube-scheduler v1.20's LeastAllocated + BalancedAllocation scores of ``rows`` for ``pod``."""
+    cpu, memory = state.cpu_allocatable[rows], state.memory_allocatable[rows]
+    cpu_used = cpu - state.cpu[rows] + max(pod.cpu_milli, NONZERO_CPU)
+    memory_used = memory - state.memory[rows] + max(pod.memory_mib, NONZERO_MEMORY)
+    cpu, memory = np.maximum(cpu, 1), np.maximum(memory, 1)
+    least = ((cpu - cpu_used) * 100 // cpu + (memory - memory_used) * 100 // memory) // 2
+    cpu_share, memory_share = cpu_used / cpu, memory_used / memory
+    balanced = np.trunc((1 - np.abs(cpu_share - memory_share)) * 100).astype(np.int64)
+    return least + np.where((cpu_share >= 1) | (memory_share >= 1), 0, balanced)
+
+
 class ExtenderChooser:
     """One of the extender's policies (``placement.POLICIES``, or one built for a workload)."""
 
     def __init__(self, policy: placement.Policy) -> None:
         self.policy = policy
         self.name = policy.name
-        self._memos: dict[placement.Shape, RowMemo] = {}
+        self._memos: dict[tuple[placement.Shape, int, int], RowMemo] = {}
+        self._order: np.ndarray | None = None
+
+    def _costs(self, state: ClusterState, pod: TracePod, shape: placement.Shape) -> np.ndarray:
+        request = (pod.cpu_milli, pod.memory_mib) if self.policy.uses_host else (0, 0)
+        memo = self._memos.get((shape, *request))
+        if memo is None:
+            memo = self._memos[(shape, *request)] = RowMemo()
+        if self._order is None:
+            self._order = placement.node_order(state.names)
+        order = self._order
+        return memo.values(
+            state.generation,
+            lambda stale: placement.batch_costs(
+                self.policy,
+                state.capacity[stale],
+                state.free[stale],
+                shape,
+                (state.cpu[stale], state.memory[stale], order[stale]),
+                request,
+            ),
+        )
 
     def choose(self, state: ClusterState, pod: TracePod, rows: np.ndarray, rng: np.random.Generator) -> Choice:
         if not pod.num_gpu:
-            return int(rng.choice(rows)), ()
+            scores = kube_default_scores(state, rows, pod)
+            if self.policy.uses_host:
+                scores = scores + placement.batch_scores(self._costs(state, pod, NO_GPU)[rows]) * HOST_WEIGHT * 10
+            return int(rng.choice(rows[scores == scores.max()])), ()
         shape = gpu_shape(pod)
-        memo = self._memos.get(shape)
-        if memo is None:
-            memo = self._memos[shape] = RowMemo()
-        costs = memo.values(
-            state.generation,
-            lambda stale: placement.batch_place(self.policy, state.capacity[stale], state.free[stale], shape).cost,
-        )[rows]
+        costs = self._costs(state, pod, shape)[rows]
         best = rows[costs == costs.min()]
         row = int(best[0] if best.size == 1 else rng.choice(best))
         demand = placement.Demand("main", shape.units, shape.cards, shape.exclusive)

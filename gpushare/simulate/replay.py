@@ -38,7 +38,7 @@ def affinity_tag(pod: TracePod) -> str:
 @dataclass(slots=True)
 class ClusterState:
     """The nodes as arrays: per (node, card) capacity and free milli (capacity 0: no such card), per node
-    free CPU and memory, card model, per-affinity-class pod counts, and a generation that moves on
+    allocatable and free CPU and memory, card model, per-affinity-class pod counts, and a generation that moves on
     every change (per-node answers are memoised on it)."""
 
     names: list[str]
@@ -46,6 +46,8 @@ class ClusterState:
     free: np.ndarray
     cpu: np.ndarray
     memory: np.ndarray
+    cpu_allocatable: np.ndarray
+    memory_allocatable: np.ndarray
     model: np.ndarray
     tags: dict[str, int]
     affinity: np.ndarray
@@ -61,12 +63,16 @@ class ClusterState:
             [[MILLI_PER_CARD] * n.gpus + [0] * (width - n.gpus) for n in nodes], dtype=np.int64
         ).reshape(len(nodes), width)
         tags = {tag: i for i, tag in enumerate(sorted({affinity_tag(p) for p in pods} - {"no-gpu"}))}
+        cpu = np.array([n.cpu_milli for n in nodes], dtype=np.int64)
+        memory = np.array([n.memory_mib for n in nodes], dtype=np.int64)
         return cls(
             names=[n.name for n in nodes],
             capacity=capacity,
             free=capacity.copy(),
-            cpu=np.array([n.cpu_milli for n in nodes], dtype=np.int64),
-            memory=np.array([n.memory_mib for n in nodes], dtype=np.int64),
+            cpu=cpu.copy(),
+            memory=memory.copy(),
+            cpu_allocatable=cpu,
+            memory_allocatable=memory,
             model=np.array([n.model for n in nodes], dtype=object),
             tags=tags,
             affinity=np.zeros((len(nodes), max(len(tags), 1)), dtype=np.int64),

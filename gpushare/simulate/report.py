@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gpushare import placement
 from gpushare.simulate.baselines import PAPER_NAMES, baseline
-from gpushare.simulate.product import ExtenderChooser, workload
+from gpushare.simulate.product import ExtenderChooser, learned
 from gpushare.simulate.replay import ARRIVALS, ClusterState, arrival_order, bucket_means, replay
 from gpushare.simulate.trace import TraceNode, TracePod
 
@@ -31,10 +31,7 @@ def chooser(name: str, pods: Sequence[TracePod], state: ClusterState) -> object:
     """The replay's chooser for the policy called ``name`` (one of ``policy_names()``)."""
     if name.startswith(PAPER_PREFIX):
         return baseline(name.removeprefix(PAPER_PREFIX), pods, state)
-    policy_name = placement.DEFAULT_POLICY if name == "default" else name
-    if policy_name == "fgd":
-        return ExtenderChooser(placement.Fgd(workload(pods)))
-    return ExtenderChooser(placement.POLICIES[policy_name])
+    return ExtenderChooser(learned(placement.DEFAULT_POLICY if name == "default" else name, pods))
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,11 +22,21 @@ from kubernetes import client
 from gpushare import contract as c
 from gpushare.kube import get_pod
 from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available
-from gpushare.usage import resolve_allocation
+from gpushare.usage import pod_allocation
 
 E2E_DIR = Path(__file__).parent
 UNAVAILABLE = realcluster_available()
-NODES = (("node-a", "2xA100-80GB:81920,1xT4:15360"), ("node-b", "1xA100-40GB:40960,2xA10:24576"))
+#: ``gpushare node --gpus nvml`` on the fake libnvidia-ml presenting a DGX A100 (8 x A100-SXM4-80GB)
+NVML_NODE = "node-dgx"
+#: only pods that tolerate it land on the NVML node, so the other tests' placements don't change
+NVML_TAINT = {"key": "gpushare.io/e2e-nvml", "value": "true", "effect": "NoSchedule"}
+#: seconds a card that hit a critical XID stays unhealthy on the NVML node
+NVML_RECOVERY = 4.0
+NODES = (
+    ("node-a", "2xA100-80GB:81920,1xT4:15360"),
+    ("node-b", "1xA100-40GB:40960,2xA10:24576"),
+    (NVML_NODE, "nvml:dgx-a100"),
+)
 #: a second kube-scheduler with its own extender replica, for concurrent binds
 SECOND_SCHEDULER = "gpushare-second"
 POD_TIMEOUT = 60.0
@@ -52,7 +62,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[RealCluster]:
     workdir = Path(tempfile.mkdtemp(prefix="gs-e2e-", dir="/tmp"))
-    real = RealCluster(NODES, workdir, rbac=True, scheduler_names=("default-scheduler", SECOND_SCHEDULER))
+    real = RealCluster(
+        NODES,
+        workdir,
+        rbac=True,
+        scheduler_names=("default-scheduler", SECOND_SCHEDULER),
+        nvml_recovery_seconds=NVML_RECOVERY,
+        node_taints={NVML_NODE: ("{key}={value}:{effect}".format(**NVML_TAINT),)},
+    )
     real.start()
     try:
         yield real
@@ -73,6 +90,7 @@ def pod_manifest(
     node: str | None = None,
     scheduler: str | None = None,
     annotations: Mapping[str, str] | None = None,
+    namespace: str = "default",
 ) -> dict[str, Any]:
     """A busybox pod with one container per entry of ``limits`` (``main``, ``c1``, ...)."""
     containers = [
@@ -89,7 +107,9 @@ def pod_manifest(
         spec["nodeSelector"] = {"kubernetes.io/hostname": node}
     if scheduler:
         spec["schedulerName"] = scheduler
-    metadata: dict[str, Any] = {"name": name, "namespace": "default"}
+    if node == NVML_NODE:
+        spec["tolerations"] = [NVML_TAINT]
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace}
     if annotations:
         metadata["annotations"] = dict(annotations)
     return as_host_network({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec})
@@ -157,7 +177,7 @@ class Pods:
     def allocation(self, name: str) -> dict[str, tuple[c.CardSlice, ...]]:
         """The cards the scheduler wrote for each container, named by UUID through the node's inventory."""
         pod = self.get(name)
-        allocation = resolve_allocation(pod, self.cluster.node_inventory(pod["spec"]["nodeName"]).cards)
+        allocation = pod_allocation(pod, self.cluster.node_inventory(pod["spec"]["nodeName"]).cards)
         assert allocation, f"pod {name} carries no card assignment"
         return allocation
 
@@ -178,7 +198,7 @@ def assert_sees_assigned_cards(pods: Pods, name: str) -> None:
     allocation = pods.allocation(name)
     inventory = pods.cluster.node_inventory(pod["spec"]["nodeName"])
     units = {card.uuid: inventory.units_of(card) for card in inventory.cards}
-    pod_mem = c.parse_pod_request(pod).total_mem
+    pod_mem = c.parse_pod_request(pod).effective_mem
     for container, slices in allocation.items():
         env = pods.env(name, container)
         expected = c.assigned_env(slices, pod_mem, units)

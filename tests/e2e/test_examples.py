@@ -12,7 +12,7 @@ from gpushare import contract as c
 from gpushare.sandbox.cluster import load_examples
 from gpushare.sandbox.realcluster import RealCluster, as_host_network
 
-from .conftest import API_POLL, Pods, assert_sees_assigned_cards, wait_until
+from .conftest import API_POLL, NODES, Pods, assert_sees_assigned_cards, wait_until
 
 RUNNING = ("multi-container", "shared-1", "shared-2", "two-cards", "no-gpu-all-devices")
 
@@ -49,7 +49,7 @@ def test_too_big_stays_pending_and_says_why(examples: Pods, core: client.CoreV1A
         return None
 
     message = wait_until(unschedulable, 30, "too-big to be marked Unschedulable", API_POLL)
-    assert "0/2 nodes are available" in message and c.RESOURCE_MEM in message, message
+    assert f"0/{len(NODES)} nodes are available" in message and c.RESOURCE_MEM in message, message
     events = core.list_namespaced_event(
         "default", field_selector="involvedObject.name=too-big,reason=FailedScheduling"
     ).items

@@ -1,0 +1,267 @@
+"""Issue 10 on the real cluster: a pod can't forge its way onto a card (the CRI shim's own defence),
+the admission webhook keeps tenants off the scheduler's annotations, and kube-scheduler reaches the
+extender over TLS with its client certificate, as deploy/scheduler-config.yaml ships it.
+
+kube-apiserver 1.20 has no ValidatingAdmissionPolicy (it arrived in 1.26 and is GA in 1.30), so
+deploy/admission-policy.yaml can't be tried here; the webhook is."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import ssl
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from gpushare import contract as c
+from gpushare.inspectview import build_cluster
+from gpushare.kube import list_nodes, list_pods, load_api
+from gpushare.sandbox.certs import Certs, make_certs
+from gpushare.sandbox.realcluster import SCHEDULER_CONFIG, Process, RealCluster, free_port
+
+from .conftest import API_POLL, Pods, assert_sees_assigned_cards, pod_manifest, wait_until
+
+GUARDED = "gpushare-e2e-guarded"
+GUARD_LABEL = {"gpushare.io/e2e-webhook": "on"}
+WEBHOOK_CONFIG = "gpushare-e2e-pod-annotations"
+TENANT = "tenant"
+
+
+# --- 2: a pod that asks for no GPU gets none, whatever its annotations say -----------------------------
+
+
+@pytest.mark.parametrize("forgery", ["allocation", "alibaba-index-and-env"])
+def test_a_pod_without_a_gpu_request_gets_no_card_from_forged_annotations(pods: Pods, forgery: str) -> None:
+    inventory = pods.cluster.node_inventory("node-b")
+    card = inventory.cards[0]
+    units = inventory.units_of(card)
+    if forgery == "allocation":
+        forged = {c.ANN_ALLOCATION: c.format_allocation({"main": (c.CardSlice(card.index, card.uuid, units),)})}
+    else:
+        forged = {c.ANN_MEM_IDX: str(card.index)}
+    # created by the cluster admin where no webhook looks: the node's own checks must hold
+    manifest = pod_manifest(pods.name("forged"), ({},), node="node-b", annotations=forged)
+    if forgery != "allocation":
+        manifest["spec"]["containers"][0]["env"] = [{"name": c.ENV_MEM_CONTAINER, "value": str(units)}]
+    forger = pods.create(manifest)
+    pods.wait_running(forger)
+    assert pods.env(forger)[c.ENV_VISIBLE_DEVICES] == c.VISIBLE_DEVICES_VOID
+
+    # the whole card is still free for a pod that asks for it: nothing counted the forger
+    legit = pods.create(pod_manifest(pods.name("whole-card"), ({c.RESOURCE_MEM: units},), node="node-b"))
+    pods.wait_running(legit)
+    assert_sees_assigned_cards(pods, legit)
+    assert pods.env(legit)[c.ENV_VISIBLE_DEVICES] == card.uuid
+    (view,) = [n for n in build_cluster(list_nodes(pods.cluster.api), list_pods(pods.cluster.api)).nodes
+               if n.name == "node-b"]  # fmt: skip
+    assert next(v for v in view.cards if v.index == card.index).allocated == units
+
+
+# --- 4: the admission webhook ---------------------------------------------------------------------------
+
+
+def tls_client(certs: Certs, with_cert: bool) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=certs.ca)
+    if with_cert:
+        context.load_cert_chain(certs.client.cert, certs.client.key)
+    return context
+
+
+def https_status(port: int, path: str, context: ssl.SSLContext) -> int:
+    try:
+        conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=5)
+        conn.request("GET", path)
+        return conn.getresponse().status
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def webhook(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.ApiClient]:
+    """``gpushare webhook`` registered for the namespace GUARDED only; yields the tenant's API client,
+    a service account there that may create, patch and delete pods."""
+    certs = make_certs(cluster.workdir / "webhook-tls", ())
+    port = free_port()
+    server = Process(
+        "gpushare-webhook",
+        [sys.executable, "-m", "gpushare.cli", "webhook", "--port", str(port),
+         "--tls-cert", certs.server.cert, "--tls-key", certs.server.key],
+        cluster.workdir / "gpushare-webhook.log",
+    ).start()  # fmt: skip
+    admission = client.AdmissionregistrationV1Api(cluster.api)
+    rbac = client.RbacAuthorizationV1Api(cluster.api)
+    try:
+        wait_until(
+            lambda: server.check() or https_status(port, "/readyz", tls_client(certs, False)) == 200,
+            30, "the webhook to serve", API_POLL,
+        )  # fmt: skip
+        shipped = next(d for d in yaml.safe_load_all((SCHEDULER_CONFIG.parent / "webhook.yaml").read_text())
+                       if d["kind"] == "ValidatingWebhookConfiguration")  # fmt: skip
+        hook = shipped["webhooks"][0]
+        hook["clientConfig"] = {
+            "url": f"https://127.0.0.1:{port}/validate",
+            "caBundle": base64.b64encode(Path(certs.ca).read_bytes()).decode(),
+        }
+        # namespaces have no kubernetes.io/metadata.name label before 1.21: select by a label of our own
+        hook["namespaceSelector"] = {"matchLabels": GUARD_LABEL}
+        shipped["metadata"]["name"] = WEBHOOK_CONFIG
+        if not any(ns.metadata.name == GUARDED for ns in core.list_namespace().items):
+            core.create_namespace({"metadata": {"name": GUARDED, "labels": GUARD_LABEL}})
+        core.create_namespaced_service_account(GUARDED, {"metadata": {"name": TENANT}})
+        rbac.create_namespaced_role(GUARDED, {
+            "metadata": {"name": TENANT},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "patch", "delete"]}],
+        })  # fmt: skip
+        rbac.create_namespaced_role_binding(GUARDED, {
+            "metadata": {"name": TENANT},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": TENANT},
+            "subjects": [{"kind": "ServiceAccount", "name": TENANT, "namespace": GUARDED}],
+        })  # fmt: skip
+        token = core.create_namespaced_service_account_token(
+            TENANT, GUARDED, {"spec": {"audiences": [], "expirationSeconds": 3600}}
+        ).status.token
+        tenant = load_api(str(cluster.write_kubeconfig(f"system:serviceaccount:{GUARDED}:{TENANT}", token)))
+        admission.create_validating_webhook_configuration(shipped)
+        try:
+            wait_until(lambda: webhook_answers(client.CoreV1Api(tenant)), 30, "the API server to call the webhook",
+                       API_POLL)  # fmt: skip
+            yield tenant
+        finally:
+            admission.delete_validating_webhook_configuration(WEBHOOK_CONFIG)
+            for pod in core.list_namespaced_pod(GUARDED).items:
+                core.delete_namespaced_pod(pod.metadata.name, GUARDED, grace_period_seconds=0)
+            for delete in (rbac.delete_namespaced_role_binding, rbac.delete_namespaced_role,
+                           core.delete_namespaced_service_account):  # fmt: skip
+                delete(TENANT, GUARDED)
+            tenant.close()
+    finally:
+        server.stop()
+
+
+def webhook_answers(tenant: client.CoreV1Api) -> bool:
+    """Whether the API server has picked up the webhook's configuration: a dry run of a forged pod is denied."""
+    forged = pod_manifest("probe", annotations={c.ANN_MEM_IDX: "0"}, namespace=GUARDED)
+    try:
+        tenant.create_namespaced_pod(GUARDED, forged, dry_run="All")
+    except client.ApiException as exc:
+        return "denied the request" in (exc.body or "")
+    return False
+
+
+def denial(call: Any) -> str:
+    """The API server's message when ``call`` is refused; fails the test if it succeeds."""
+    try:
+        call()
+    except client.ApiException as exc:
+        return json.loads(exc.body).get("message", "") if exc.body else str(exc)
+    raise AssertionError("the API server accepted what the webhook should have denied")
+
+
+def test_a_tenant_cant_create_a_pod_carrying_an_allocation(webhook: client.ApiClient, cluster: RealCluster) -> None:
+    card = cluster.node_inventory("node-a").cards[0]
+    forged = c.format_allocation({"main": (c.CardSlice(card.index, card.uuid, 4),)})
+    manifest = pod_manifest("forged-create", annotations={c.ANN_ALLOCATION: forged}, namespace=GUARDED)
+    message = denial(lambda: client.CoreV1Api(webhook).create_namespaced_pod(GUARDED, manifest))
+    assert "denied the request" in message, message
+    assert f"may not create pod {GUARDED}/forged-create" in message and c.ANN_ALLOCATION in message, message
+    assert not client.CoreV1Api(cluster.api).list_namespaced_pod(GUARDED).items
+
+
+def test_a_tenant_cant_rewrite_a_running_pods_allocation_but_the_extender_can(
+    webhook: client.ApiClient, cluster: RealCluster, core: client.CoreV1Api
+) -> None:
+    tenant = client.CoreV1Api(webhook)
+    manifest = pod_manifest("guarded-gpu", ({c.RESOURCE_MEM: 4},), node="node-a", namespace=GUARDED)
+    # no protected annotation: the webhook lets it in, then the extender binds and annotates it
+    tenant.create_namespaced_pod(GUARDED, manifest)
+
+    def running() -> Any:
+        pod = core.read_namespaced_pod("guarded-gpu", GUARDED)
+        return pod if pod.status.phase == "Running" else None
+
+    pod = wait_until(running, 60, "the tenant's GPU pod to run", API_POLL)
+    allocation = c.parse_allocation(pod.metadata.annotations[c.ANN_ALLOCATION], "guarded-gpu")
+    (slices,) = allocation.values()
+    other = next(card for card in cluster.node_inventory("node-a").cards if card.uuid != slices[0].uuid)
+    claim = c.format_allocation({"main": (c.CardSlice(other.index, other.uuid, slices[0].units),)})
+
+    def tenant_patch() -> None:
+        tenant.patch_namespaced_pod("guarded-gpu", GUARDED, {"metadata": {"annotations": {c.ANN_ALLOCATION: claim}}})
+
+    message = denial(tenant_patch)
+    assert f"may not change annotations on pod {GUARDED}/guarded-gpu" in message, message
+    assert (
+        core.read_namespaced_pod("guarded-gpu", GUARDED).metadata.annotations[c.ANN_ALLOCATION]
+        == (pod.metadata.annotations[c.ANN_ALLOCATION])
+    )
+    # the extender's service account writes the same annotations through the same webhook
+    extender = load_api(str(cluster.kubeconfig_of("gpushare-extender")))
+    try:
+        client.CoreV1Api(extender).patch_namespaced_pod(
+            "guarded-gpu", GUARDED, {"metadata": {"annotations": {c.ANN_MEM_ASSUME_TIME: "1"}}}
+        )
+    finally:
+        extender.close()
+    assert core.read_namespaced_pod("guarded-gpu", GUARDED).metadata.annotations[c.ANN_MEM_ASSUME_TIME] == "1"
+
+
+# --- 6: kube-scheduler to extender over TLS with a client certificate -----------------------------------
+
+
+def test_kube_scheduler_reaches_the_extender_with_the_shipped_tls_config(cluster: RealCluster, pods: Pods) -> None:
+    shipped = yaml.safe_load(SCHEDULER_CONFIG.read_text())["extenders"][0]["tlsConfig"]
+    for control in cluster.controls:
+        config = yaml.safe_load((cluster.workdir / f"scheduler-{control.scheduler_name}.yaml").read_text())
+        (extender,) = config["extenders"]
+        assert extender["enableHTTPS"] is True and extender["urlPrefix"].startswith("https://")
+        assert extender["tlsConfig"]["serverName"] == shipped["serverName"]
+        assert set(extender["tlsConfig"]) == set(shipped)
+    name = pods.create(pod_manifest(pods.name("over-tls"), ({c.RESOURCE_MEM: 2},), node="node-a"))
+    pods.wait_running(name)
+    assert_sees_assigned_cards(pods, name)
+
+
+def bind(cluster: RealCluster, context: ssl.SSLContext, pod: dict[str, Any], node: str) -> dict[str, Any]:
+    """POST the extender's /bind as kube-scheduler would."""
+    body = {"PodName": pod["metadata"]["name"], "PodNamespace": "default", "PodUID": pod["metadata"]["uid"],
+            "Node": node}  # fmt: skip
+    conn = http.client.HTTPSConnection("127.0.0.1", cluster.controls[0].extender_port, context=context, timeout=10)
+    try:
+        conn.request("POST", "/bind", json.dumps(body), {"Content-Type": "application/json"})
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
+def test_a_client_without_the_schedulers_certificate_gets_nothing(cluster: RealCluster) -> None:
+    assert cluster.extender_certs is not None
+    stranger = tls_client(cluster.extender_certs, with_cert=False)
+    conn = http.client.HTTPSConnection("127.0.0.1", cluster.controls[0].extender_port, context=stranger, timeout=10)
+    # TLS 1.3 reports the refused client certificate on the first read after the handshake
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        conn.request("POST", "/bind", "{}", {"Content-Type": "application/json"})
+        conn.getresponse()
+    conn.close()
+
+
+def test_the_extender_binds_only_gpu_pods_onto_nodes_they_accept(cluster: RealCluster, pods: Pods) -> None:
+    assert cluster.extender_certs is not None
+    scheduler = tls_client(cluster.extender_certs, with_cert=True)
+    # no scheduler serves "nobody": the pods stay pending until someone binds them
+    no_gpu = pods.create(pod_manifest(pods.name("no-gpu"), ({},), scheduler="nobody"))
+    pinned = pods.create(pod_manifest(pods.name("pinned"), ({c.RESOURCE_MEM: 2},), node="node-b", scheduler="nobody"))
+    refused = bind(cluster, scheduler, pods.get(no_gpu), "node-a")
+    assert no_gpu in refused.get("Error", "") and "requests no gpushare resource" in refused["Error"], refused
+    refused = bind(cluster, scheduler, pods.get(pinned), "node-a")
+    assert pinned in refused.get("Error", "") and "node-a" in refused["Error"], refused
+    for name in (no_gpu, pinned):
+        pod = pods.get(name)
+        assert not pod["spec"].get("nodeName"), f"{name} was bound"
+        assert c.ANN_ALLOCATION not in (pod["metadata"].get("annotations") or {}), f"{name} was annotated"

@@ -1,0 +1,168 @@
+"""The host-aware policy (fgdfit): CPU and memory strand GPUs, pods without GPUs go where GPUs are taken,
+equal placements keep to a fixed node order; the extender's CPU view and host prioritize verb; and the
+replay's model of kube-scheduler's own scoring for pods without GPUs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from podfactory import container, gpu_pod
+
+from extender.cache import ClusterCache, host_request
+from extender.verbs import Placement, host_prioritize_result, prioritize_result
+from extender.wire import Raw
+from gpushare import contract as c
+from gpushare.cards import Card
+from gpushare.placement import FgdFit, Shape, batch_costs, node_order
+from gpushare.simulate.product import HOST_WEIGHT, kube_default_scores
+from gpushare.simulate.replay import ClusterState
+from gpushare.simulate.trace import TraceNode, TracePod
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+GiB = 1 << 30
+_versions = itertools.count(1)
+
+
+def policy() -> FgdFit:
+    # typical pods: half a card with 8 CPUs, or a whole card with 4 CPUs
+    return FgdFit.of([(Shape(500), 8000, 0)] * 3 + [(Shape(0, 1, exclusive=True), 4000, 0)], card=1000)
+
+
+def costs(free: list[list[int]], cpu: list[int], shape: Shape, request: int, names: list[str] | None = None):
+    free_arr = np.array(free)
+    names = names or [f"n{i}" for i in range(len(free))]
+    host = (np.array(cpu), np.full(len(free), 1 << 40), node_order(names))
+    return batch_costs(policy(), np.full_like(free_arr, 1000), free_arr, shape, host, (request, 0))
+
+
+def test_typical_shapes_are_weighed_by_the_gpu_they_ask_for() -> None:
+    assert dict(zip(policy().workload.shapes, policy().workload.counts, strict=True)) == {
+        Shape(500): 3 * 500,
+        Shape(0, 1, exclusive=True): 1000,
+    }
+
+
+def test_a_pod_avoids_the_node_whose_cpu_it_would_exhaust() -> None:
+    # same cards; on node 0 the pod's 6 CPUs leave 2, too few for any typical pod: its 3 idle cards strand
+    cost = costs([[1000, 1000, 1000, 1000]] * 2, [8000, 64000], Shape(500), 6000)
+    assert cost[1] < cost[0]
+
+
+def test_a_pod_without_gpus_goes_where_the_gpus_are_taken_and_strands_none() -> None:
+    free = [[1000, 1000], [0, 0], [0, 500], [1000, 1000]]
+    cost = costs(free, [64000, 64000, 64000, 9000], Shape(0, 0), 4000)
+    # node 1 has no idle GPU; node 2 half a card; node 0 two idle cards; node 3 would also strand them
+    assert list(np.argsort(cost)) == [1, 2, 0, 3]
+
+
+def test_equal_placements_keep_to_one_node_order_whatever_the_names_are_listed_in() -> None:
+    names = [f"node-{i}" for i in range(6)]
+    first = costs([[1000] * 2] * 6, [64000] * 6, Shape(500), 1000, names)
+    assert len(set(first.tolist())) == 6, "equal nodes still get distinct costs"
+    again = costs([[1000] * 2] * 6, [64000] * 6, Shape(500), 1000, names[::-1])
+    assert names[int(np.argmin(first))] == names[::-1][int(np.argmin(again))]
+
+
+def test_one_node_and_many_nodes_give_the_same_costs() -> None:
+    fit = policy()
+    capacity, free = [1000] * 4, [1000, 300, 700, 0]
+    one = [
+        fit.node_cost(capacity, free, [f - (500 if i == j else 0) for i, f in enumerate(free)], (Shape(500),))
+        for j in (0, 2)
+    ]
+    keys = fit.card_keys(capacity, free, [0, 2], [500, 500], (Shape(500),))
+    assert keys == pytest.approx(one)
+
+
+def node(name: str, cpu: str, memory: str, cards: list[Card] | None = None) -> dict:
+    annotations = {c.NODE_ANN_INVENTORY: c.format_inventory(cards, c.GIB)} if cards else {}
+    return {
+        "metadata": {"name": name, "resourceVersion": str(next(_versions)), "annotations": annotations},
+        "status": {"allocatable": {"cpu": cpu, "memory": memory}},
+    }
+
+
+def plain_pod(name: str, node_name: str | None, cpu: str, memory: str, phase: str = "Running") -> dict:
+    pod = gpu_pod(name, [container("main")], node=node_name, phase=phase)
+    pod["spec"]["containers"][0]["resources"]["requests"] = {"cpu": cpu, "memory": memory}
+    return pod
+
+
+def test_a_pods_request_is_the_larger_of_its_containers_sum_and_its_largest_init_container() -> None:
+    pod = plain_pod("p", None, "500m", "1Gi")
+    pod["spec"]["containers"].append({"name": "side", "resources": {"requests": {"cpu": "1", "memory": "1Gi"}}})
+    pod["spec"]["initContainers"] = [{"name": "init", "resources": {"requests": {"cpu": "2", "memory": "1Mi"}}}]
+    assert host_request(pod) == (2000, 2 * GiB)
+
+
+def test_the_cache_counts_what_running_pods_request_on_each_node() -> None:
+    cache = ClusterCache(None)
+    cache.nodes.apply(node("n1", "32", "64Gi"))
+    cache.pods.apply(plain_pod("a", "n1", "4", "8Gi"))
+    cache.pods.apply(plain_pod("done", "n1", "8", "8Gi", phase="Succeeded"))
+    assert cache.host_free("n1") == (28000, 56 * GiB)
+    cache.pods.apply(plain_pod("b", "n1", "2500m", "1Gi"))
+    assert cache.host_free("n1") == (25500, 55 * GiB)
+
+
+def gpu_cluster() -> ClusterCache:
+    cache = ClusterCache(None)
+    cards = [Card(i, f"GPU-{i}", "T4", 16384, minor=i) for i in range(2)]
+    for name in ("idle", "busy"):
+        cache.nodes.apply(
+            node(name, "32", "64Gi", [Card(i, f"GPU-{name}-{i}", "T4", 16384, minor=i) for i in range(2)])
+        )
+    for i, card in enumerate(cards):
+        cache.pods.apply(
+            gpu_pod(
+                f"g{i}",
+                [container("main", 16)],
+                node="busy",
+                allocation={"main": (c.CardSlice(card.index, "GPU-busy-" + str(i), 16),)},
+            )
+        )
+    cache.nodes.apply(node("cpu-only", "32", "64Gi"))
+    return cache
+
+
+def body(pod: dict) -> dict:
+    return {"Pod": pod, "NodeNames": ["idle", "busy", "cpu-only"]}
+
+
+def test_host_prioritize_steers_pods_without_gpus_and_leaves_gpu_pods_to_the_gpu_entry() -> None:
+    engine = Placement(gpu_cluster(), "fgdfit")
+    scores = {
+        e["Host"]: e["Score"] for e in _json(host_prioritize_result(engine, body(plain_pod("p", None, "1", "1Gi"))))
+    }
+    assert scores["idle"] < scores["busy"] == scores["cpu-only"] == 10
+    gpu = gpu_pod("g", [container("main", 4)], node=None)
+    assert {e["Score"] for e in _json(host_prioritize_result(engine, body(gpu)))} == {0}
+    assert max(e["Score"] for e in _json(prioritize_result(engine, body(gpu)))) == 10
+
+
+def test_host_prioritize_is_neutral_under_a_policy_that_ignores_cpu() -> None:
+    engine = Placement(gpu_cluster(), "binpack")
+    assert {e["Score"] for e in _json(host_prioritize_result(engine, body(plain_pod("p", None, "1", "1Gi"))))} == {0}
+
+
+def _json(reply: Raw | list[dict]) -> list[dict]:
+    return reply if isinstance(reply, list) else json.loads(reply.text)
+
+
+def test_kube_default_scores_are_least_allocated_plus_balanced() -> None:
+    state = ClusterState.of([TraceNode("a", 10000, 10000, 1, "T4"), TraceNode("b", 10000, 20000, 1, "T4")])
+    pod = TracePod("p", 5000, 5000, 0, 0)
+    # a: 50% CPU and memory used after -> least 50, balanced 100; b: 50% CPU, 25% memory -> 62, 75
+    assert kube_default_scores(state, np.array([0, 1]), pod).tolist() == [150, 137]
+
+
+def test_the_deployed_host_entry_only_prioritizes_with_the_replayed_weight() -> None:
+    config = yaml.safe_load((DEPLOY / "scheduler-config.yaml").read_text())
+    (entry,) = [e for e in config["extenders"] if e.get("prioritizeVerb") == "prioritize-host"]
+    assert entry["weight"] == HOST_WEIGHT
+    assert not entry.get("managedResources") and not entry.get("bindVerb") and not entry.get("filterVerb")
