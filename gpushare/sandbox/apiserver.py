@@ -502,7 +502,8 @@ def _grace_period(pod: Mapping[str, Any], requested: Any) -> int:
 def _status_update(current: dict[str, Any], updated: dict[str, Any]) -> dict[str, Any]:
     """A write to the status subresource: as in kube-apiserver 1.20, everything but the spec is taken
     from the new object, labels and annotations included."""
-    return {**updated, "spec": current.get("spec", {})} if "spec" in current else updated
+    kept = {"spec": current["spec"]} if "spec" in current else {}
+    return {**{k: v for k, v in updated.items() if k != "spec"}, **kept}
 
 
 def _watch_type(event: Event, was: bool, now: bool) -> str | None:
