@@ -276,3 +276,14 @@ def test_scheduler_config_has_the_extender_entry() -> None:
     assert tls.keys() <= {"insecure", "serverName", "certFile", "keyFile", "caFile", "certData", "keyData", "caData"}
     assert tls["insecure"] is False and {"certFile", "keyFile", "caFile"} <= tls.keys()
     assert tls["serverName"] == url.hostname
+
+
+def test_every_scheduler_config_entry_reaches_the_extender_over_its_tls() -> None:
+    """The extender serves only HTTPS with a client certificate once it has one, so an entry in plain
+    HTTP (or to another address) would fail on every call, silently where the entry is ignorable."""
+    (config,) = documents(SCHEDULER_CONFIG)
+    first, *others = config["extenders"]
+    assert others, "the entry that scores pods without GPUs is missing"
+    for entry in others:
+        assert entry["urlPrefix"] == first["urlPrefix"]
+        assert entry["enableHTTPS"] is True and entry["tlsConfig"] == first["tlsConfig"]

@@ -23,14 +23,13 @@ from deviceplugin.devices import card_of_device
 from deviceplugin.plugin import SOCKETS
 from deviceplugin.runtime import RunningPlugin, start_device_plugin
 from gpushare import contract as c
-from gpushare.cli import NodeSettings, UsageError
+from gpushare.cli import DEFAULT_REREAD, NodeSettings, Reread, UsageError
 from gpushare.inventory import SimulatedBackend
-from gpushare.kube import WatchCache
 from gpushare.observability import serve_http
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 from gpushare.sandbox.apiserver import ApiServer
-from gpushare.sandbox.kubelet import AdmissionResult, KubeletEmulator
+from gpushare.sandbox.kubelet import AdmissionResult, KubeletEmulator, LaggingWatchCache
 
 SPEC = "2xA100-80GB:81920,1xT4:15360"
 MEM_UNITS = 80 + 80 + 15
@@ -46,9 +45,12 @@ class SimNode:
         self.kubelet = KubeletEmulator(directory)
         self.kubelet.start()
         self.running: RunningPlugin | None = None
+        self.reread = DEFAULT_REREAD
 
     def settings(self, unit: str = "GiB") -> NodeSettings:
-        return NodeSettings("n1", None, f"sim:{self.spec}", self.dir, c.parse_unit(unit), frozenset())
+        return NodeSettings(
+            "n1", None, f"sim:{self.spec}", self.dir, c.parse_unit(unit), frozenset(), reread=self.reread
+        )
 
     def start_plugin(self) -> RunningPlugin:
         self.running = start_device_plugin(self.settings(), self.backend, self.api)
@@ -253,43 +255,33 @@ def test_a_request_no_pod_is_waiting_for_is_refused_not_faked_within_a_bounded_t
     assert "re-read from the API server 4 time(s)" in error.value.details()
 
 
-class LaggingCache(WatchCache):
-    """The node's pod cache with a watch that hasn't delivered some pods yet (``unseen`` names)."""
-
-    def __init__(self, api: client.ApiClient, node: str) -> None:
-        super().__init__(api, "pods", field_selector=f"spec.nodeName={node}")
-        self.unseen: set[str] = set()
-
-    def items(self) -> list[dict[str, Any]]:
-        return [p for p in super().items() if p["metadata"]["name"] not in self.unseen]
-
-    def get(self, name: str, namespace: str | None = None) -> dict[str, Any] | None:
-        return None if name in self.unseen else super().get(name, namespace)
-
-    def apply(self, obj: dict[str, Any]) -> None:
-        self.unseen.discard(obj["metadata"]["name"])
-        super().apply(obj)
-
-
-def test_a_pod_kubelet_knows_before_the_plugin_cache_does_is_admitted(
-    kube_api: client.ApiClient, core_v1: client.CoreV1Api, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("rereads", [DEFAULT_REREAD.attempts, 0], ids=["rereads", "no-rereads"])
+def test_a_pod_kubelet_admits_before_the_plugin_cache_has_it_is_admitted_by_re_reading(
+    kube_api: client.ApiClient, core_v1: client.CoreV1Api, monkeypatch: pytest.MonkeyPatch, rereads: int
 ) -> None:
-    lagging = LaggingCache(kube_api, "n1")
-    lagging.unseen.add("two-cards")
-    monkeypatch.setattr(deviceplugin_runtime, "node_pod_cache", lambda api, node: lagging)
+    """Issue 14's first defect: kubelet admits a pod the moment its watch shows it bound, while the
+    plugin's informer is still behind. Allocate must re-read the API server, not refuse."""
+    monkeypatch.setattr(deviceplugin_runtime, "node_pod_cache", lambda api, node: LaggingWatchCache(api, node, 30))
     directory = Path(tempfile.mkdtemp(prefix="dp", dir="/tmp"))
     sim = SimNode(kube_api, core_v1, directory)
     try:
+        sim.reread = Reread(attempts=rereads)
         sim.start_plugin()
+        sim.kubelet.follow(kube_api, "n1")
         _, a1, t4 = sim.cards
-        pod = gpu_pod("two-cards", [container("main", 8, 2)], allocation={"main": slices([a1, t4], 4)})
+        pod = gpu_pod("two-cards", [container("main", 8, 2)], node=None, allocation={"main": slices([a1, t4], 4)})
         core_v1.create_namespaced_pod("default", pod)
-        # kubelet admits the pod as its own watch delivers it: straight from the API server
-        seen_by_kubelet = kube_api.sanitize_for_serialization(core_v1.read_namespaced_pod("two-cards", "default"))
-        assert lagging.get("two-cards", "default") is None
-        admission = sim.kubelet.admit(seen_by_kubelet)
-        assert visible(admission) == f"{a1.uuid},{t4.uuid}"
-        assert sim.annotations("two-cards")[c.ANN_MEM_ASSIGNED] == "true"
+        binding = client.V1Binding(
+            metadata=client.V1ObjectMeta(name="two-cards"), target=client.V1ObjectReference(kind="Node", name="n1")
+        )
+        core_v1.create_namespaced_pod_binding("two-cards", "default", binding, _preload_content=False)
+        assert sim.kubelet.wait_for(lambda k: "default/two-cards" in k.admissions, 10)
+        admission = sim.kubelet.admissions["default/two-cards"]
+        if rereads:
+            assert visible(admission) == f"{a1.uuid},{t4.uuid}"
+            assert sim.annotations("two-cards")[c.ANN_MEM_ASSIGNED] == "true"
+        else:  # the defect this guards against: a refusal for want of a pod the API server has
+            assert not admission.admitted and "no pending pod on node n1" in admission.error
     finally:
         sim.stop_plugin()
         sim.kubelet.stop()

@@ -213,7 +213,7 @@ def test_cache_is_rebuilt_after_a_restart_and_counts_original_pods(cluster: Clus
     assert sorted(used) == [0, 70, 75]
     result = cluster.filter(cluster.pod(gpu_pod("p", [container("main", 16)])), ["n1"])
     assert result["FailedNodes"]["n1"] == "no single card has 16 GiB free (largest free: 15 GiB on card 2)"
-    cluster.core.delete_namespaced_pod("legacy", "default")
+    cluster.core.delete_namespaced_pod("legacy", "default", grace_period_seconds=0)
     wait_until(lambda: cluster.extender.cache.view("n1").cards[1].used == 0, what="the deletion in the cache")
     cluster.core.patch_namespaced_pod_status("ours", "default", {"status": {"phase": "Succeeded"}})
     wait_until(lambda: all(card.used == 0 for card in cluster.extender.cache.view("n1").cards), what="completion")

@@ -264,7 +264,7 @@ def test_pods_annotated_by_the_original_extender_are_counted(ext: Extender) -> N
     pod = ext.pending(gpu_pod("p", [container("main", 71)]))
     reply = ext.call("filter", {"Pod": pod, "NodeNames": ["mixed"]})
     assert reply["FailedNodes"] == {"mixed": "no single card has 71 GiB free (largest free: 70 GiB on card 0)"}
-    ext.core.delete_namespaced_pod("framework", "default")
+    ext.core.delete_namespaced_pod("framework", "default", grace_period_seconds=0)
     wait_counted(ext, "mixed", [0, 75, 0])
 
 

@@ -24,7 +24,7 @@ def test_node_cache_follows_only_its_node(kube_api: client.ApiClient, core_v1: c
         assert cache.wait_synced(5) and cache.connected
         core_v1.create_namespaced_pod("default", pod("mine", "n1"))
         core_v1.create_namespaced_pod("default", pod("theirs", "n2"))
-        core_v1.delete_namespaced_pod("before", "default")
+        core_v1.delete_namespaced_pod("before", "default", grace_period_seconds=0)  # as kubelet finishes it
         wait_until(lambda: ("DELETED", "before") in seen, what="the delete event")
         assert sorted(p["metadata"]["name"] for p in cache.items()) == ["mine"]
         assert cache.get("theirs", "default") is None
@@ -44,7 +44,9 @@ def test_cache_catches_up_after_an_outage(
         apiserver.pause()
         wait_until(lambda: not cache.connected, 10, "the cache to notice the outage")
         apiserver.resume()
-        core_v1.delete_namespaced_pod("a", "default")  # happens while the cache may still be reconnecting
+        core_v1.delete_namespaced_pod(
+            "a", "default", grace_period_seconds=0
+        )  # happens while the cache may still be reconnecting
         wait_until(lambda: cache.connected and cache.get("a", "default") is None, 10, "the cache to catch up")
     finally:
         cache.stop()

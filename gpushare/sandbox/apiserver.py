@@ -25,7 +25,8 @@ from urllib.parse import parse_qs, urlparse
 
 import yaml
 
-from gpushare.sandbox.patching import SUPPORTED, PatchError, apply_patch
+from gpushare.sandbox.patching import APPLY, SUPPORTED, PatchError, apply_patch
+from gpushare.sandbox.realcluster import KUBE_VERSION
 from gpushare.sandbox.selectors import Predicate, SelectorError, parse_field_selector, parse_label_selector
 from gpushare.sandbox.store import INDEXED, Event, Key, Store, StoreError, invalid
 
@@ -35,6 +36,49 @@ KINDS = {"pods": "Pod", "nodes": "Node", "events": "Event", "configmaps": "Confi
 NAMESPACED = {"pods", "events", "configmaps"}
 #: how often the accept loop looks for a stop request; bounds how long stop() and pause() take
 POLL_SECONDS = 0.05
+#: a pod's terminationGracePeriodSeconds when its spec has none
+DEFAULT_GRACE_SECONDS = 30
+
+
+def _resource(name: str, kind: str, namespaced: bool, verbs: str, short: str = "") -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "name": name,
+        "singularName": "" if "/" in name else kind.lower(),
+        "namespaced": namespaced,
+        "kind": kind,
+        "verbs": verbs.split(),
+    }
+    if short:
+        entry["shortNames"] = [short]
+    return entry
+
+
+_OBJECT_VERBS = "create delete get list patch update watch"
+#: what kubectl reads before anything else: the version, the API groups (only core here) and core/v1's resources
+DISCOVERY: dict[str, dict[str, Any]] = {
+    "/version": {
+        "major": KUBE_VERSION.split(".")[0].lstrip("v"),
+        "minor": KUBE_VERSION.split(".")[1],
+        "gitVersion": f"{KUBE_VERSION}-gpushare-standin",
+        "platform": "linux/amd64",
+    },
+    "/api": {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []},
+    "/apis": {"kind": "APIGroupList", "apiVersion": "v1", "groups": []},
+    "/api/v1": {
+        "kind": "APIResourceList",
+        "groupVersion": "v1",
+        "resources": [
+            _resource("pods", "Pod", True, _OBJECT_VERBS, "po"),
+            _resource("pods/status", "Pod", True, "get patch update"),
+            _resource("pods/binding", "Binding", True, "create"),
+            _resource("nodes", "Node", False, _OBJECT_VERBS, "no"),
+            _resource("nodes/status", "Node", False, "get patch update"),
+            _resource("events", "Event", True, _OBJECT_VERBS, "ev"),
+            _resource("configmaps", "ConfigMap", True, _OBJECT_VERBS, "cm"),
+            _resource("namespaces", "Namespace", False, "get", "ns"),
+        ],
+    },
+}
 
 _ROUTE = re.compile(
     r"^/api/v1(?:/namespaces/(?P<ns>[^/]+))?/(?P<res>pods|nodes|events|configmaps)(?:/(?P<name>[^/]+)(?:/(?P<sub>status|binding))?)?/?$"
@@ -102,8 +146,8 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         try:
-            if method == "GET" and url.path in ("/api", "/api/"):
-                self._send(200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []})
+            if method == "GET" and (document := DISCOVERY.get(url.path.rstrip("/"))):
+                self._send(200, document)
                 return
             if method == "GET" and (m := _NAMESPACE.match(url.path)):
                 ns = {
@@ -252,7 +296,7 @@ class ApiServer:
         elif method == "GET":
             h._send(200, self._out(res, self.store.get(res, key)))
         elif method == "DELETE":
-            h._send(200, self._out(res, self.store.delete(res, key)))
+            h._send(200, self._out(res, self._delete(res, key, h._body(), query)))
         elif method == "PUT":
             self._replace(h, res, key, h._body(), status_only=sub == "status")
         elif method == "PATCH":
@@ -269,7 +313,7 @@ class ApiServer:
     def _selectors(res: str, query: Mapping[str, str]) -> tuple[Predicate, str | None]:
         """The selectors' predicate, and the value of the kind's indexed field that it requires (if any)."""
         try:
-            fields = parse_field_selector(query.get("fieldSelector"))
+            fields = parse_field_selector(query.get("fieldSelector"), res)
             labels = parse_label_selector(query.get("labelSelector"))
         except SelectorError as exc:
             raise StoreError(400, "BadRequest", str(exc)) from None
@@ -314,16 +358,14 @@ class ApiServer:
             raise invalid(KINDS[res], key[1], "body must be an object")
 
         def change(current: dict[str, Any]) -> dict[str, Any]:
-            if status_only:
-                current["status"] = body.get("status", {})
-                current["metadata"]["resourceVersion"] = (body.get("metadata") or {}).get("resourceVersion")
-                return current
-            return body
+            return _status_update(current, body) if status_only else body
 
         h._send(200, self._out(res, self.store.update(res, key, change)))
 
     def _patch(self, h: _Handler, res: str, key: Key, status_only: bool) -> None:
         content_type = (h.headers.get("Content-Type") or "").split(";")[0].strip()
+        if content_type == APPLY and not parse_qs(urlparse(h.path).query).get("fieldManager"):
+            raise invalid("PatchOptions", "", "fieldManager: Required value: is required for apply patch")
         if content_type not in SUPPORTED:
             raise StoreError(415, "UnsupportedMediaType", f"the patch content type {content_type!r} is not supported")
         patch = h._body()
@@ -337,31 +379,47 @@ class ApiServer:
                 raise invalid(KINDS[res], key[1], str(exc)) from None
             if not isinstance(patched, dict) or not isinstance(patched.get("metadata", {}), dict):
                 raise invalid(KINDS[res], key[1], "the patch must leave an object with an object as metadata")
-            if status_only:
-                wanted = (patched.get("metadata") or {}).get("resourceVersion")
-                meta = {**current["metadata"], "resourceVersion": wanted}
-                return {**current, "status": patched.get("status", {}), "metadata": meta}
-            return patched
+            return _status_update(current, patched) if status_only else patched
 
         h._send(200, self._out(res, self.store.update(res, key, change)))
+
+    def _delete(self, res: str, key: Key, body: Any, query: Mapping[str, str]) -> dict[str, Any]:
+        """Pods are deleted gracefully, as by kube-apiserver: first marked with a deletionTimestamp and
+        grace period (each watcher sees that change), then removed at once if the grace period is zero
+        (a pod not on a node, a finished pod, or one deleted with no grace). Otherwise the pod stays until
+        deleted again with no grace, which is kubelet's job once its containers have stopped."""
+        if res != "pods":
+            return self.store.delete(res, key)
+        options = body if isinstance(body, dict) else {}
+        current = self.store.get(res, key)
+        grace = _grace_period(current, query.get("gracePeriodSeconds", options.get("gracePeriodSeconds")))
+
+        def mark(pod: dict[str, Any]) -> dict[str, Any]:
+            meta = pod["metadata"]
+            if grace < meta.get("deletionGracePeriodSeconds", grace + 1):
+                deadline = time.gmtime(time.time() + grace)
+                meta["deletionTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", deadline)
+                meta["deletionGracePeriodSeconds"] = grace
+            return pod
+
+        marked = self.store.update(res, key, mark)
+        return self.store.delete(res, key) if grace == 0 else marked
 
     def _bind(self, h: _Handler, key: Key, body: Any) -> None:
         target = (body or {}).get("target") or {} if isinstance(body, dict) else {}
         node = target.get("name")
         if not node:
             raise invalid("Binding", key[1], "target.name: Required value")
+        if ((body.get("metadata") or {}).get("name") or key[1]) != key[1]:
+            raise StoreError(400, "BadRequest", "name in URL does not match name in Binding object")
 
         def change(pod: dict[str, Any]) -> dict[str, Any]:
-            bound = (pod.get("spec") or {}).get("nodeName")
-            if bound == node:
-                return pod  # binding again to the same node changes nothing
-            if bound:
+            # as in kube-apiserver 1.20: binding again, even to the same node, is a conflict, and the
+            # binding's uid is not checked against the pod's
+            if bound := (pod.get("spec") or {}).get("nodeName"):
                 raise StoreError(
                     409, "Conflict", f'pod {key[1]} is already assigned to node "{bound}"', "pods/binding", key[1]
                 )
-            uid = ((body.get("metadata") or {}).get("uid")) if isinstance(body, dict) else None
-            if uid and uid != pod["metadata"].get("uid"):
-                raise StoreError(409, "Conflict", f"pod {key[1]}: uid precondition failed", "pods/binding", key[1])
             pod.setdefault("spec", {})["nodeName"] = node
             # as kube-apiserver does, the Binding's annotations are set on the pod in the same write
             annotations = (body.get("metadata") or {}).get("annotations") or {}
@@ -424,13 +482,31 @@ class ApiServer:
                 if generation != self._generation:
                     h.close_connection = True  # cut without the closing chunk: the client sees a broken stream
                     return
-                if query.get("allowWatchBookmarks") in ("true", "1"):
-                    mark = {"kind": KINDS[res], "apiVersion": "v1", "metadata": {"resourceVersion": str(start)}}
-                    send("BOOKMARK", mark)
             h.wfile.write(b"0\r\n\r\n")
             h.wfile.flush()
         except OSError:
             h.close_connection = True
+
+
+def _grace_period(pod: Mapping[str, Any], requested: Any) -> int:
+    """The grace period kube-apiserver gives a pod's deletion: none for a pod not on a node or finished,
+    else the one requested, else the pod's terminationGracePeriodSeconds."""
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    if not spec.get("nodeName") or status.get("phase") in ("Succeeded", "Failed"):
+        return 0
+    if requested is None:
+        requested = spec.get("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS)
+    try:
+        return max(0, int(requested))
+    except (TypeError, ValueError):
+        raise StoreError(400, "BadRequest", f"gracePeriodSeconds {requested!r} is not a number") from None
+
+
+def _status_update(current: dict[str, Any], updated: dict[str, Any]) -> dict[str, Any]:
+    """A write to the status subresource: as in kube-apiserver 1.20, everything but the spec is taken
+    from the new object, labels and annotations included."""
+    kept = {"spec": current["spec"]} if "spec" in current else {}
+    return {**{k: v for k, v in updated.items() if k != "spec"}, **kept}
 
 
 def _watch_type(event: Event, was: bool, now: bool) -> str | None:

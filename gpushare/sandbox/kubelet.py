@@ -6,15 +6,22 @@ first, then in spec order), per resource in random order, one Allocate call with
 device IDs as the limit, after asking GetPreferredAllocation when the plugin offers it. Results are
 checkpointed: an admitted container is never allocated again. :meth:`restart` reproduces what a kubelet
 restart does to the device-plugins directory.
+
+With :meth:`follow` it also learns of its node's pods the way kubelet does, from its own watch on the API
+server, and admits each one as soon as it is bound there. That watch is independent of the device
+plugin's, which can be behind it: :class:`LaggingWatchCache` is a plugin informer that is, so the race
+kubelet wins in a real cluster (Allocate for a pod the plugin's cache hasn't seen yet) happens here too.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import random
 import re
 import stat
 import threading
+import time
 from collections.abc import Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -24,6 +31,7 @@ from typing import Any
 import grpc
 
 from gpushare.contract import RESOURCE_COUNT, RESOURCE_MEM, ContractError, parse_pod_request, pod_key
+from gpushare.kube import WatchCache, node_pod_cache
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 
@@ -71,6 +79,7 @@ class AdmissionResult:
     #: kubelet's UnexpectedAdmissionError message when not admitted
     error: str = ""
     containers: dict[str, ContainerResult] = field(default_factory=dict)
+    uid: str = ""
 
 
 @dataclass
@@ -115,6 +124,9 @@ class KubeletEmulator:
         #: (pod uid, container, resource) -> what Allocate gave, like kubelet's checkpoint
         self._checkpoint: dict[tuple[str, str, str], _Checkpointed] = {}
         self._admit_lock = threading.Lock()
+        #: with :meth:`follow`: the admission of each pod seen bound to the node, by ``namespace/name``
+        self.admissions: dict[str, AdmissionResult] = {}
+        self._pods: WatchCache | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -128,7 +140,31 @@ class KubeletEmulator:
         server.start()
         self._server = server
 
+    def follow(self, api: Any, node: str) -> None:
+        """Watch the API server for pods bound to ``node`` and admit each new one at once, as kubelet's
+        sync loop does; a deleted pod's devices are released. Results land in :attr:`admissions`."""
+        self._pods = node_pod_cache(api, node)
+        self._pods.add_listener(self._on_pod)
+        self._pods.start()
+
+    def _on_pod(self, type_: str, pod: dict[str, Any]) -> None:
+        uid = (pod.get("metadata") or {}).get("uid", "")
+        if type_ == "DELETED":
+            self.release(uid)
+            return
+        key = pod_key(pod)
+        known = self.admissions.get(key)
+        if (known is None or known.uid != uid) and not (pod.get("metadata") or {}).get("deletionTimestamp"):
+            result = self.admit(pod)
+            log.info("kubelet: pod %s %s", key, "admitted" if result.admitted else f"rejected: {result.error}")
+            with self._changed:
+                self.admissions[key] = result
+                self._changed.notify_all()
+
     def stop(self) -> None:
+        if self._pods is not None:
+            self._pods.stop()
+            self._pods = None
         if self._server is not None:
             self._server.stop(grace=0.2)
             self._server = None
@@ -248,7 +284,7 @@ class KubeletEmulator:
         key = pod_key(pod)
         uid = (pod.get("metadata") or {}).get("uid", "")
         with self._admit_lock:
-            result = AdmissionResult(pod=key, admitted=True)
+            result = AdmissionResult(pod=key, admitted=True, uid=uid)
             try:
                 for container in parse_pod_request(pod).gpu_containers:
                     outcome = result.containers.setdefault(container.name, ContainerResult())
@@ -259,7 +295,9 @@ class KubeletEmulator:
                         outcome.annotations.update(done.response.annotations)
                         outcome.devices.extend(done.response.devices)
             except (AdmissionError, ContractError) as exc:
-                result = AdmissionResult(pod=key, admitted=False, error=f"UnexpectedAdmissionError: pod {key}: {exc}")
+                result = AdmissionResult(
+                    pod=key, admitted=False, error=f"UnexpectedAdmissionError: pod {key}: {exc}", uid=uid
+                )
                 log.warning("kubelet: %s", result.error)
             return result
 
@@ -308,3 +346,29 @@ class KubeletEmulator:
 
 class AdmissionError(Exception):
     """The pod can't be admitted; kubelet reports it as UnexpectedAdmissionError."""
+
+
+class LaggingWatchCache(WatchCache):
+    """A device plugin's pod informer whose watch delivers every change ``lag`` seconds late, in order.
+    What the plugin writes or re-reads itself (:meth:`apply`) is recorded at once, as in the real one."""
+
+    def __init__(self, api: Any, node: str, lag: float) -> None:
+        super().__init__(api, "pods", field_selector=f"spec.nodeName={node}")
+        self.lag = lag
+        self._late: queue.Queue[tuple[float, str, dict[str, Any]]] = queue.Queue()
+        threading.Thread(target=self._deliver, name="lagging-watch", daemon=True).start()
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        WatchCache._store(self, "MODIFIED", obj)
+
+    def _store(self, type_: str, obj: dict[str, Any]) -> None:
+        self._late.put((time.monotonic() + self.lag, type_, obj))
+
+    def _deliver(self) -> None:
+        while not self._stop.is_set():
+            try:
+                due, type_, obj = self._late.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if not self._stop.wait(max(0.0, due - time.monotonic())):
+                WatchCache._store(self, type_, obj)

@@ -14,6 +14,8 @@ MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 SUPPORTED = (MERGE, STRATEGIC, JSON_PATCH)
+#: server-side apply: refused (415) unless a fieldManager is named (422), which the stand-in doesn't implement
+APPLY = "application/apply-patch+yaml"
 
 
 class PatchError(ValueError):
@@ -53,19 +55,33 @@ DIRECTIVE = "$patch"
 
 
 def _merge_list(target: list[Any], patch: list[Any], key: str) -> list[Any]:
-    result = list(target)
+    """Merge by ``key`` in the order kube-apiserver gives: the patch's items (merged into the stored
+    ones they name) and the stored items the patch leaves alone, interleaved so that two items both
+    stored before keep their stored order, and a new item comes before any untouched one still to come."""
+    server_order = [old.get(key) for old in target if isinstance(old, dict)]
+    stored = {old.get(key): old for old in target if isinstance(old, dict)}
+    patched: list[Any] = []
+    deleted: set[Any] = set()
     for item in patch:
         if not isinstance(item, dict) or key not in item:
             raise PatchError(f"every item of a list merged by {key!r} needs that key, got {item!r}")
-        at = next((i for i, old in enumerate(result) if isinstance(old, dict) and old.get(key) == item[key]), None)
         if item.get(DIRECTIVE) == "delete":
-            if at is not None:
-                result.pop(at)
-        elif at is None:
-            result.append(strategic_merge_patch({}, item))
+            deleted.add(item[key])
         else:
-            result[at] = strategic_merge_patch(result[at], item)
-    return result
+            patched.append(strategic_merge_patch(stored.get(item[key], {}), item))
+    touched = deleted | {item[key] for item in patched}
+    untouched = [old for old in target if not (isinstance(old, dict) and old.get(key) in touched)]
+
+    def before(left: Any, right: Any) -> bool:
+        where = left.get(key) if isinstance(left, dict) else None
+        if where not in server_order or right[key] not in server_order:
+            return False
+        return server_order.index(where) < server_order.index(right[key])
+
+    result: list[Any] = []
+    while untouched and patched:
+        result.append(untouched.pop(0) if before(untouched[0], patched[0]) else patched.pop(0))
+    return result + untouched + patched
 
 
 def strategic_merge_patch(target: Any, patch: Any) -> Any:

@@ -473,6 +473,15 @@ class RealCluster:
             self.stop()
             raise
 
+    def start_api_server(self) -> None:
+        """Only etcd and kube-apiserver, for clients of the API alone; :meth:`stop` ends them."""
+        self._started = True
+        try:
+            self._start_control_plane()
+        except BaseException:
+            self.stop()
+            raise
+
     def _start_control_plane(self) -> None:
         from gpushare.kube import load_api
 

@@ -9,12 +9,38 @@ from typing import Any
 
 Predicate = Callable[[Mapping[str, Any]], bool]
 
-FIELD_PATHS: dict[str, tuple[str, ...]] = {
-    "metadata.name": ("metadata", "name"),
-    "metadata.namespace": ("metadata", "namespace"),
-    "spec.nodeName": ("spec", "nodeName"),
-    "status.phase": ("status", "phase"),
+_METADATA = ("metadata.name", "metadata.namespace")
+#: the field selectors kube-apiserver 1.20 accepts, per resource; any other field is refused with 400
+FIELDS: dict[str, tuple[str, ...]] = {
+    "pods": (
+        *_METADATA,
+        "spec.nodeName",
+        "spec.restartPolicy",
+        "spec.schedulerName",
+        "spec.serviceAccountName",
+        "status.phase",
+        "status.podIP",
+        "status.nominatedNodeName",
+    ),
+    "nodes": (*_METADATA, "spec.unschedulable"),
+    "events": (
+        *_METADATA,
+        "involvedObject.kind",
+        "involvedObject.namespace",
+        "involvedObject.name",
+        "involvedObject.uid",
+        "involvedObject.apiVersion",
+        "involvedObject.resourceVersion",
+        "involvedObject.fieldPath",
+        "reason",
+        "source",
+        "type",
+    ),
+    "configmaps": _METADATA,
+    "namespaces": (*_METADATA, "status.phase"),
 }
+#: where a selectable field lives in the object, when not at its own dotted path
+_PATHS = {"source": ("source", "component")}
 
 
 class SelectorError(ValueError):
@@ -43,7 +69,8 @@ class FieldSelector:
         return next((value for term, negate, value in self.terms if term == path and not negate), None)
 
 
-def parse_field_selector(text: str | None) -> FieldSelector:
+def parse_field_selector(text: str | None, resource: str) -> FieldSelector:
+    """``resource`` (``pods``, ``events``, ...) decides which fields may be selected on."""
     if not text:
         return FieldSelector()
     terms = []
@@ -52,9 +79,9 @@ def parse_field_selector(text: str | None) -> FieldSelector:
         if not m:
             raise SelectorError(f"invalid field selector term {raw!r}")
         key, op, value = m.groups()
-        if key not in FIELD_PATHS:
-            raise SelectorError(f'field label not supported: "{key}"')
-        terms.append((FIELD_PATHS[key], op == "!=", value))
+        if key not in FIELDS.get(resource, _METADATA):
+            raise SelectorError(f'field label not supported for {resource}: "{key}"')
+        terms.append((_PATHS.get(key, tuple(key.split("."))), op == "!=", value))
     return FieldSelector(tuple(terms))
 
 

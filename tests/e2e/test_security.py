@@ -219,10 +219,11 @@ def test_kube_scheduler_reaches_the_extender_with_the_shipped_tls_config(cluster
     shipped = yaml.safe_load(SCHEDULER_CONFIG.read_text())["extenders"][0]["tlsConfig"]
     for control in cluster.controls:
         config = yaml.safe_load((cluster.workdir / f"scheduler-{control.scheduler_name}.yaml").read_text())
-        (extender,) = config["extenders"]
-        assert extender["enableHTTPS"] is True and extender["urlPrefix"].startswith("https://")
-        assert extender["tlsConfig"]["serverName"] == shipped["serverName"]
-        assert set(extender["tlsConfig"]) == set(shipped)
+        assert len(config["extenders"]) == 2  # GPU pods' entry, and the one that scores pods without GPUs
+        for extender in config["extenders"]:
+            assert extender["enableHTTPS"] is True and extender["urlPrefix"].startswith("https://")
+            assert extender["tlsConfig"]["serverName"] == shipped["serverName"]
+            assert set(extender["tlsConfig"]) == set(shipped)
     name = pods.create(pod_manifest(pods.name("over-tls"), ({c.RESOURCE_MEM: 2},), node="node-a"))
     pods.wait_running(name)
     assert_sees_assigned_cards(pods, name)
