@@ -40,16 +40,20 @@ from gpushare.contract import (
     ANN_MEM_DEV,
     ANN_MEM_IDX,
     ANN_MEM_POD,
+    NODE_ANN_PENDING_BINDS,
     PLACEMENT_ANNOTATIONS,
     Allocation,
     CardSlice,
     ContractError,
     NodeInventory,
+    PendingBind,
     annotations_of,
     format_allocation,
     format_assume_time,
     format_bool,
     format_framework_allocation,
+    format_pending_binds,
+    parse_pending_binds,
     parse_pod_request,
     quoted,
 )
@@ -57,6 +61,7 @@ from gpushare.kube import (
     BackgroundEvents,
     KubeConflict,
     KubeError,
+    KubeNotFound,
     bind_pod,
     get_node,
     get_pod,
@@ -71,6 +76,9 @@ COMPONENT = "gpushare-extender"
 #: node annotation bumped by every bind: the compare-and-swap that orders binds across replicas
 NODE_ANN_BIND_SEQUENCE = "gpushare.io/bind-sequence"
 ATTEMPTS = 8
+#: how long a bind recorded on its node counts there while its pod is still unbound: far longer than a
+#: binding call may take (its timeout is 10 s); a bind whose binding failed is forgotten after it
+PENDING_SECONDS = 60.0
 
 
 def selector_mismatch(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | None:
@@ -209,7 +217,11 @@ class Binder:
                     for p in others
                     if any(key in annotations_of(p) for key in PLACEMENT_ANNOTATIONS)
                 }
-                in_flight = [held for other, held in self._cache.assumed_on(node) if other not in placed | {uid}]
+                assumed = self._cache.assumed_on(node)
+                in_flight = [held for other, held in assumed if other not in placed | {uid}]
+                pending = self._pending(node_obj, node, {(p.get("metadata") or {}).get("uid") for p in others})
+                mine = {other for other, _ in assumed} | {uid}
+                in_flight += [bind.held for other, bind in pending.items() if other not in mine]
                 cards = placement_cards(inventory, others, in_flight, self._cache.fenced(node))
                 try:
                     init = podfit.init_names(pod)
@@ -218,7 +230,8 @@ class Binder:
                     BIND_FAILURES.labels(reason="no-fit").inc()
                     raise BindError(f"bind {where}: {nofit.reason}") from None
                 allocation = allocation_of(assignments)
-                if self._write(pod, node, node_obj, allocation, pod_annotations(pod, allocation, inventory), where):
+                annotations = pod_annotations(pod, allocation, inventory)
+                if self._write(pod, node, node_obj, pending, allocation, annotations, where):
                     return
             except ContractError as exc:
                 BIND_FAILURES.labels(reason="bad-annotation").inc()
@@ -234,6 +247,7 @@ class Binder:
         pod: Mapping[str, Any],
         node: str,
         node_obj: Mapping[str, Any],
+        pending: Mapping[str, PendingBind],
         allocation: Allocation,
         annotations: dict[str, str],
         where: str,
@@ -241,13 +255,22 @@ class Binder:
         """Steps 3 and 4 of the module doc. False when another writer got to the node first."""
         meta = pod["metadata"]
         namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
-        self._cache.assume(uid, node, held_units(allocation, parse_pod_request(pod)))
+        held = held_units(allocation, parse_pod_request(pod))
+        self._cache.assume(uid, node, held)
         sequence = int(annotations_of(node_obj).get(NODE_ANN_BIND_SEQUENCE) or 0) + 1
+        pending = {**pending, uid: PendingBind(f"{namespace}/{name}", held, time.time())}
         try:
             patch_node(
                 self._api,
                 node,
-                {"metadata": {"annotations": {NODE_ANN_BIND_SEQUENCE: str(sequence)}}},
+                {
+                    "metadata": {
+                        "annotations": {
+                            NODE_ANN_BIND_SEQUENCE: str(sequence),
+                            NODE_ANN_PENDING_BINDS: format_pending_binds(pending),
+                        }
+                    }
+                },
                 resource_version=(node_obj.get("metadata") or {}).get("resourceVersion"),
             )
         except KubeConflict:
@@ -257,7 +280,9 @@ class Binder:
         except KubeError as exc:
             BIND_FAILURES.labels(reason="api").inc()
             self._cache.forget(uid)
-            raise BindError(f"bind {where}: recording the bind on the node failed: {exc}") from None
+            raise BindError(
+                f"bind {where}: recording the bind on the node failed, assignment taken back: {exc}"
+            ) from None
         try:
             bind_pod(self._api, namespace, name, uid, node, annotations)
         except KubeError as exc:
@@ -272,6 +297,30 @@ class Binder:
         log.info("bound pod %s/%s to node %s: %s", namespace, name, node, cards)
         self.events.record(pod, reason="GPUAssigned", message=f"node {node}: {cards}")
         return True
+
+    def _pending(self, node_obj: Mapping[str, Any], node: str, listed: set[str]) -> dict[str, PendingBind]:
+        """The node's pending binds that still count: not among its listed pods, and with their pod still
+        there, not bound elsewhere, and (while unbound) recent enough that its binding may be under way."""
+        try:
+            pending = parse_pending_binds(annotations_of(node_obj).get(NODE_ANN_PENDING_BINDS), node)
+        except ContractError as exc:
+            log.warning("%s; the next bind onto node %s rewrites it", exc, node)
+            return {}
+        counted = {}
+        for uid, bind in pending.items():
+            if uid in listed:
+                continue
+            namespace, _, name = bind.pod.partition("/")
+            try:
+                pod = get_pod(self._api, namespace, name)
+            except KubeNotFound:
+                continue
+            where = (pod.get("spec") or {}).get("nodeName")
+            if (pod.get("metadata") or {}).get("uid") != uid or where not in (None, "", node):
+                continue
+            if where or time.time() - bind.at < PENDING_SECONDS:
+                counted[uid] = bind
+        return counted
 
     def _bound(self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]) -> bool:
         """Whether the pod (this uid) is bound to ``node`` with ``annotations`` (whose assume time is this
