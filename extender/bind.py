@@ -1,16 +1,17 @@
 """bind: choose the cards, write them on the pod, then create the binding.
 
 Correctness, also with two extender replicas:
-1. Under a per-node lock (within this replica), read the node and its pods fresh from the API server.
+1. Under a per-node lock (within this replica), read the node from the API server, then its pods as of
+   a version no older than the node's (from the API server's watch cache).
 2. Place the pod on those cards, counting this replica's other in-flight binds too.
-3. Write every annotation in one patch, conditional on the pod's resourceVersion.
-4. Compare-and-swap a bind counter on the node, conditional on the node's resourceVersion read in 1.
-   If another replica bound something to this node meanwhile, the swap fails: the pod's annotations
-   are taken back and the whole sequence starts again from fresh reads.
-5. Create the binding. If that fails, take the annotations back.
+3. Compare-and-swap a bind counter on the node, conditional on the node's resourceVersion read in 1.
+   If another replica bound something to this node meanwhile, the swap fails and the whole sequence
+   starts again from fresh reads.
+4. Create the binding, carrying every annotation: the API server sets them on the pod in the same
+   write that binds it, so a pod is never bound without them nor annotated without being bound.
 A write whose answer was lost (a timeout while the API server paused) may still have landed; its retry
-then conflicts with its own success. So a conflict or failure is checked against what the pod now
-carries before it counts: our own annotations or binding are taken as done, not as a failure.
+then conflicts with its own success. So a failed binding is checked against what the pod now carries
+before it counts: bound here with our own annotations is taken as done, not as a failure.
 Only pods that request a gpushare resource are bound, and only onto nodes whose cards fit them and
 whose labels match the pod's nodeSelector, so the bind verb can't place a pod the filter would refuse.
 Kubelet's device plugin re-checks every assignment against the node's live pods before a container
@@ -33,23 +34,26 @@ from extender.verbs import Placement
 from gpushare import placement
 from gpushare.contract import (
     ANN_ALLOCATION,
-    ANN_ASSIGNED_CONTAINERS,
     ANN_FRAMEWORK_ALLOCATION,
     ANN_MEM_ASSIGNED,
     ANN_MEM_ASSUME_TIME,
     ANN_MEM_DEV,
     ANN_MEM_IDX,
     ANN_MEM_POD,
+    NODE_ANN_PENDING_BINDS,
     PLACEMENT_ANNOTATIONS,
     Allocation,
     CardSlice,
     ContractError,
     NodeInventory,
+    PendingBind,
     annotations_of,
     format_allocation,
     format_assume_time,
     format_bool,
     format_framework_allocation,
+    format_pending_binds,
+    parse_pending_binds,
     parse_pod_request,
     quoted,
 )
@@ -57,12 +61,12 @@ from gpushare.kube import (
     BackgroundEvents,
     KubeConflict,
     KubeError,
+    KubeNotFound,
     bind_pod,
     get_node,
     get_pod,
     list_pods,
     patch_node,
-    patch_pod,
 )
 from gpushare.usage import alibaba_total_per_card, held_units, node_inventory
 
@@ -72,15 +76,9 @@ COMPONENT = "gpushare-extender"
 #: node annotation bumped by every bind: the compare-and-swap that orders binds across replicas
 NODE_ANN_BIND_SEQUENCE = "gpushare.io/bind-sequence"
 ATTEMPTS = 8
-OUR_KEYS = (
-    ANN_ALLOCATION,
-    ANN_FRAMEWORK_ALLOCATION,
-    ANN_MEM_IDX,
-    ANN_MEM_POD,
-    ANN_MEM_DEV,
-    ANN_MEM_ASSIGNED,
-    ANN_MEM_ASSUME_TIME,
-)
+#: how long a bind recorded on its node counts there while its pod is still unbound: far longer than a
+#: binding call may take (its timeout is 10 s); a bind whose binding failed is forgotten after it
+PENDING_SECONDS = 60.0
 
 
 def selector_mismatch(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | None:
@@ -206,9 +204,11 @@ class Binder:
                 if mismatch := selector_mismatch(pod, node_obj):
                     BIND_FAILURES.labels(reason="node-selector").inc()
                     raise BindError(f"bind {where}: the node doesn't match the pod's nodeSelector ({mismatch})")
+                # not older than the node as read: see "Running two replicas" in docs/extender.md
+                node_version = (node_obj.get("metadata") or {}).get("resourceVersion")
                 others = [
                     p
-                    for p in list_pods(self._api, field_selector=f"spec.nodeName={node}")
+                    for p in list_pods(self._api, field_selector=f"spec.nodeName={node}", resource_version=node_version)
                     if (p.get("metadata") or {}).get("uid") != uid
                 ]
                 # a pod the fresh read shows placed is counted from its annotations, not again as in flight
@@ -217,7 +217,11 @@ class Binder:
                     for p in others
                     if any(key in annotations_of(p) for key in PLACEMENT_ANNOTATIONS)
                 }
-                in_flight = [held for other, held in self._cache.assumed_on(node) if other not in placed | {uid}]
+                assumed = self._cache.assumed_on(node)
+                in_flight = [held for other, held in assumed if other not in placed | {uid}]
+                pending = self._pending(node_obj, node, {(p.get("metadata") or {}).get("uid") for p in others})
+                mine = {other for other, _ in assumed} | {uid}
+                in_flight += [bind.held for other, bind in pending.items() if other not in mine]
                 cards = placement_cards(inventory, others, in_flight, self._cache.fenced(node))
                 try:
                     init = podfit.init_names(pod)
@@ -226,7 +230,8 @@ class Binder:
                     BIND_FAILURES.labels(reason="no-fit").inc()
                     raise BindError(f"bind {where}: {nofit.reason}") from None
                 allocation = allocation_of(assignments)
-                if self._write(pod, node, node_obj, allocation, pod_annotations(pod, allocation, inventory), where):
+                annotations = pod_annotations(pod, allocation, inventory)
+                if self._write(pod, node, node_obj, pending, allocation, annotations, where):
                     return
             except ContractError as exc:
                 BIND_FAILURES.labels(reason="bad-annotation").inc()
@@ -242,54 +247,48 @@ class Binder:
         pod: Mapping[str, Any],
         node: str,
         node_obj: Mapping[str, Any],
+        pending: Mapping[str, PendingBind],
         allocation: Allocation,
         annotations: dict[str, str],
         where: str,
     ) -> bool:
-        """Steps 3 to 5 of the module doc. False when another writer got to the node first."""
+        """Steps 3 and 4 of the module doc. False when another writer got to the node first."""
         meta = pod["metadata"]
         namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
-        self._cache.assume(uid, node, held_units(allocation, parse_pod_request(pod)))
-        try:
-            patch_pod(
-                self._api,
-                namespace,
-                name,
-                {"metadata": {"annotations": annotations}},
-                resource_version=meta.get("resourceVersion"),
-            )
-        except KubeConflict as exc:
-            if not self._carries(namespace, name, annotations):
-                self._cache.forget(uid)
-                raise BindError(f"bind {where}: the pod changed while it was being bound ({exc})") from None
-            log.info("bind %s: the annotation patch had landed before its answer was lost", where)
-        except KubeError:
-            self._undo(namespace, name, uid, where)
-            raise
+        held = held_units(allocation, parse_pod_request(pod))
+        self._cache.assume(uid, node, held)
         sequence = int(annotations_of(node_obj).get(NODE_ANN_BIND_SEQUENCE) or 0) + 1
+        pending = {**pending, uid: PendingBind(f"{namespace}/{name}", held, time.time())}
         try:
             patch_node(
                 self._api,
                 node,
-                {"metadata": {"annotations": {NODE_ANN_BIND_SEQUENCE: str(sequence)}}},
+                {
+                    "metadata": {
+                        "annotations": {
+                            NODE_ANN_BIND_SEQUENCE: str(sequence),
+                            NODE_ANN_PENDING_BINDS: format_pending_binds(pending),
+                        }
+                    }
+                },
                 resource_version=(node_obj.get("metadata") or {}).get("resourceVersion"),
             )
         except KubeConflict:
             log.info("bind %s: node %s changed meanwhile; placing again from fresh state", where, node)
-            self._undo(namespace, name, uid, where)
+            self._cache.forget(uid)
             return False
         except KubeError as exc:
             BIND_FAILURES.labels(reason="api").inc()
-            self._undo(namespace, name, uid, where)
+            self._cache.forget(uid)
             raise BindError(
                 f"bind {where}: recording the bind on the node failed, assignment taken back: {exc}"
             ) from None
         try:
-            bind_pod(self._api, namespace, name, uid, node)
+            bind_pod(self._api, namespace, name, uid, node, annotations)
         except KubeError as exc:
-            if not self._bound(namespace, name, uid, node):
+            if not self._bound(namespace, name, uid, node, annotations):
                 BIND_FAILURES.labels(reason="binding").inc()
-                self._undo(namespace, name, uid, where)
+                self._cache.forget(uid)
                 raise BindError(f"bind {where}: creating the binding failed, assignment taken back: {exc}") from None
             log.info("bind %s: the binding had been created before its answer was lost", where)
         cards = "; ".join(
@@ -299,30 +298,40 @@ class Binder:
         self.events.record(pod, reason="GPUAssigned", message=f"node {node}: {cards}")
         return True
 
-    def _carries(self, namespace: str, name: str, annotations: Mapping[str, str]) -> bool:
-        """Whether the pod now holds exactly ``annotations`` (whose assume time is this attempt's own)."""
+    def _pending(self, node_obj: Mapping[str, Any], node: str, listed: set[str]) -> dict[str, PendingBind]:
+        """The node's pending binds that still count: not among its listed pods, and with their pod still
+        there, not bound elsewhere, and (while unbound) recent enough that its binding may be under way."""
         try:
-            current = annotations_of(get_pod(self._api, namespace, name))
-        except KubeError:
-            return False
-        return all(current.get(key) == value for key, value in annotations.items())
+            pending = parse_pending_binds(annotations_of(node_obj).get(NODE_ANN_PENDING_BINDS), node)
+        except ContractError as exc:
+            log.warning("%s; the next bind onto node %s rewrites it", exc, node)
+            return {}
+        counted = {}
+        for uid, bind in pending.items():
+            if uid in listed:
+                continue
+            namespace, _, name = bind.pod.partition("/")
+            try:
+                pod = get_pod(self._api, namespace, name)
+            except KubeNotFound:
+                continue
+            where = (pod.get("spec") or {}).get("nodeName")
+            if (pod.get("metadata") or {}).get("uid") != uid or where not in (None, "", node):
+                continue
+            if where or time.time() - bind.at < PENDING_SECONDS:
+                counted[uid] = bind
+        return counted
 
-    def _bound(self, namespace: str, name: str, uid: str, node: str) -> bool:
-        """Whether the pod (this uid) is bound to ``node`` already."""
+    def _bound(self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]) -> bool:
+        """Whether the pod (this uid) is bound to ``node`` with ``annotations`` (whose assume time is this
+        attempt's own) already."""
         try:
             pod = get_pod(self._api, namespace, name)
         except KubeError:
             return False
-        return (pod.get("metadata") or {}).get("uid") == uid and (pod.get("spec") or {}).get("nodeName") == node
-
-    def _undo(self, namespace: str, name: str, uid: str, where: str) -> None:
-        self._cache.forget(uid)
-        try:
-            patch_pod(
-                self._api,
-                namespace,
-                name,
-                {"metadata": {"annotations": dict.fromkeys((*OUR_KEYS, ANN_ASSIGNED_CONTAINERS))}},
-            )
-        except KubeError as exc:
-            log.error("bind %s: could not take the annotations back: %s", where, exc)
+        current = annotations_of(pod)
+        return (
+            (pod.get("metadata") or {}).get("uid") == uid
+            and (pod.get("spec") or {}).get("nodeName") == node
+            and all(current.get(key) == value for key, value in annotations.items())
+        )

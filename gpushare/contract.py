@@ -93,6 +93,9 @@ CTR_ANN_CARDS = "gpushare.io/cards"
 # --- node annotation and label (advertiser) -------------------------------------------------------
 
 NODE_ANN_INVENTORY = "gpushare.io/inventory"
+#: written by the extender's bind with its compare-and-swap on the node: binds whose binding may not
+#: have been created yet, each with what it holds per card, so another replica counts them meanwhile
+NODE_ANN_PENDING_BINDS = "gpushare.io/pending-binds"
 NODE_LABEL_MODEL = "gpushare.io/gpu-model"
 INVENTORY_VERSION = 1
 
@@ -493,6 +496,41 @@ def parse_assigned_containers(text: str | None, pod: str = "?") -> dict[str, fro
 
 def format_assigned_containers(served: Mapping[str, frozenset[str]]) -> str:
     return json.dumps({name: sorted(res) for name, res in sorted(served.items())}, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
+class PendingBind:
+    """A bind recorded on its node before its binding: the pod, its units per card UUID, and when
+    (seconds since the epoch)."""
+
+    pod: str
+    held: Mapping[str, int]
+    at: float
+
+
+def parse_pending_binds(text: str | None, node: str = "?") -> dict[str, PendingBind]:
+    """The node's pending binds by pod UID (JSON uid -> {pod, held: {card uuid: units}, at})."""
+    if not text:
+        return {}
+    where = f"node {node} annotation {NODE_ANN_PENDING_BINDS}"
+    try:
+        raw = json.loads(text)
+        return {
+            uid: PendingBind(str(e["pod"]), {str(k): int(v) for k, v in e["held"].items()}, float(e["at"]))
+            for uid, e in raw.items()
+        }
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise AnnotationError(f"{where}: expected an object of pod uid -> {{pod, held, at}}") from None
+
+
+def format_pending_binds(pending: Mapping[str, PendingBind]) -> str:
+    return json.dumps(
+        {
+            uid: {"pod": p.pod, "held": dict(sorted(p.held.items())), "at": round(p.at, 3)}
+            for uid, p in sorted(pending.items())
+        },
+        separators=(",", ":"),
+    )
 
 
 def annotations_of(pod: Mapping[str, Any]) -> Mapping[str, str]:

@@ -135,9 +135,23 @@ def _retrying(what: str, attempt: Callable[[], Any], retries: int, backoff: Back
 
 
 def list_pods(
-    api: client.ApiClient, *, field_selector: str | None = None, label_selector: str | None = None
+    api: client.ApiClient,
+    *,
+    field_selector: str | None = None,
+    label_selector: str | None = None,
+    resource_version: str | None = None,
 ) -> list[dict[str, Any]]:
-    kwargs = {k: v for k, v in (("field_selector", field_selector), ("label_selector", label_selector)) if v}
+    """With ``resource_version`` (non-zero) the API server answers from its watch cache, once that cache
+    is at least that recent, instead of reading every pod from etcd."""
+    kwargs = {
+        k: v
+        for k, v in (
+            ("field_selector", field_selector),
+            ("label_selector", label_selector),
+            ("resource_version", resource_version),
+        )
+        if v
+    }
     return _call("list pods", client.CoreV1Api(api).list_pod_for_all_namespaces, **kwargs).get("items") or []
 
 
@@ -225,9 +239,17 @@ def patch_node(
     return _merge_patch(f"node {name}", send, patch, resource_version, retries, backoff)
 
 
-def bind_pod(api: client.ApiClient, namespace: str, name: str, uid: str | None, node: str) -> None:
+def bind_pod(
+    api: client.ApiClient,
+    namespace: str,
+    name: str,
+    uid: str | None,
+    node: str,
+    annotations: dict[str, str] | None = None,
+) -> None:
+    """Bind the pod to ``node``; the API server also sets ``annotations`` on the pod, in the same write."""
     body = client.V1Binding(
-        metadata=client.V1ObjectMeta(name=name, namespace=namespace, uid=uid),
+        metadata=client.V1ObjectMeta(name=name, namespace=namespace, uid=uid, annotations=annotations),
         target=client.V1ObjectReference(kind="Node", name=node, api_version="v1"),
     )
     _call(

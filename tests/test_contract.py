@@ -170,3 +170,11 @@ def test_inventory_round_trip_and_errors() -> None:
 def test_model_label_is_a_valid_label_value() -> None:
     cards = [Card(0, UUID_A, "NVIDIA A100 80GB PCIe", 81920, 0), Card(1, UUID_B, "T4", 15360, 1)]
     assert c.format_model_label(cards) == "NVIDIA-A100-80GB-PCIe_T4"
+
+
+def test_pending_binds_round_trip_and_bad_text_names_the_node() -> None:
+    pending = {"u1": c.PendingBind("default/p", {"GPU-a": 4, "GPU-b": 4}, 1700000000.5)}
+    assert c.parse_pending_binds(c.format_pending_binds(pending), "n1") == pending
+    assert c.parse_pending_binds(None) == {}
+    with pytest.raises(c.AnnotationError, match=f"node n1 annotation {c.NODE_ANN_PENDING_BINDS}"):
+        c.parse_pending_binds('{"u1": {"pod": "default/p"}}', "n1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -183,6 +184,22 @@ def test_concurrent_bind_storm_never_overcommits(cluster: Cluster) -> None:
     cards = cluster.backends["n1"].cards()
     used, _, bad = node_usage([p for p in pods_now if p["spec"].get("nodeName") == "n1"], cards)
     assert not bad and all(used[card.uuid] <= card.memory_mib // 1024 for card in cards)
+
+
+def test_a_bind_another_replica_recorded_on_the_node_counts_until_its_pod_is_gone(cluster: Cluster) -> None:
+    # another replica has bumped node n2 for its pod "other" (20 of the A10's 24 GiB) and not yet bound it
+    other = cluster.pod(gpu_pod("other", [container("main", 20)]))
+    a10 = cluster.backends["n2"].cards()[0].uuid
+    pending = {other["metadata"]["uid"]: c.PendingBind("default/other", {a10: 20}, time.time())}
+    cluster.core.patch_node(
+        "n2", {"metadata": {"annotations": {c.NODE_ANN_PENDING_BINDS: c.format_pending_binds(pending)}}}
+    )
+    pod = cluster.pod(gpu_pod("p", [container("main", 8)]))
+    assert "no single card has 8 GiB free" in cluster.bind(pod, "n2")["Error"]
+    cluster.core.delete_namespaced_pod("other", "default")
+    assert cluster.bind(pod, "n2")["Error"] == ""
+    recorded = c.parse_pending_binds(cluster.core.read_node("n2").metadata.annotations[c.NODE_ANN_PENDING_BINDS])
+    assert list(recorded) == [pod["metadata"]["uid"]] and recorded[pod["metadata"]["uid"]].held == {a10: 8}
 
 
 def test_failed_binding_takes_the_assignment_back(cluster: Cluster) -> None:

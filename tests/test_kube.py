@@ -13,6 +13,7 @@ from conftest import wait_until
 from kubernetes import client
 from kubernetes.config import kube_config
 
+from gpushare import contract as c
 from gpushare import kube
 from gpushare.sandbox import store
 from gpushare.sandbox.apiserver import ApiServer
@@ -94,6 +95,16 @@ def test_bind_pod_errors_are_typed(kube_api: client.ApiClient, core_v1: client.C
         kube.bind_pod(kube_api, "default", "a", uid, "n2")
     with pytest.raises(kube.KubeNotFound, match="pod default/ghost"):
         kube.bind_pod(kube_api, "default", "ghost", None, "n1")
+
+
+def test_binding_sets_its_annotations_on_the_pod_in_the_same_write(
+    kube_api: client.ApiClient, core_v1: client.CoreV1Api
+) -> None:
+    uid = core_v1.create_namespaced_pod("default", pod("a")).metadata.uid
+    kube.bind_pod(kube_api, "default", "a", uid, "n1", {c.ANN_ALLOCATION: "x"})
+    bound = kube.get_pod(kube_api, "default", "a")
+    assert bound["spec"]["nodeName"] == "n1"
+    assert bound["metadata"]["annotations"][c.ANN_ALLOCATION] == "x"
 
 
 def test_list_pods_by_label(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:

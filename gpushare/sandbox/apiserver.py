@@ -421,6 +421,9 @@ class ApiServer:
                     409, "Conflict", f'pod {key[1]} is already assigned to node "{bound}"', "pods/binding", key[1]
                 )
             pod.setdefault("spec", {})["nodeName"] = node
+            # as kube-apiserver does, the Binding's annotations are set on the pod in the same write
+            annotations = (body.get("metadata") or {}).get("annotations") or {}
+            pod.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
             conditions = pod.setdefault("status", {}).setdefault("conditions", [])
             conditions[:] = [c for c in conditions if c.get("type") != "PodScheduled"]
             conditions.append({"type": "PodScheduled", "status": "True"})
