@@ -40,6 +40,7 @@ from gpushare.contract import (
     ANN_MEM_DEV,
     ANN_MEM_IDX,
     ANN_MEM_POD,
+    NODE_ANN_BIND_SEQUENCE,
     NODE_ANN_PENDING_BINDS,
     PLACEMENT_ANNOTATIONS,
     Allocation,
@@ -73,8 +74,6 @@ from gpushare.usage import alibaba_total_per_card, held_units, node_inventory
 log = logging.getLogger(__name__)
 
 COMPONENT = "gpushare-extender"
-#: node annotation bumped by every bind: the compare-and-swap that orders binds across replicas
-NODE_ANN_BIND_SEQUENCE = "gpushare.io/bind-sequence"
 ATTEMPTS = 8
 #: how long a bind recorded on its node counts there while its pod is still unbound: far longer than a
 #: binding call may take (its timeout is 10 s); a bind whose binding failed is forgotten after it

@@ -93,6 +93,8 @@ CTR_ANN_CARDS = "gpushare.io/cards"
 # --- node annotation and label (advertiser) -------------------------------------------------------
 
 NODE_ANN_INVENTORY = "gpushare.io/inventory"
+#: bumped by every extender bind: the compare-and-swap on the node that orders binds across replicas
+NODE_ANN_BIND_SEQUENCE = "gpushare.io/bind-sequence"
 #: written by the extender's bind with its compare-and-swap on the node: binds whose binding may not
 #: have been created yet, each with what it holds per card, so another replica counts them meanwhile
 NODE_ANN_PENDING_BINDS = "gpushare.io/pending-binds"
