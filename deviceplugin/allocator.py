@@ -81,14 +81,7 @@ class Allocator:
                 ALLOCATE_FAILURES.labels(resource=resource, reason=refusal.reason).inc()
                 log.warning("node %s: refused %s x%d: %s", self._node, resource, units, refusal)
                 if refusal.pod is not None:
-                    create_event(
-                        self._api,
-                        dict(refusal.pod),
-                        reason=REFUSAL_EVENT_REASON,
-                        message=str(refusal),
-                        type_="Warning",
-                        component=COMPONENT,
-                    )
+                    self._warn(refusal.pod, str(refusal))
                 raise
             except Unavailable as exc:
                 ALLOCATE_FAILURES.labels(resource=resource, reason="api-unavailable").inc()
@@ -96,19 +89,17 @@ class Allocator:
                 raise
         for skipped in decision.skipped:
             log.warning("node %s: passed over in Allocate: %s", self._node, skipped.reason)
-            create_event(
-                self._api,
-                dict(skipped.pod),
-                reason=REFUSAL_EVENT_REASON,
-                message=f"passed over in Allocate on node {self._node}: {skipped.reason}",
-                type_="Warning",
-                component=COMPONENT,
-            )
+            self._warn(skipped.pod, f"passed over in Allocate on node {self._node}: {skipped.reason}")
         ALLOCATE_LATENCY.labels(resource=resource).observe(time.perf_counter() - started)
         note = booked_cards_note(resource, device_ids, decision.slices)
         if note:
             log.warning("node %s: pod %s container %s: %s", self._node, pod_key(decision.pod), decision.container, note)
         return decision
+
+    def _warn(self, pod: Mapping[str, Any], message: str) -> None:
+        """A Warning Event on ``pod`` about its Allocate."""
+        create_event(self._api, dict(pod), reason=REFUSAL_EVENT_REASON, message=message, type_="Warning",
+                     component=COMPONENT)  # fmt: skip
 
     def _fresh_pods(self) -> list[Mapping[str, Any]]:
         """The node's pods as the API server has them now; the cache learns them too."""

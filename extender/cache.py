@@ -28,6 +28,7 @@ from gpushare.contract import (
     ContractError,
     NodeInventory,
     annotations_of,
+    effective_request,
     parse_fenced_cards,
     parse_pod_request,
     pod_key,
@@ -78,8 +79,8 @@ def host_request(pod: Mapping[str, Any]) -> tuple[int, int]:
     apps = [_host_amounts((c.get("resources") or {}).get("requests")) for c in spec.get("containers") or []]
     inits = [_host_amounts((c.get("resources") or {}).get("requests")) for c in spec.get("initContainers") or []]
     return (
-        max(sum(a[0] for a in apps), max((i[0] for i in inits), default=0)),
-        max(sum(a[1] for a in apps), max((i[1] for i in inits), default=0)),
+        effective_request((a[0] for a in apps), (i[0] for i in inits)),
+        effective_request((a[1] for a in apps), (i[1] for i in inits)),
     )
 
 

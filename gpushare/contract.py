@@ -272,12 +272,19 @@ class PodRequest:
 
     @property
     def effective_mem(self) -> int:
-        """Kubernetes' rule for a pod's request: init containers run one at a time before the app
-        containers, so the pod needs the larger of the app containers' sum and its largest init container."""
-        return max([self.app_mem, *(c.mem for c in self.containers if c.init)])
+        """The pod's gpu-mem request by Kubernetes' rule (:func:`effective_request`)."""
+        return effective_request(
+            (c.mem for c in self.containers if not c.init), (c.mem for c in self.containers if c.init)
+        )
 
     def container(self, name: str) -> ContainerRequest | None:
         return next((c for c in self.containers if c.name == name), None)
+
+
+def effective_request(apps: Iterable[int], inits: Iterable[int]) -> int:
+    """Kubernetes' rule for how much of one resource a pod needs: init containers run one at a time
+    before the app containers, so the larger of the app containers' sum and its largest init container."""
+    return max(sum(apps), max(inits, default=0))
 
 
 def pod_key(pod: Mapping[str, Any]) -> str:

@@ -45,6 +45,7 @@ from gpushare.contract import (
     NodeInventory,
     PodRequest,
     annotations_of,
+    effective_request,
     json_object,
     parse_allocation,
     parse_card_index,
@@ -211,15 +212,12 @@ def held_units(allocation: Allocation, request: PodRequest) -> dict[str, int]:
     """Units the pod holds per card UUID: per card, the larger of its app containers' sum and its
     largest init container."""
     init = {c.name for c in request.containers if c.init}
-    apps: dict[str, int] = {}
-    inits: dict[str, int] = {}
+    per_card: dict[str, tuple[list[int], list[int]]] = {}
     for name, slices in allocation.items():
         for s in slices:
-            if name in init:
-                inits[s.uuid] = max(inits.get(s.uuid, 0), s.units)
-            else:
-                apps[s.uuid] = apps.get(s.uuid, 0) + s.units
-    return {uuid: max(apps.get(uuid, 0), inits.get(uuid, 0)) for uuid in apps.keys() | inits.keys()}
+            apps, inits = per_card.setdefault(s.uuid, ([], []))
+            (inits if name in init else apps).append(s.units)
+    return {uuid: effective_request(apps, inits) for uuid, (apps, inits) in per_card.items()}
 
 
 @dataclass(frozen=True, slots=True)
