@@ -40,6 +40,14 @@ _PT_INTERP = 3
 _GO_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}
 
 
+def log_tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of a component's log, for an error message ("" if it can't be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 class ContainerdError(RuntimeError):
     """containerd could not be started, reached or given an image."""
 
@@ -217,7 +225,9 @@ class Containerd:
             stub = cri_pb2_grpc.RuntimeServiceStub(channel)
             while True:
                 if self._process is None or self._process.poll() is not None:
-                    raise ContainerdError(f"containerd exited during start-up; see {self.log_path}:\n{self._tail()}")
+                    raise ContainerdError(
+                        f"containerd exited during start-up; see {self.log_path}:\n{log_tail(self.log_path, 20)}"
+                    )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise ContainerdError(f"containerd did not answer within {timeout}s; see {self.log_path}")
@@ -226,12 +236,6 @@ class Containerd:
                     return
                 except grpc.RpcError:
                     continue
-
-    def _tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the daemon (SIGTERM, then SIGKILL). Running containers keep running, as with any

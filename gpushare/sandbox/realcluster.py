@@ -42,6 +42,7 @@ from gpushare.sandbox.containerd import (
     Containerd,
     build_busybox_image,
     containerd_available,
+    log_tail,
 )
 from gpushare.sandbox.fakenvml import FakeNvml, FakeNvmlError
 from gpushare.sandbox.fakenvml import prepare as prepare_fake_nvml
@@ -290,13 +291,9 @@ class Process:
     def check(self) -> None:
         """:class:`ClusterError` with the log's tail if the process has exited."""
         if self.popen is not None and self.popen.poll() is not None:
-            raise ClusterError(f"{self.name} exited with {self.popen.returncode}; {self.log_path}:\n{self.tail()}")
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+            raise ClusterError(
+                f"{self.name} exited with {self.popen.returncode}; {self.log_path}:\n{log_tail(self.log_path, 15)}"
+            )
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.popen is None or self.popen.poll() is not None:
