@@ -23,9 +23,10 @@ from gpushare.contract import (
     MemoryUnit,
     annotations_of,
     parse_pod_request,
+    pod_key,
     requests_gpu,
 )
-from gpushare.usage import MIB, holds_resources, node_inventory, pod_cards
+from gpushare.usage import MIB, holds_resources, node_inventory, node_usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,32 +126,17 @@ def build_node(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> No
         if NODE_ANN_INVENTORY in annotations_of(node) or RESOURCE_MEM in advertised:
             return NodeView(name, node_address(node), GIB, (), (), problems=(str(exc),))
         return None
-    inferred = inventory.inferred is not None
+    gpu_pods = [p for p in pods if (p.get("spec") or {}).get("nodeName") == name and requests_gpu(p)]
+    used, counted, bad = node_usage(gpu_pods, inventory.cards, inferred=inventory.inferred is not None)
     index_of = {c.uuid: c.index for c in inventory.cards}
-    views: list[PodView] = []
-    problems: list[str] = []
-    for pod in pods:
-        if (pod.get("spec") or {}).get("nodeName") != name or not holds_resources(pod) or not requests_gpu(pod):
-            continue
-        meta = pod.get("metadata") or {}
-        namespace, pod_name = meta.get("namespace", "default"), meta.get("name", "?")
-        try:
-            held = pod_cards(pod, inventory.cards, inferred=inferred)
-            if held is None:
-                views.append(PodView(namespace, pod_name, {}, pending=parse_pod_request(pod).effective_mem))
-            elif unknown := sorted(set(held.held) - set(index_of)):
-                raise ContractError(f"pod {held.key}: card(s) {', '.join(unknown)} are not on this node")
-            else:
-                views.append(PodView(namespace, pod_name, {index_of[u]: n for u, n in held.held.items()}))
-        except ContractError as exc:
-            problems.append(str(exc))
-    allocated: dict[int, int] = {}
-    for view in views:
-        for index, units in view.units.items():
-            allocated[index] = allocated.get(index, 0) + units
-    card_views = tuple(
-        CardView(c.index, inventory.units_of(c), allocated.get(c.index, 0), c.healthy) for c in inventory.cards
-    )
+    views = [PodView(*p.key.split("/", 1), {index_of[u]: n for u, n in p.held.items()}) for p in counted]
+    seen = {p.key for p in counted} | {b.key for b in bad}
+    views += [
+        PodView(*pod_key(p).split("/", 1), {}, pending=parse_pod_request(p).effective_mem)
+        for p in gpu_pods
+        if holds_resources(p) and pod_key(p) not in seen
+    ]
+    card_views = tuple(CardView(c.index, inventory.units_of(c), used[c.uuid], c.healthy) for c in inventory.cards)
     return NodeView(
         name=name,
         address=node_address(node),
@@ -158,7 +144,7 @@ def build_node(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> No
         cards=card_views,
         pods=tuple(sorted(views, key=lambda p: (p.namespace, p.name))),
         capacity_note=inventory.inferred,
-        problems=tuple(problems),
+        problems=tuple(b.reason for b in bad),
     )
 
 
