@@ -223,8 +223,8 @@ class Binder:
                 in_flight += [bind.held for other, bind in pending.items() if other not in mine]
                 cards = placement_cards(inventory, others, in_flight, self._cache.fenced(node))
                 try:
-                    init = podfit.init_names(pod)
-                    assignments = podfit.place(cards, demands, init, policy, inventory.unit.name)
+                    order = podfit.InitOrder.of(demands, podfit.init_names(pod))
+                    assignments = order.place(cards, policy, inventory.unit.name)
                 except placement.NoFit as nofit:
                     BIND_FAILURES.labels(reason="no-fit").inc()
                     raise BindError(f"bind {where}: {nofit.reason}") from None

@@ -117,7 +117,7 @@ class PlacementEngine:
         if view.inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(demands)):
             return placement.NoFit(f"node {view.name} {refusal}")
         if podfit.has_init(demands, init):
-            return podfit.fit(view.cards, demands, init, view.inventory.unit.name)
+            return podfit.InitOrder.of(demands, init).fit(view.cards, view.inventory.unit.name)
         key = (view.name, view.generation, placement.shape_key(list(demands)))
         try:
             return self._fits[key]
@@ -134,7 +134,7 @@ class PlacementEngine:
         init: frozenset[str] = frozenset(),
     ) -> float:
         if podfit.has_init(demands, init):
-            return podfit.cost(view.cards, demands, init, policy, view.inventory.unit.name)
+            return podfit.InitOrder.of(demands, init).cost(view.cards, policy, view.inventory.unit.name)
         key = (view.name, view.generation, placement.shape_key(list(demands)), policy)
         try:
             return self._costs[key]

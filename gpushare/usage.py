@@ -222,16 +222,19 @@ def held_units(allocation: Allocation, request: PodRequest) -> dict[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class PodCards:
-    """One pod's resolved allocation, and the units it holds per card UUID."""
+    """One pod's resolved allocation, and what it holds on each card."""
 
     key: str
     uid: str
     allocation: Allocation
+    #: units per card UUID, by Kubernetes' rule for init containers (see :func:`held_units`)
     held: Mapping[str, int]
 
 
 @dataclass(frozen=True, slots=True)
 class BadPod:
+    """A pod whose cards on this node can't be told, and why (the reason names the pod)."""
+
     key: str
     reason: str
 

@@ -57,6 +57,8 @@ class PodView:
 
 @dataclass(frozen=True, slots=True)
 class NodeView:
+    """One node as ``inspect`` shows it, in the node's own unit."""
+
     name: str
     address: str
     unit: MemoryUnit
