@@ -29,8 +29,8 @@ from typing import Any
 
 from extender import podfit
 from extender.cache import ClusterCache, demands_of, placement_cards
+from extender.engine import PlacementEngine
 from extender.metrics import BIND_FAILURES
-from extender.verbs import Placement
 from gpushare import placement
 from gpushare.contract import (
     ANN_ALLOCATION,
@@ -134,7 +134,7 @@ def pod_annotations(pod: Mapping[str, Any], allocation: Allocation, inventory: N
 
 
 class Binder:
-    def __init__(self, api: Any, cache: ClusterCache, engine: Placement) -> None:
+    def __init__(self, api: Any, cache: ClusterCache, engine: PlacementEngine) -> None:
         self._api = api
         self._cache = cache
         self._engine = engine
@@ -223,8 +223,8 @@ class Binder:
                 in_flight += [bind.held for other, bind in pending.items() if other not in mine]
                 cards = placement_cards(inventory, others, in_flight, self._cache.fenced(node))
                 try:
-                    init = podfit.init_names(pod)
-                    assignments = podfit.place(cards, demands, init, policy, inventory.unit.name)
+                    order = podfit.InitOrder.of(demands, podfit.init_names(pod))
+                    assignments = order.place(cards, policy, inventory.unit.name)
                 except placement.NoFit as nofit:
                     BIND_FAILURES.labels(reason="no-fit").inc()
                     raise BindError(f"bind {where}: {nofit.reason}") from None

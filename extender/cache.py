@@ -40,7 +40,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class NodeView:
+class CachedNode:
+    """A node as the extender last saw it: its cards with what they hold, and the generation it was
+    built at."""
+
     name: str
     inventory: NodeInventory
     cards: tuple[placement.Card, ...]
@@ -135,7 +138,7 @@ class ClusterCache:
         self._assumed: dict[str, tuple[str, Mapping[str, int]]] = {}
         #: node -> card minors fenced by the original extender's unhealthy-GPU ConfigMap
         self._fenced: dict[str, frozenset[int]] = {}
-        self._views: dict[str, NodeView] = {}
+        self._views: dict[str, CachedNode] = {}
         self._shapes: Counter[placement.Shape] = Counter()
         self._shapes_of_pod: dict[str, tuple[placement.Shape, ...]] = {}
         self.shapes_version = 0
@@ -285,7 +288,7 @@ class ClusterCache:
             return "is not known to the gpushare extender"
         return inventory if isinstance(inventory, str) else None
 
-    def view(self, node: str) -> NodeView | None:
+    def view(self, node: str) -> CachedNode | None:
         with self._lock:
             cached = self._views.get(node)
             if cached is not None:
@@ -296,7 +299,7 @@ class ClusterCache:
             pods = list(self._pods_by_node.get(node, {}).values())
             extra = [alloc for (n, alloc) in self._assumed.values() if n == node]
             cards = placement_cards(inventory, pods, extra, self._fenced.get(node, frozenset()))
-            view = NodeView(node, inventory, cards, self._generation.get(node, 0))
+            view = CachedNode(node, inventory, cards, self._generation.get(node, 0))
             self._views[node] = view
             return view
 

@@ -10,7 +10,7 @@ from gpushare.cli import UsageError
 from gpushare.tlshttp import DEFAULT_LIMITS, Limits, server_context
 
 if TYPE_CHECKING:
-    from extender.runtime import Serving
+    from extender.wiring import Serving
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serving(args: argparse.Namespace) -> Serving:
     """The serving settings from the command line; UsageError when the TLS flags don't add up."""
-    from extender.runtime import Serving
+    from extender.wiring import Serving
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
@@ -56,6 +56,6 @@ def serving(args: argparse.Namespace) -> Serving:
 
 
 def run(args: argparse.Namespace) -> int:
-    from extender.runtime import run_extender
+    from extender.wiring import run_extender
 
     return run_extender(args.kubeconfig, args.policy, serving(args))

@@ -10,6 +10,7 @@ is what :func:`gpushare.usage.held_units` then counts the pod for.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gpushare import placement
@@ -21,50 +22,42 @@ def init_names(pod: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(c.name for c in parse_pod_request(pod).containers if c.init)
 
 
-def _groups(demands: Sequence[placement.Demand], init: frozenset[str]) -> list[list[placement.Demand]]:
-    """The app demands as one group (if any), then every init demand alone."""
-    apps = [d for d in demands if d.container not in init]
-    return ([apps] if apps else []) + [[d] for d in demands if d.container in init]
-
-
 def has_init(demands: Sequence[placement.Demand], init: frozenset[str]) -> bool:
     return any(d.container in init for d in demands)
 
 
-def fit(
-    cards: Sequence[placement.Card], demands: Sequence[placement.Demand], init: frozenset[str], unit: str
-) -> placement.NoFit | None:
-    for group in _groups(demands, init):
-        nofit = placement.check_fit(cards, group, unit=unit)
+@dataclass(frozen=True, slots=True)
+class InitOrder:
+    """A pod's GPU demands in the groups Kubernetes runs them in: its app containers together (if it
+    has any), then every init container alone."""
+
+    groups: tuple[tuple[placement.Demand, ...], ...]
+
+    @classmethod
+    def of(cls, demands: Sequence[placement.Demand], init: frozenset[str]) -> InitOrder:
+        apps = tuple(d for d in demands if d.container not in init)
+        return cls(((apps,) if apps else ()) + tuple((d,) for d in demands if d.container in init))
+
+    def fit(self, cards: Sequence[placement.Card], unit: str) -> placement.NoFit | None:
+        for group in self.groups:
+            nofit = placement.check_fit(cards, group, unit=unit)
+            if nofit is not None:
+                return nofit
+        return None
+
+    def cost(self, cards: Sequence[placement.Card], policy: placement.Policy, unit: str) -> float:
+        """The policy's cost of what the pod keeps: its app containers (its init containers when it has
+        no GPU app container); raises NoFit when any part doesn't fit."""
+        nofit = self.fit(cards, unit)
         if nofit is not None:
-            return nofit
-    return None
+            raise nofit
+        return placement.node_cost(cards, self.groups[0], policy, unit=unit)
 
-
-def cost(
-    cards: Sequence[placement.Card],
-    demands: Sequence[placement.Demand],
-    init: frozenset[str],
-    policy: placement.Policy,
-    unit: str,
-) -> float:
-    """The policy's cost of what the pod keeps: its app containers (its init containers when it has
-    no GPU app container); raises NoFit when any part doesn't fit."""
-    nofit = fit(cards, demands, init, unit)
-    if nofit is not None:
-        raise nofit
-    return placement.node_cost(cards, _groups(demands, init)[0], policy, unit=unit)
-
-
-def place(
-    cards: Sequence[placement.Card],
-    demands: Sequence[placement.Demand],
-    init: frozenset[str],
-    policy: placement.Policy,
-    unit: str,
-) -> tuple[placement.Assignment, ...]:
-    """Assignments for every demand; raises NoFit."""
-    return tuple(a for group in _groups(demands, init) for a in placement.place(cards, group, policy, unit=unit))
+    def place(
+        self, cards: Sequence[placement.Card], policy: placement.Policy, unit: str
+    ) -> tuple[placement.Assignment, ...]:
+        """Assignments for every demand; raises NoFit."""
+        return tuple(a for group in self.groups for a in placement.place(cards, group, policy, unit=unit))
 
 
 def original_plugin_refusal(demands: Sequence[placement.Demand]) -> str | None:

@@ -13,16 +13,10 @@ from typing import Any
 
 from extender.bind import Binder, BindError
 from extender.cache import ClusterCache
+from extender.engine import PlacementEngine
 from extender.metrics import CARD_ALLOCATED, CARD_TOTAL, VERB_LATENCY
-from extender.verbs import (
-    BadRequest,
-    Placement,
-    filter_result,
-    host_prioritize_result,
-    preempt_result,
-    prioritize_result,
-)
-from extender.wire import encode
+from extender.verbs import filter_result, host_prioritize_result, preempt_result, prioritize_result
+from extender.wire import BadRequest, encode
 from gpushare.contract import quoted
 from gpushare.observability import health_reply
 from gpushare.tlshttp import HttpServer, Limits, Reply, Request
@@ -113,7 +107,7 @@ class ExtenderServer:
         self,
         port: int,
         cache: ClusterCache,
-        engine: Placement,
+        engine: PlacementEngine,
         binder: Binder,
         ready: Callable[[], bool],
         host: str = "127.0.0.1",

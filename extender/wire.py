@@ -1,4 +1,9 @@
-"""JSON on the extender's wire, fast for the thousands of node names a filter or prioritize call carries.
+"""The extender protocol's bodies: requests read and checked field by field, replies written as JSON.
+
+A request's pod and node names are checked for the types the API would give them, so a malformed body
+is a ``BadRequest`` (HTTP 400) naming the field at fault. Bodies use kube-scheduler's Go field names.
+
+Replies are fast to write for the thousands of node names a filter or prioritize call carries.
 
 Kubernetes node names are plain printable ASCII without quotes or backslashes, so JSON writes each
 one as it is: a list of them can be written by joining them, several times faster than encoding
@@ -9,7 +14,9 @@ exactly those ``json.dumps`` writes.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,3 +91,68 @@ def encode(reply: Any) -> bytes:
 
 def _text(value: Any) -> str:
     return value.text if isinstance(value, Raw) else json.dumps(value, check_circular=False)
+
+
+class BadRequest(ValueError):
+    """The body isn't an extender request: HTTP 400."""
+
+
+def _expect(value: Any, kind: type, where: str) -> Any:
+    """``value`` when it is absent or of ``kind``; BadRequest naming the field otherwise."""
+    if value is not None and not isinstance(value, kind):
+        raise BadRequest(f"{where} must be {'an object' if kind is dict else 'a list' if kind is list else 'a string'}")
+    return value
+
+
+def _check_pod(pod: Mapping[str, Any]) -> None:
+    """Every field of the pod the verbs read has the type the API would give it."""
+    meta = _expect(pod.get("metadata"), dict, "Pod.metadata") or {}
+    for field in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp"):
+        _expect(meta.get(field), str, f"Pod.metadata.{field}")
+    for field in ("annotations", "labels"):
+        for value in (_expect(meta.get(field), dict, f"Pod.metadata.{field}") or {}).values():
+            _expect(value, str, f"Pod.metadata.{field} values")
+    spec = _expect(pod.get("spec"), dict, "Pod.spec") or {}
+    _expect(pod.get("status"), dict, "Pod.status")
+    _expect(spec.get("nodeSelector"), dict, "Pod.spec.nodeSelector")
+    for group in ("initContainers", "containers"):
+        for item in _expect(spec.get(group), list, f"Pod.spec.{group}") or []:
+            where = f"Pod.spec.{group}[]"
+            resources = _expect(_expect(item, dict, where).get("resources"), dict, f"{where}.resources") or {}
+            _expect(item.get("name"), str, f"{where}.name")
+            _expect(resources.get("limits"), dict, f"{where}.resources.limits")
+            _expect(resources.get("requests"), dict, f"{where}.resources.requests")
+
+
+def check_victims(body: Mapping[str, Any]) -> None:
+    for field, inner, kind in (("NodeNameToMetaVictims", "UID", str), ("NodeNameToVictims", "metadata", dict)):
+        for entry in (_expect(body.get(field), dict, field) or {}).values():
+            for victim in _expect(_expect(entry, dict, f"{field} entries").get("Pods"), list, f"{field}[].Pods") or []:
+                _expect(_expect(victim, dict, f"{field}[].Pods[]").get(inner), kind, f"{field}[].Pods[].{inner}")
+
+
+def request_pod(body: Any) -> Mapping[str, Any]:
+    """The request's pod, its shape checked (BadRequest names the first field that is wrong)."""
+    if not isinstance(body, dict) or not isinstance(body.get("Pod"), dict):
+        raise BadRequest("the body must be a JSON object with a Pod")
+    _check_pod(body["Pod"])
+    return body["Pod"]
+
+
+def candidate_names(body: Mapping[str, Any]) -> tuple[NodeNames, bool]:
+    """Node names from ``NodeNames`` (nodeCacheCapable) or ``Nodes.items``; and whether Nodes was used."""
+    if body.get("NodeNames") is not None:
+        names = body["NodeNames"]
+        if isinstance(names, list):
+            with contextlib.suppress(TypeError):  # an item that is not a string
+                return NodeNames.of(names), False
+        raise BadRequest("NodeNames must be a list of strings")
+    nodes = body.get("Nodes")
+    if isinstance(nodes, dict):
+        items = _expect(nodes.get("items"), list, "Nodes.items") or []
+        metas = [
+            _expect(_expect(n, dict, "Nodes.items[]").get("metadata"), dict, "Nodes.items[].metadata") for n in items
+        ]
+        names = [_expect((m or {}).get("name", ""), str, "Nodes.items[].metadata.name") for m in metas]
+        return NodeNames.of(names), True
+    raise BadRequest("the body must carry NodeNames or Nodes")

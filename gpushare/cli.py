@@ -36,7 +36,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "webhook": ("webhook.cmd", "serve the admission webhook guarding gpushare's pod annotations"),
     "node": ("gpushare.node", "run advertiser, device plugin and CRI shim in one process"),
     "sandbox": ("gpushare.sandbox.cmd", "run a whole simulated cluster on this machine"),
-    "inspect": ("gpushare.inspect", "show per-card GPU allocation across the cluster"),
+    "inspect": ("gpushare.inspection.cmd", "show per-card GPU allocation across the cluster"),
     "apiserver": ("gpushare.sandbox.apiserver_cmd", "serve the Kubernetes API stand-in"),
     "simulate": ("gpushare.simulate.cmd", "replay a cluster's GPU pods under placement policies (what-if)"),
 }

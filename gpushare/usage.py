@@ -222,27 +222,36 @@ def held_units(allocation: Allocation, request: PodRequest) -> dict[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class PodCards:
-    """One pod's resolved allocation, and the units it holds per card UUID."""
+    """One pod's resolved allocation, and what it holds on each card."""
 
     key: str
     uid: str
     allocation: Allocation
+    #: units per card UUID, by Kubernetes' rule for init containers (see :func:`held_units`)
     held: Mapping[str, int]
 
 
 @dataclass(frozen=True, slots=True)
 class BadPod:
+    """A pod whose cards on this node can't be told, and why (the reason names the pod)."""
+
     key: str
     reason: str
 
 
 def pod_cards(pod: Mapping[str, Any], cards: Sequence[Card], *, inferred: bool = False) -> PodCards | None:
-    """The pod's allocation and hold on this node (None when unplaced); raises ContractError."""
+    """The pod's allocation and hold on this node (None when unplaced); ContractError when its
+    annotations can't be read or name a card this node doesn't have (as with the original formats,
+    such a pod is counted on none of its cards)."""
     allocation = pod_allocation(pod, cards, inferred=inferred)
     if not allocation:
         return None
-    meta = pod.get("metadata") or {}
-    return PodCards(pod_key(pod), meta.get("uid", ""), allocation, held_units(allocation, parse_pod_request(pod)))
+    key = pod_key(pod)
+    held = held_units(allocation, parse_pod_request(pod))
+    unknown = sorted(set(held) - {c.uuid for c in cards})
+    if unknown:
+        raise ContractError(f"pod {key}: card(s) {', '.join(unknown)} are not on this node")
+    return PodCards(key, (pod.get("metadata") or {}).get("uid", ""), allocation, held)
 
 
 def node_usage(
@@ -253,7 +262,10 @@ def node_usage(
     inferred: bool = False,
 ) -> tuple[dict[str, int], list[PodCards], list[BadPod]]:
     """Units held per card UUID by the live pods, the pods counted, and the pods whose annotations
-    could not be read (they are reported, never silently counted as zero-cost)."""
+    could not be read (they are reported, never silently counted as zero-cost).
+
+    The one place that sums what pods hold on a node's cards: the extender, the device plugin, the
+    CRI shim and ``inspect`` all take their per-card totals and per-pod holdings from here."""
     cards = tuple(cards)
     used = {c.uuid: 0 for c in cards}
     counted: list[PodCards] = []
@@ -271,7 +283,7 @@ def node_usage(
             continue
         counted.append(held)
         for uuid, units in held.held.items():
-            used[uuid] = used.get(uuid, 0) + units
+            used[uuid] += units
     return used, counted, bad
 
 

@@ -16,8 +16,8 @@ from kubernetes import client
 from podfactory import container, gpu_pod
 
 from advertiser.agent import Advertiser
-from extender.runtime import RunningExtender, start_extender
-from extender.verbs import Placement
+from extender.engine import PlacementEngine
+from extender.wiring import RunningExtender, start_extender
 from gpushare import contract as c
 from gpushare.inventory import SimulatedBackend
 from gpushare.usage import node_usage
@@ -281,14 +281,14 @@ def test_ready_only_once_the_rows_and_costs_are_built(
     core_v1.create_node({"metadata": {"name": "n1"}})
     Advertiser(kube_api, "n1", SimulatedBackend("n1", NODES["n1"]), c.GIB).publish_once()
     warming, release = threading.Event(), threading.Event()
-    warm = Placement.warm
+    warm = PlacementEngine.warm
 
-    def held(engine: Placement) -> None:
+    def held(engine: PlacementEngine) -> None:
         warming.set()
         release.wait()
         warm(engine)
 
-    monkeypatch.setattr(Placement, "warm", held)
+    monkeypatch.setattr(PlacementEngine, "warm", held)
     running = start_extender(kube_api, 0, "fgd", host="127.0.0.1")
     url = f"http://127.0.0.1:{running.server.port}"
     try:
@@ -307,10 +307,10 @@ def test_a_failed_warm_up_still_ends_in_readiness_and_the_verbs_build_what_they_
     core_v1.create_node({"metadata": {"name": "n2"}})
     Advertiser(kube_api, "n2", SimulatedBackend("n2", NODES["n2"]), c.GIB).publish_once()
 
-    def broken(engine: Placement) -> None:
+    def broken(engine: PlacementEngine) -> None:
         raise RuntimeError("warm-up bug")
 
-    monkeypatch.setattr(Placement, "warm", broken)
+    monkeypatch.setattr(PlacementEngine, "warm", broken)
     running = start_extender(kube_api, 0, "fgd", host="127.0.0.1")
     url = f"http://127.0.0.1:{running.server.port}"
     try:

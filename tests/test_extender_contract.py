@@ -15,7 +15,7 @@ from podfactory import container, gpu_pod
 from test_migration import original_inspect_usage, original_node
 
 from advertiser.agent import Advertiser
-from extender.runtime import RunningExtender, start_extender
+from extender.wiring import RunningExtender, start_extender
 from gpushare import contract as c
 from gpushare.cards import Card
 from gpushare.inventory import SimulatedBackend

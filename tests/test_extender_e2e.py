@@ -14,7 +14,7 @@ from podfactory import container, gpu_pod
 
 from advertiser.agent import Advertiser
 from deviceplugin.runtime import start_device_plugin
-from extender.runtime import start_extender
+from extender.wiring import start_extender
 from gpushare import contract as c
 from gpushare.cli import NodeSettings
 from gpushare.inventory import SimulatedBackend

@@ -13,8 +13,8 @@ from conftest import wait_until
 from podfactory import container, gpu_pod
 
 from extender.cache import ClusterCache
+from extender.engine import PlacementEngine
 from extender.matrix import CostMemo, NodeMatrix
-from extender.verbs import Placement
 from extender.wire import NodeNames
 from gpushare import contract as c
 from gpushare import placement
@@ -115,7 +115,7 @@ def test_a_rebuilt_fgd_workload_takes_over_once_its_costs_are_ready(
     cluster: tuple[ClusterCache, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache, names = cluster
-    engine = Placement(cache, "fgd")
+    engine = PlacementEngine(cache, "fgd")
     asked, shape = NodeNames.of(names), placement.Shape(7)
     before = engine.policy_for({})[1]
     assert engine.batch_costs(asked, shape, "fgd").tolist() == pytest.approx(node_costs(cache, names, before, shape))

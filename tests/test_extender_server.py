@@ -19,7 +19,7 @@ from podfactory import container, gpu_pod
 from test_extender import NODES, Cluster
 from tlscerts import Certs, make_certs
 
-from extender.runtime import Serving, start_extender
+from extender.wiring import Serving, start_extender
 from gpushare.cli import UsageError
 from gpushare.tlshttp import Limits, server_context
 

@@ -10,7 +10,8 @@ from kubernetes import client
 
 from gpushare import contract as c
 from gpushare.cli import main
-from gpushare.inspectview import build_cluster, render_details, render_summary
+from gpushare.inspection.model import build_cluster
+from gpushare.inspection.render import render_details, render_summary
 from gpushare.inventory import simulated_cards
 
 # node "big": an 80 GiB card and an unhealthy 15 GiB card, in GiB

@@ -18,7 +18,7 @@ from podfactory import container, gpu_pod
 from gpushare import contract as c
 from gpushare.cards import Card
 from gpushare.cli import kubectl_inspect_main
-from gpushare.inspectview import build_node
+from gpushare.inspection.model import build_node
 from gpushare.usage import node_inventory, node_usage
 
 ROOT = Path(__file__).resolve().parent.parent

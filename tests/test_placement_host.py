@@ -14,7 +14,8 @@ import yaml
 from podfactory import container, gpu_pod
 
 from extender.cache import ClusterCache, host_request
-from extender.verbs import Placement, host_prioritize_result, prioritize_result
+from extender.engine import PlacementEngine
+from extender.verbs import host_prioritize_result, prioritize_result
 from extender.wire import Raw
 from gpushare import contract as c
 from gpushare.cards import Card
@@ -135,7 +136,7 @@ def body(pod: dict) -> dict:
 
 
 def test_host_prioritize_steers_pods_without_gpus_and_leaves_gpu_pods_to_the_gpu_entry() -> None:
-    engine = Placement(gpu_cluster(), "fgdfit")
+    engine = PlacementEngine(gpu_cluster(), "fgdfit")
     scores = {
         e["Host"]: e["Score"] for e in _json(host_prioritize_result(engine, body(plain_pod("p", None, "1", "1Gi"))))
     }
@@ -146,7 +147,7 @@ def test_host_prioritize_steers_pods_without_gpus_and_leaves_gpu_pods_to_the_gpu
 
 
 def test_host_prioritize_is_neutral_under_a_policy_that_ignores_cpu() -> None:
-    engine = Placement(gpu_cluster(), "binpack")
+    engine = PlacementEngine(gpu_cluster(), "binpack")
     assert {e["Score"] for e in _json(host_prioritize_result(engine, body(plain_pod("p", None, "1", "1Gi"))))} == {0}
 
 

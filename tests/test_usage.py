@@ -46,6 +46,16 @@ def test_bad_annotations_are_reported_not_counted_as_free() -> None:
     assert "not valid JSON" in bad[1].reason
 
 
+def test_a_pod_naming_a_card_the_node_lacks_is_reported_and_counted_nowhere() -> None:
+    """As with an unknown minor in the original formats: the pod is a problem, not a partial hold."""
+    gone = c.CardSlice(3, "GPU-gone", 4)
+    pods = [pod("z", 8, ours(c.CardSlice(0, A0.uuid, 4), gone), count=2), pod("a", 8, ours(c.CardSlice(0, A0.uuid, 8)))]
+    used, counted, bad = node_usage(pods, CARDS)
+    assert used == {A0.uuid: 8, A1.uuid: 0, T4.uuid: 0}
+    assert [p.key for p in counted] == ["ns/a"]
+    assert [(b.key, b.reason) for b in bad] == [("ns/z", "pod ns/z: card(s) GPU-gone are not on this node")]
+
+
 def test_overcommit_check_names_the_card() -> None:
     used = {A0.uuid: 76, A1.uuid: 0, T4.uuid: 0}
     by_uuid = {card.uuid: card for card in CARDS}

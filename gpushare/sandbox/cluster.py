@@ -27,7 +27,8 @@ from advertiser.agent import Advertiser
 from gpushare import contract as c
 from gpushare.cards import Card
 from gpushare.cli import NodeSettings
-from gpushare.inspectview import build_cluster, render_details, render_table
+from gpushare.inspection.model import build_cluster
+from gpushare.inspection.render import render_details, render_table
 from gpushare.inventory import SimulatedBackend
 from gpushare.kube import bind_pod, create_event, get_pod, list_nodes, list_pods, load_api, patch_pod_status
 from gpushare.placement import DEFAULT_POLICY

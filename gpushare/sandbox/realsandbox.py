@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpushare.inspectview import build_cluster, render_details
+from gpushare.inspection.model import build_cluster
+from gpushare.inspection.render import render_details
 from gpushare.kube import get_pod, list_nodes, list_pods
 from gpushare.placement import DEFAULT_POLICY
 from gpushare.sandbox.cluster import (

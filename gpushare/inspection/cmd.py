@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser, layout: str = "gpushare") -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpushare import inspectview, kube
+    from gpushare import kube
+    from gpushare.inspection import model, render
 
     try:
         api = kube.load_api(args.kubeconfig)
@@ -42,13 +43,13 @@ def run(args: argparse.Namespace) -> int:
     except kube.KubeError as exc:
         print(f"gpushare inspect: {exc}", file=sys.stderr)
         return 1
-    cluster = inspectview.build_cluster(nodes, pods)
+    cluster = model.build_cluster(nodes, pods)
     if args.node and not cluster.nodes:
         print(f"gpushare inspect: node {args.node} has no gpushare GPUs", file=sys.stderr)
         return 1
     if args.layout == "original":
-        render = inspectview.render_original_details if args.details else inspectview.render_original_summary
+        table = render.render_original_details if args.details else render.render_original_summary
     else:
-        render = inspectview.render_details if args.details else inspectview.render_summary
-    print(render(cluster))
+        table = render.render_details if args.details else render.render_summary
+    print(table(cluster))
     return 0

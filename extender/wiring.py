@@ -11,8 +11,8 @@ from typing import Any
 
 from extender.bind import Binder
 from extender.cache import ClusterCache
+from extender.engine import PlacementEngine
 from extender.server import ExtenderServer, refresh_card_gauges
-from extender.verbs import Placement
 from gpushare import placement
 from gpushare.cli import UsageError, wait_for_termination
 from gpushare.kube import load_api
@@ -58,7 +58,7 @@ def start_extender(
     policy = policy or placement.DEFAULT_POLICY
     cache = ClusterCache(api)
     try:
-        engine = Placement(cache, policy)
+        engine = PlacementEngine(cache, policy)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     cache.start()
@@ -84,7 +84,7 @@ def start_extender(
     return RunningExtender(cache, server, binder, health)
 
 
-def _settle(cache: ClusterCache, engine: Placement, settled: threading.Event) -> None:
+def _settle(cache: ClusterCache, engine: PlacementEngine, settled: threading.Event) -> None:
     """Once the caches hold the whole cluster: build every node's row and the costs of the shapes seen
     so far, so the first pods don't pay for them, and exempt what is cached from the garbage
     collector's full passes (walking millions of pod fields stalled the verbs for a few hundred

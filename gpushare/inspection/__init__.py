@@ -1,0 +1,1 @@
+"""``gpushare inspect``: the command (:mod:`.cmd`), what it shows (:mod:`.model`) and its tables (:mod:`.render`)."""
