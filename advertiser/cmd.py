@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from advertiser.agent import Advertiser
     from gpushare.cli import node_settings, wait_for_termination
-    from gpushare.kube import load_api
+    from gpushare.kube.transport import load_api
 
     settings = node_settings(args)
     backend = settings.open_backend()

@@ -76,7 +76,7 @@ def shim_settings(args: argparse.Namespace) -> ShimSettings:
 def run(args: argparse.Namespace) -> int:
     from crishim.runtime import run_cri_shim
     from gpushare.cli import UsageError, node_settings
-    from gpushare.kube import KubeConfigError
+    from gpushare.kube.errors import KubeConfigError
 
     try:
         return run_cri_shim(node_settings(args), shim_settings(args), args.metrics_port)

@@ -15,7 +15,7 @@ from extender.server import ExtenderServer, refresh_card_gauges
 from extender.verbs import Placement
 from gpushare import placement
 from gpushare.cli import UsageError, wait_for_termination
-from gpushare.kube import load_api
+from gpushare.kube.transport import load_api
 from gpushare.observability import ObservabilityServer, serve_http
 from gpushare.tlshttp import Limits
 

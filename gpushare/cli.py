@@ -197,7 +197,7 @@ def wait_for_termination() -> None:
 
 def _kube_error() -> type[Exception]:
     """Imported only when an error is being handled: the kubernetes client is slow to import."""
-    from gpushare.kube import KubeError
+    from gpushare.kube.errors import KubeError
 
     return KubeError
 

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from crishim.cmd import shim_settings
     from deviceplugin.runtime import check_unit
     from gpushare.cli import node_settings, wait_for_termination
-    from gpushare.kube import load_api
+    from gpushare.kube.transport import load_api
     from gpushare.observability import serve_http
     from gpushare.supervisor import Supervisor
 

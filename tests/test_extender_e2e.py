@@ -18,7 +18,7 @@ from extender.runtime import start_extender
 from gpushare import contract as c
 from gpushare.cli import NodeSettings
 from gpushare.inventory import SimulatedBackend
-from gpushare.kube import get_pod
+from gpushare.kube.objects import get_pod
 from gpushare.sandbox.kubelet import KubeletEmulator
 from gpushare.sandbox.scheduler import ExtenderClient, ScheduleResult, schedule_one
 

@@ -18,7 +18,7 @@ from deviceplugin.runtime import start_device_plugin
 from gpushare import contract as c
 from gpushare.cli import NodeSettings
 from gpushare.inventory import InventoryError, SimulatedBackend
-from gpushare.kube import Backoff
+from gpushare.kube.retry import Backoff
 from gpushare.node import components
 from gpushare.observability import serve_http
 from gpushare.sandbox.kubelet import KubeletEmulator

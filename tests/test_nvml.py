@@ -26,7 +26,7 @@ from deviceplugin.runtime import RunningPlugin, start_device_plugin
 from gpushare import contract as c
 from gpushare.cli import NodeSettings
 from gpushare.inventory import HealthEvent, InventoryError, NvmlBackend, _single_node, parse_ignored_xids
-from gpushare.kube import get_node
+from gpushare.kube.objects import get_node
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 from gpushare.sandbox.fakenvml import FakeNvml

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpushare.inspectview import build_cluster, render_details
-from gpushare.kube import get_pod, list_nodes, list_pods
+from gpushare.kube.objects import get_pod, list_nodes, list_pods
 from gpushare.placement import DEFAULT_POLICY
 from gpushare.sandbox.cluster import (
     EXAMPLES,

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_cluster:
         if args.nodes or args.pods:
             raise UsageError("--from-cluster writes its own CSVs: give it without --nodes/--pods")
-        from gpushare.kube import load_api
+        from gpushare.kube.transport import load_api
         from gpushare.simulate.snapshot import snapshot
 
         args.nodes, args.pods = snapshot(load_api(args.kubeconfig), args.out)
