@@ -9,13 +9,14 @@ from typing import Any
 from crishim.assignment import CachedPods, Resolver, Target
 from crishim.rewrite import RewriteOptions
 from crishim.server import CreateContainerGuard, CriShim, EventSink
-from gpushare.cli import NodeSettings, wait_for_termination
 from gpushare.inventory import GpuBackend
 from gpushare.kube.errors import KubeConfigError
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.transport import load_api
 from gpushare.kube.watch import WatchCache, node_pod_cache
 from gpushare.observability import serve_http
+from gpushare.process import wait_for_termination
+from gpushare.settings import NodeSettings
 
 log = logging.getLogger(__name__)
 

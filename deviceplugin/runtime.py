@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from deviceplugin.allocator import Allocator
 from deviceplugin.devices import REPLICAS_PER_UNIT, DeviceListTooLarge, check_message_size
 from deviceplugin.plugin import DevicePlugin
-from gpushare.cli import NodeSettings, UsageError, wait_for_termination
 from gpushare.contract import MemoryUnit
 from gpushare.inventory import GpuBackend
 from gpushare.kube.transport import load_api
 from gpushare.kube.watch import WatchCache, node_pod_cache
 from gpushare.observability import serve_http
+from gpushare.process import wait_for_termination
+from gpushare.settings import NodeSettings, UsageError
 
 log = logging.getLogger(__name__)
 

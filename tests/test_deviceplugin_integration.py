@@ -23,13 +23,13 @@ from deviceplugin.devices import card_of_device
 from deviceplugin.plugin import SOCKETS
 from deviceplugin.runtime import RunningPlugin, start_device_plugin
 from gpushare import contract as c
-from gpushare.cli import DEFAULT_REREAD, NodeSettings, Reread, UsageError
 from gpushare.inventory import SimulatedBackend
 from gpushare.observability import serve_http
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import AdmissionResult, KubeletEmulator, LaggingWatchCache
+from gpushare.settings import DEFAULT_REREAD, NodeSettings, Reread, UsageError
 
 SPEC = "2xA100-80GB:81920,1xT4:15360"
 MEM_UNITS = 80 + 80 + 15

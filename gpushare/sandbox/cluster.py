@@ -26,7 +26,6 @@ import yaml
 from advertiser.agent import Advertiser
 from gpushare import contract as c
 from gpushare.cards import Card
-from gpushare.cli import NodeSettings
 from gpushare.inspectview import build_cluster, render_details, render_table
 from gpushare.inventory import SimulatedBackend
 from gpushare.kube.events import EventRecorder
@@ -36,6 +35,7 @@ from gpushare.placement import DEFAULT_POLICY
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import AdmissionResult, KubeletEmulator
 from gpushare.sandbox.scheduler import ExtenderCallError, ExtenderClient, schedule_one
+from gpushare.settings import NodeSettings
 
 log = logging.getLogger(__name__)
 

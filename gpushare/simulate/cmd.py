@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpushare.cli import UsageError
+    from gpushare.settings import UsageError
     from gpushare.simulate import report
     from gpushare.simulate.trace import TraceError, load_nodes, load_pods
 
