@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from kubernetes import client
 
@@ -56,16 +56,25 @@ def _with_precondition(patch: dict[str, Any], resource_version: str | None) -> d
     return {**patch, "metadata": meta}
 
 
+class PatchOptions(TypedDict, total=False):
+    """How a patch is written. With ``resource_version`` it only applies to that version (a stale one
+    raises :class:`~gpushare.kube.errors.KubeConflict` at once); without it conflicts are retried.
+    Outages are retried either way, ``retries`` times (default 5) after ``backoff``."""
+
+    resource_version: str | None
+    retries: int
+    backoff: Backoff
+
+
 def _merge_patch(
     what: str,
     send: Callable[..., Any],
     patch: dict[str, Any],
-    resource_version: str | None,
-    retries: int,
-    backoff: Backoff,
+    *,
+    resource_version: str | None = None,
+    retries: int = 5,
+    backoff: Backoff = DEFAULT_BACKOFF,
 ) -> dict[str, Any]:
-    """With ``resource_version`` the patch only applies to that version (a stale one raises
-    :class:`KubeConflict` at once); without it conflicts and outages are retried."""
     body = _with_precondition(patch, resource_version)
     return retrying(
         what,
@@ -77,45 +86,36 @@ def _merge_patch(
 
 
 def patch_pod(
-    api: client.ApiClient,
-    namespace: str,
-    name: str,
-    patch: dict[str, Any],
-    *,
-    resource_version: str | None = None,
-    retries: int = 5,
-    backoff: Backoff = DEFAULT_BACKOFF,
+    api: client.ApiClient, namespace: str, name: str, patch: dict[str, Any], **options: Unpack[PatchOptions]
 ) -> dict[str, Any]:
-    """JSON-merge-patch a pod (see :func:`_merge_patch` for preconditions and retries)."""
+    """JSON-merge-patch a pod (see :class:`PatchOptions`)."""
     send = functools.partial(client.CoreV1Api(api).patch_namespaced_pod, name, namespace)
-    return _merge_patch(f"pod {namespace}/{name}", send, patch, resource_version, retries, backoff)
+    return _merge_patch(f"pod {namespace}/{name}", send, patch, **options)
 
 
 def patch_pod_status(api: client.ApiClient, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
     """Merge-patch the pod's status subresource (what kubelet reports)."""
     send = functools.partial(client.CoreV1Api(api).patch_namespaced_pod_status, name, namespace)
-    return _merge_patch(f"pod {namespace}/{name} status", send, {"status": status}, None, 5, DEFAULT_BACKOFF)
+    return _merge_patch(f"pod {namespace}/{name} status", send, {"status": status})
 
 
 def patch_pod_annotations(
-    api: client.ApiClient, namespace: str, name: str, annotations: dict[str, str | None], **kwargs: Any
+    api: client.ApiClient,
+    namespace: str,
+    name: str,
+    annotations: dict[str, str | None],
+    **options: Unpack[PatchOptions],
 ) -> dict[str, Any]:
     """Set annotations; a value of None removes the key."""
-    return patch_pod(api, namespace, name, {"metadata": {"annotations": annotations}}, **kwargs)
+    return patch_pod(api, namespace, name, {"metadata": {"annotations": annotations}}, **options)
 
 
 def patch_node(
-    api: client.ApiClient,
-    name: str,
-    patch: dict[str, Any],
-    *,
-    resource_version: str | None = None,
-    retries: int = 5,
-    backoff: Backoff = DEFAULT_BACKOFF,
+    api: client.ApiClient, name: str, patch: dict[str, Any], **options: Unpack[PatchOptions]
 ) -> dict[str, Any]:
-    """JSON-merge-patch a node (see :func:`_merge_patch` for preconditions and retries)."""
+    """JSON-merge-patch a node (see :class:`PatchOptions`)."""
     send = functools.partial(client.CoreV1Api(api).patch_node, name)
-    return _merge_patch(f"node {name}", send, patch, resource_version, retries, backoff)
+    return _merge_patch(f"node {name}", send, patch, **options)
 
 
 def bind_pod(
