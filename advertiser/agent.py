@@ -13,7 +13,9 @@ import threading
 from advertiser.publish import node_patch
 from gpushare.contract import MemoryUnit
 from gpushare.inventory import GpuBackend, HealthEvent
-from gpushare.kube import Backoff, KubeError, get_node, patch_node
+from gpushare.kube.errors import KubeError
+from gpushare.kube.objects import get_node, patch_node
+from gpushare.kube.retry import Backoff
 
 log = logging.getLogger(__name__)
 

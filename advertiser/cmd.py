@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpushare.cli import add_node_flags
+from gpushare.settings import add_node_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,8 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from advertiser.agent import Advertiser
-    from gpushare.cli import node_settings, wait_for_termination
-    from gpushare.kube import load_api
+    from gpushare.kube.transport import load_api
+    from gpushare.process import wait_for_termination
+    from gpushare.settings import node_settings
 
     settings = node_settings(args)
     backend = settings.open_backend()

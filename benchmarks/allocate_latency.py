@@ -31,13 +31,13 @@ from deviceplugin.plugin import SOCKETS
 from deviceplugin.runtime import RunningPlugin, start_device_plugin
 from gpushare import contract as c
 from gpushare.cards import Card
-from gpushare.cli import NodeSettings
 from gpushare.inventory import SimulatedBackend
-from gpushare.kube import load_api
+from gpushare.kube.transport import load_api
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.settings import NodeSettings
 
 NODE = "n1"
 SPEC = "8xH200:144384"

@@ -40,7 +40,8 @@ from kubernetes import client
 
 from gpushare import contract as c
 from gpushare.inventory import simulated_cards
-from gpushare.kube import get_pod, load_api
+from gpushare.kube.objects import get_pod
+from gpushare.kube.transport import load_api
 
 CARD_UNITS = 80
 #: (gpu-mem, gpu-count) with how often each occurs: mostly small shared pods, some whole cards

@@ -35,7 +35,7 @@ from kubernetes import client
 from deviceplugin.devices import count_replicas
 from gpushare import contract as c
 from gpushare.inventory import simulated_cards
-from gpushare.kube import WatchCache
+from gpushare.kube.watch import WatchCache
 from gpushare.sandbox.realcluster import (
     SCHEDULER_CONFIG,
     ClusterError,

@@ -35,7 +35,8 @@ from gpushare.contract import (
     parse_card_index,
     parse_pod_request,
 )
-from gpushare.kube import KubeError, KubeNotFound, get_pod
+from gpushare.kube.errors import KubeError, KubeNotFound
+from gpushare.kube.objects import get_pod
 from gpushare.pb import cri_pb2
 from gpushare.usage import card_by_minor, node_usage, overcommitted, pod_allocation
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from gpushare.cli import add_node_flags
+from gpushare.settings import add_node_flags
 
 if TYPE_CHECKING:  # the runtime pulls in grpc; the command module stays light
     from crishim.runtime import ShimSettings
@@ -56,7 +56,7 @@ def shim_settings(args: argparse.Namespace) -> ShimSettings:
     from crishim.rewrite import RewriteOptions
     from crishim.runtime import ShimSettings
     from crishim.server import socket_path
-    from gpushare.cli import UsageError
+    from gpushare.settings import UsageError
 
     for flag, address in (("--listen", args.listen), ("--runtime", args.runtime)):
         try:
@@ -75,8 +75,8 @@ def shim_settings(args: argparse.Namespace) -> ShimSettings:
 
 def run(args: argparse.Namespace) -> int:
     from crishim.runtime import run_cri_shim
-    from gpushare.cli import UsageError, node_settings
-    from gpushare.kube import KubeConfigError
+    from gpushare.kube.errors import KubeConfigError
+    from gpushare.settings import UsageError, node_settings
 
     try:
         return run_cri_shim(node_settings(args), shim_settings(args), args.metrics_port)

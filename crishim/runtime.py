@@ -8,11 +8,15 @@ from typing import Any
 
 from crishim.assignment import CachedPods, Resolver, Target
 from crishim.rewrite import RewriteOptions
-from crishim.server import CreateContainerGuard, CriShim
-from gpushare.cli import NodeSettings, wait_for_termination
+from crishim.server import CreateContainerGuard, CriShim, EventSink
 from gpushare.inventory import GpuBackend
-from gpushare.kube import BackgroundEvents, KubeConfigError, WatchCache, load_api, node_pod_cache
+from gpushare.kube.errors import KubeConfigError
+from gpushare.kube.events import EventRecorder
+from gpushare.kube.transport import load_api
+from gpushare.kube.watch import WatchCache, node_pod_cache
 from gpushare.observability import serve_http
+from gpushare.process import wait_for_termination
+from gpushare.settings import NodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +31,14 @@ class ShimSettings:
     options: RewriteOptions
 
 
-class EventRecorder:
-    """Posts pod Events in the background, so CreateContainer never waits on the API."""
+def pod_events(recorder: EventRecorder) -> EventSink:
+    """The guard's Events, recorded about the pod its CreateContainer call is for."""
 
-    def __init__(self, api: Any) -> None:
-        self._events = BackgroundEvents(api, COMPONENT)
-
-    def __call__(self, target: Target, reason: str, message: str, type_: str) -> None:
+    def record(target: Target, reason: str, message: str, type_: str) -> None:
         pod = {"kind": "Pod", "metadata": {"name": target.pod, "namespace": target.namespace, "uid": target.uid}}
-        self._events.record(pod, reason=reason, message=message, type_=type_)
+        recorder.record(pod, reason=reason, message=message, type_=type_)
 
-    def close(self) -> None:
-        self._events.close()
+    return record
 
 
 @dataclass
@@ -68,13 +68,13 @@ def start_cri_shim(node: NodeSettings, settings: ShimSettings, backend: GpuBacke
     if api is not None and settings.allow_api_fetch:
         cache = node_pod_cache(api, node.node_name)
         cache.start()
-    events = EventRecorder(api) if api is not None else None
+    events = EventRecorder(api, COMPONENT) if api is not None else None
     guard = CreateContainerGuard(
         Resolver(node.memory_unit, CachedPods(api, cache) if cache is not None else None),
         backend.cards,
         node.memory_unit,
         settings.options,
-        events,
+        pod_events(events) if events is not None else None,
     )
     shim = CriShim(settings.listen, settings.runtime, guard)
     try:
@@ -82,6 +82,8 @@ def start_cri_shim(node: NodeSettings, settings: ShimSettings, backend: GpuBacke
     except BaseException:
         if cache is not None:
             cache.stop()
+        if events is not None:
+            events.close()
         raise
     return RunningShim(shim, cache, events)
 

@@ -6,7 +6,7 @@ cache) before the next call is matched, or two equal requests could claim the sa
 The node's pods come from a watch cache, which can be behind kubelet's own view: kubelet may call
 Allocate for a pod the cache hasn't seen yet, or while it still holds a pod that is gone. A refusal
 that depends on which pods are on the node is therefore only given after re-reading them from the
-API server (bounded by :class:`gpushare.cli.Reread`); the decision itself stays pure.
+API server (bounded by :class:`gpushare.settings.Reread`); the decision itself stays pure.
 """
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ from typing import Any
 from deviceplugin.allocate import Decision, Refusal, booked_cards_note, decide, describe, node_env, preferred_cards
 from deviceplugin.metrics import ALLOCATE_FAILURES, ALLOCATE_LATENCY, publish_card_usage
 from gpushare.cards import Card
-from gpushare.cli import DEFAULT_REREAD, Reread
 from gpushare.contract import ENV_CGPU_DISABLE, MemoryUnit, pod_key
-from gpushare.kube import KubeError, KubeUnavailable, WatchCache, create_event, get_node, list_pods, patch_pod
+from gpushare.kube.errors import KubeError, KubeUnavailable
+from gpushare.kube.events import EventRecorder
+from gpushare.kube.objects import get_node, list_pods, patch_pod
+from gpushare.kube.watch import WatchCache
+from gpushare.settings import DEFAULT_REREAD, Reread
 from gpushare.usage import node_usage
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class Allocator:
         self._unit = unit
         self._reread = reread
         self._lock = threading.Lock()
+        self._events = EventRecorder(api, COMPONENT)
         #: the node's labels as last read (read again on every Allocate)
         self._labels: Mapping[str, str] = {}
 
@@ -97,9 +101,12 @@ class Allocator:
         return decision
 
     def _warn(self, pod: Mapping[str, Any], message: str) -> None:
-        """A Warning Event on ``pod`` about its Allocate."""
-        create_event(self._api, dict(pod), reason=REFUSAL_EVENT_REASON, message=message, type_="Warning",
-                     component=COMPONENT)  # fmt: skip
+        """A Warning Event on ``pod`` about its Allocate (queued: Allocate never waits for it)."""
+        self._events.record(pod, reason=REFUSAL_EVENT_REASON, message=message, type_="Warning")
+
+    def close(self) -> None:
+        """Record the Events still queued."""
+        self._events.close()
 
     def _fresh_pods(self) -> list[Mapping[str, Any]]:
         """The node's pods as the API server has them now; the cache learns them too."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpushare.cli import add_node_flags
+from gpushare.settings import add_node_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,6 +14,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from deviceplugin.runtime import run_device_plugin
-    from gpushare.cli import node_settings
+    from gpushare.settings import node_settings
 
     return run_device_plugin(node_settings(args), args.metrics_port)

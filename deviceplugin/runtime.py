@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from deviceplugin.allocator import Allocator
 from deviceplugin.devices import REPLICAS_PER_UNIT, DeviceListTooLarge, check_message_size
 from deviceplugin.plugin import DevicePlugin
-from gpushare.cli import NodeSettings, UsageError, wait_for_termination
 from gpushare.contract import MemoryUnit
 from gpushare.inventory import GpuBackend
-from gpushare.kube import WatchCache, load_api, node_pod_cache
+from gpushare.kube.transport import load_api
+from gpushare.kube.watch import WatchCache, node_pod_cache
 from gpushare.observability import serve_http
+from gpushare.process import wait_for_termination
+from gpushare.settings import NodeSettings, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ class RunningPlugin:
 
     def stop(self) -> None:
         self.plugin.stop()
+        self.allocator.close()
         self.cache.stop()
 
 
@@ -48,7 +51,12 @@ def start_device_plugin(settings: NodeSettings, backend: GpuBackend, api: object
     cache.start()
     allocator = Allocator(api, settings.node_name, cache, backend.cards, settings.memory_unit, settings.reread)
     plugin = DevicePlugin(settings.device_plugin_dir, backend, allocator, settings.memory_unit, settings.count_replicas)
-    plugin.start()
+    try:
+        plugin.start()
+    except BaseException:
+        allocator.close()
+        cache.stop()
+        raise
     return RunningPlugin(plugin, allocator, cache)
 
 

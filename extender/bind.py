@@ -58,17 +58,9 @@ from gpushare.contract import (
     parse_pod_request,
     quoted,
 )
-from gpushare.kube import (
-    BackgroundEvents,
-    KubeConflict,
-    KubeError,
-    KubeNotFound,
-    bind_pod,
-    get_node,
-    get_pod,
-    list_pods,
-    patch_node,
-)
+from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
+from gpushare.kube.events import EventRecorder
+from gpushare.kube.objects import bind_pod, get_node, get_pod, list_pods, patch_node
 from gpushare.usage import alibaba_total_per_card, held_units, node_inventory
 
 log = logging.getLogger(__name__)
@@ -139,7 +131,7 @@ class Binder:
         self._cache = cache
         self._engine = engine
         #: a bind's Event is recorded after kube-scheduler has its answer
-        self.events = BackgroundEvents(api, COMPONENT)
+        self.events = EventRecorder(api, COMPONENT)
         #: node -> (its lock, binds holding or waiting for it); an entry lives only while a bind uses it
         self._locks: dict[str, tuple[threading.Lock, int]] = {}
         self._locks_guard = threading.Lock()

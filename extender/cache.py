@@ -33,7 +33,7 @@ from gpushare.contract import (
     parse_pod_request,
     pod_key,
 )
-from gpushare.kube import WatchCache
+from gpushare.kube.watch import WatchCache
 from gpushare.usage import holds_resources, node_inventory, node_usage
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import argparse
 import ssl
 from typing import TYPE_CHECKING
 
-from gpushare.cli import UsageError
+from gpushare.settings import UsageError
 from gpushare.tlshttp import DEFAULT_LIMITS, Limits, server_context
 
 if TYPE_CHECKING:

@@ -14,9 +14,10 @@ from extender.cache import ClusterCache
 from extender.engine import PlacementEngine
 from extender.server import ExtenderServer, refresh_card_gauges
 from gpushare import placement
-from gpushare.cli import UsageError, wait_for_termination
-from gpushare.kube import load_api
+from gpushare.kube.transport import load_api
 from gpushare.observability import ObservabilityServer, serve_http
+from gpushare.process import wait_for_termination
+from gpushare.settings import UsageError
 from gpushare.tlshttp import Limits
 
 log = logging.getLogger(__name__)

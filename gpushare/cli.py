@@ -1,156 +1,43 @@
-"""The ``gpushare`` command: one subcommand per component.
+"""The ``gpushare`` command: one subcommand per component, on top of them all.
 
-Each subcommand lives in its own small ``cmd`` module exposing ``add_arguments(parser)`` and
-``run(args) -> int``. Those modules import only argparse at the top and pull in their component inside
+Each subcommand lives in its component's small ``cmd`` module exposing ``add_arguments(parser)`` and
+``run(args) -> int``. Those modules import little at the top and pull in their component inside
 ``run``, so ``gpushare --help`` stays fast and one component's dependencies never break another.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
-import os
-import signal
 import sys
-import threading
-from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
-from gpushare.contract import ENV_NODE_NAME, ContractError, MemoryUnit, parse_unit
-from gpushare.inventory import (
-    DEFAULT_IGNORED_XIDS,
-    DEFAULT_NVML_RECOVERY,
-    GpuBackend,
-    InventoryError,
-    open_backend,
-    parse_ignored_xids,
-)
+from advertiser import cmd as advertiser_cmd
+from crishim import cmd as crishim_cmd
+from deviceplugin import cmd as deviceplugin_cmd
+from extender import cmd as extender_cmd
+from gpushare import node
+from gpushare.inspection import cmd as inspect_cmd
+from gpushare.inventory import InventoryError
+from gpushare.kube.errors import KubeError
+from gpushare.sandbox import apiserver_cmd
+from gpushare.sandbox import cmd as sandbox_cmd
+from gpushare.settings import UsageError
+from gpushare.simulate import cmd as simulate_cmd
+from webhook import cmd as webhook_cmd
 
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "device-plugin": ("deviceplugin.cmd", "serve aliyun.com/gpu-mem and aliyun.com/gpu-count to kubelet"),
-    "cri-shim": ("crishim.cmd", "proxy CRI between kubelet and containerd, enforcing card assignments"),
-    "advertiser": ("advertiser.cmd", "publish this node's card inventory as a node annotation"),
-    "extender": ("extender.cmd", "serve the kube-scheduler extender (filter, prioritize, bind, preempt)"),
-    "webhook": ("webhook.cmd", "serve the admission webhook guarding gpushare's pod annotations"),
-    "node": ("gpushare.node", "run advertiser, device plugin and CRI shim in one process"),
-    "sandbox": ("gpushare.sandbox.cmd", "run a whole simulated cluster on this machine"),
-    "inspect": ("gpushare.inspection.cmd", "show per-card GPU allocation across the cluster"),
-    "apiserver": ("gpushare.sandbox.apiserver_cmd", "serve the Kubernetes API stand-in"),
-    "simulate": ("gpushare.simulate.cmd", "replay a cluster's GPU pods under placement policies (what-if)"),
+SUBCOMMANDS: dict[str, tuple[ModuleType, str]] = {
+    "device-plugin": (deviceplugin_cmd, "serve aliyun.com/gpu-mem and aliyun.com/gpu-count to kubelet"),
+    "cri-shim": (crishim_cmd, "proxy CRI between kubelet and containerd, enforcing card assignments"),
+    "advertiser": (advertiser_cmd, "publish this node's card inventory as a node annotation"),
+    "extender": (extender_cmd, "serve the kube-scheduler extender (filter, prioritize, bind, preempt)"),
+    "webhook": (webhook_cmd, "serve the admission webhook guarding gpushare's pod annotations"),
+    "node": (node, "run advertiser, device plugin and CRI shim in one process"),
+    "sandbox": (sandbox_cmd, "run a whole simulated cluster on this machine"),
+    "inspect": (inspect_cmd, "show per-card GPU allocation across the cluster"),
+    "apiserver": (apiserver_cmd, "serve the Kubernetes API stand-in"),
+    "simulate": (simulate_cmd, "replay a cluster's GPU pods under placement policies (what-if)"),
 }
-
-DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
-
-
-class UsageError(Exception):
-    """A flag value that can't be used; printed as one line, exit code 2."""
-
-
-@dataclass(frozen=True, slots=True)
-class Reread:
-    """How Allocate re-reads the node's pods from the API server before refusing.
-
-    Kubelet learns of a pod from its own watch, and the plugin's watch cache can be behind it, so a
-    miss in the cache is checked against the API server: at once, then ``attempts - 1`` more times
-    after waits of ``first_wait`` seconds, doubling. The defaults give up after about 1.5 s.
-    """
-
-    attempts: int = 4
-    first_wait: float = 0.1
-
-    def waits(self) -> list[float]:
-        """The pause before each re-read (none before the first)."""
-        return [0.0 if i == 0 else self.first_wait * 2 ** (i - 1) for i in range(self.attempts)]
-
-
-DEFAULT_REREAD = Reread()
-
-
-@dataclass(frozen=True, slots=True)
-class NodeSettings:
-    """The flags every node-side component shares."""
-
-    node_name: str
-    kubeconfig: str | None
-    gpus: str
-    device_plugin_dir: Path
-    memory_unit: MemoryUnit
-    ignored_xids: frozenset[int]
-    reread: Reread = DEFAULT_REREAD
-    #: gpu-count replicas listed per card; 0: one per memory unit of the card (never runs out)
-    count_replicas: int = 0
-    #: seconds without a fault after which an NVML card that failed is trusted again
-    nvml_recovery: float = DEFAULT_NVML_RECOVERY
-
-    def open_backend(self) -> GpuBackend:
-        return open_backend(self.gpus, self.node_name, self.ignored_xids, self.nvml_recovery)
-
-
-def add_node_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--node-name", default=os.environ.get(ENV_NODE_NAME), help="default: $NODE_NAME")
-    parser.add_argument("--kubeconfig", default=None, help="default: in-cluster config, then ~/.kube/config")
-    parser.add_argument("--gpus", default="nvml", help="'nvml' (default) or 'sim:COUNTxMODEL:MiB,...'")
-    parser.add_argument("--device-plugin-dir", default=DEFAULT_DEVICE_PLUGIN_DIR)
-    parser.add_argument("--memory-unit", default="GiB", help="GiB (default), MiB or <N>MiB")
-    parser.add_argument(
-        "--ignore-xids",
-        default=",".join(str(x) for x in sorted(DEFAULT_IGNORED_XIDS)),
-        help="XIDs that don't mark a card unhealthy (application errors)",
-    )
-    parser.add_argument(
-        "--nvml-recovery-seconds",
-        type=float,
-        default=DEFAULT_NVML_RECOVERY,
-        help="with --gpus nvml: seconds without a fault (and NVML answering again) before a card that hit a "
-        f"critical XID or fell off the bus is advertised Healthy again (default {DEFAULT_NVML_RECOVERY:g})",
-    )
-    parser.add_argument(
-        "--count-replicas",
-        type=int,
-        default=0,
-        help="aliyun.com/gpu-count devices listed per card; 0 (default): one per memory unit of the card, "
-        "so the node never runs out of gpu-count before its cards run out of memory",
-    )
-    parser.add_argument(
-        "--allocate-rereads",
-        type=int,
-        default=DEFAULT_REREAD.attempts,
-        help="times Allocate re-reads the node's pods from the API server before refusing (0: never)",
-    )
-    parser.add_argument(
-        "--allocate-reread-wait",
-        type=float,
-        default=DEFAULT_REREAD.first_wait,
-        help="seconds before the second re-read; doubles for each further one",
-    )
-
-
-def node_settings(args: argparse.Namespace) -> NodeSettings:
-    if not args.node_name:
-        raise UsageError("--node-name is required (or set $NODE_NAME)")
-    if min(args.allocate_rereads, args.allocate_reread_wait, args.count_replicas, args.nvml_recovery_seconds) < 0:
-        raise UsageError(
-            "--allocate-rereads, --allocate-reread-wait, --count-replicas and --nvml-recovery-seconds "
-            "must not be negative"
-        )
-    try:
-        unit = parse_unit(args.memory_unit)
-        ignored = parse_ignored_xids(args.ignore_xids)
-    except (ContractError, InventoryError) as exc:
-        raise UsageError(str(exc)) from None
-    return NodeSettings(
-        node_name=args.node_name,
-        kubeconfig=args.kubeconfig,
-        gpus=args.gpus,
-        device_plugin_dir=Path(args.device_plugin_dir),
-        memory_unit=unit,
-        ignored_xids=ignored,
-        reread=Reread(args.allocate_rereads, args.allocate_reread_wait),
-        count_replicas=args.count_replicas,
-        nvml_recovery=args.nvml_recovery_seconds,
-    )
 
 
 def configure_logging(level: str) -> None:
@@ -166,40 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
-        sub_parser.set_defaults(module=module)
-        _load(module).add_arguments(sub_parser)
+        sub_parser.set_defaults(run=module.run)
+        module.add_arguments(sub_parser)
     return parser
-
-
-def _load(module: str) -> ModuleType:
-    return importlib.import_module(module)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     try:
-        return int(_load(args.module).run(args))
-    except (UsageError, InventoryError, _kube_error()) as exc:
+        return int(args.run(args))
+    except (UsageError, InventoryError, KubeError) as exc:
         print(f"gpushare {args.command}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
     except KeyboardInterrupt:
         return 130
-
-
-def wait_for_termination() -> None:
-    """Block until SIGTERM (how Kubernetes stops a pod) or SIGINT."""
-    stopping = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stopping.set())
-    stopping.wait()
-
-
-def _kube_error() -> type[Exception]:
-    """Imported only when an error is being handled: the kubernetes client is slow to import."""
-    from gpushare.kube import KubeError
-
-    return KubeError
 
 
 def kubectl_main() -> int:
@@ -213,8 +81,4 @@ def kubectl_inspect_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # run the imported module's main: its errors are the classes the subcommands raise, whereas this
-    # copy of the module (__main__) has classes of its own
-    from gpushare.cli import main as imported_main
-
-    sys.exit(imported_main())
+    sys.exit(main())

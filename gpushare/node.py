@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from crishim.runtime import ShimSettings
-    from gpushare.cli import NodeSettings
     from gpushare.inventory import GpuBackend
+    from gpushare.settings import NodeSettings
     from gpushare.supervisor import Supervised
 
 
@@ -51,9 +51,10 @@ def run(args: argparse.Namespace) -> int:
 
     from crishim.cmd import shim_settings
     from deviceplugin.runtime import check_unit
-    from gpushare.cli import node_settings, wait_for_termination
-    from gpushare.kube import load_api
+    from gpushare.kube.transport import load_api
     from gpushare.observability import serve_http
+    from gpushare.process import wait_for_termination
+    from gpushare.settings import node_settings
     from gpushare.supervisor import Supervisor
 
     log = logging.getLogger("gpushare.node")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gpushare.kube import Backoff
+from gpushare.kube.retry import Backoff
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from gpushare.kube import load_api
+from gpushare.kube.transport import load_api
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import KubeletEmulator
 from gpushare.sandbox.realcluster import ClusterError, wait_for

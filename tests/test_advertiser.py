@@ -12,7 +12,7 @@ from advertiser.agent import Advertiser
 from gpushare import contract as c
 from gpushare.cli import main
 from gpushare.inventory import SimulatedBackend, simulated_cards
-from gpushare.kube import get_node, patch_node
+from gpushare.kube.objects import get_node, patch_node
 
 SPEC = "1xA100-40GB:40960,1xT4:15360"
 

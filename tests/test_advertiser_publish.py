@@ -12,7 +12,8 @@ from advertiser.agent import Advertiser
 from advertiser.publish import node_patch
 from gpushare import contract as c
 from gpushare.inventory import SimulatedBackend, simulated_cards
-from gpushare.kube import Backoff, get_node
+from gpushare.kube.objects import get_node
+from gpushare.kube.retry import Backoff
 from gpushare.sandbox.apiserver import ApiServer
 
 SPEC = "2xA100-80GB:81920,1xT4:15360"

@@ -18,7 +18,8 @@ from conftest import wait_until
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from gpushare.kube import load_api
+from gpushare.kube.events import EventRecorder
+from gpushare.kube.transport import load_api
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.realcluster import RealCluster, kube_bin_dir
 
@@ -238,6 +239,21 @@ def test_status_subresource_and_nodes_and_events(core_v1: client.CoreV1Api) -> N
     }
     core_v1.create_namespaced_event("default", event)
     assert [e.reason for e in core_v1.list_namespaced_event("default").items] == ["R"]
+
+
+def test_a_repeated_event_is_counted_on_the_event_already_written(core_v1: client.CoreV1Api) -> None:
+    """The recorder's merge patch of ``count`` and ``lastTimestamp`` is accepted as it is written."""
+    pod = core_v1.api_client.sanitize_for_serialization(core_v1.create_namespaced_pod("default", make_pod("a")))
+    recorder = EventRecorder(core_v1.api_client, "gpushare")
+    for message in ("m", "m", "n", "m"):
+        recorder.record(pod, reason="R", message=message, type_="Warning")
+    recorder.close()
+    got = sorted(core_v1.list_namespaced_event("default").items, key=lambda e: e.message)
+    assert [(e.message, e.count, e.involved_object.uid) for e in got] == [
+        ("m", 3, pod["metadata"]["uid"]),
+        ("n", 1, pod["metadata"]["uid"]),
+    ]
+    assert got[0].last_timestamp >= got[0].first_timestamp
 
 
 def test_watch_resumes_from_a_resource_version(core_v1: client.CoreV1Api) -> None:

@@ -43,7 +43,6 @@ from crishim.metrics import CORRECTIONS, REFUSALS
 from crishim.rewrite import RewriteOptions
 from crishim.runtime import RunningShim, ShimSettings, start_cri_shim
 from crishim.server import EVENT_CORRECTED
-from gpushare.cli import NodeSettings
 from gpushare.contract import (
     ANN_ALLOCATION,
     CRI_LABEL_CONTAINER_NAME,
@@ -67,6 +66,7 @@ from gpushare.inventory import SimulatedBackend
 from gpushare.pb import cri_pb2 as pb
 from gpushare.pb import cri_pb2_grpc as pb_grpc
 from gpushare.sandbox.containerd import TEST_IMAGE, Containerd, containerd_available, running_containerd
+from gpushare.settings import NodeSettings
 
 NODE = "node-a"
 GPUS = "2xA100-80GB:81920,1xT4:15360"

@@ -47,7 +47,7 @@ from gpushare.contract import (
     format_allocation,
 )
 from gpushare.inventory import simulated_cards
-from gpushare.kube import KubeUnavailable
+from gpushare.kube.errors import KubeUnavailable
 from gpushare.pb import cri_pb2
 
 CARDS = simulated_cards("node-a", "2xA100-80GB:81920,1xT4:15360")

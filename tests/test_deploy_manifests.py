@@ -29,6 +29,7 @@ NODE_AGENT_GRANTS = {
     ("", "nodes", "get"),
     ("", "nodes", "patch"),
     ("", "events", "create"),
+    ("", "events", "patch"),
 }
 EXTENDER_GRANTS = {
     ("", "pods", "get"),
@@ -41,6 +42,7 @@ EXTENDER_GRANTS = {
     ("", "nodes", "watch"),
     ("", "nodes", "patch"),  # the bind's compare-and-swap on the node
     ("", "events", "create"),
+    ("", "events", "patch"),
     # the original gpushare's fenced cards, only in kube-system
     ("", "configmaps", "get"),
     ("", "configmaps", "list"),

@@ -18,8 +18,9 @@ from deviceplugin.devices import (
 )
 from gpushare import contract as c
 from gpushare.cards import Card
-from gpushare.cli import UsageError, build_parser, node_settings
+from gpushare.cli import build_parser
 from gpushare.inventory import simulated_cards
+from gpushare.settings import UsageError, node_settings
 
 MIXED = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
 H200 = simulated_cards("n1", "8xH200:144384")

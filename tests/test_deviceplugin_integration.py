@@ -23,13 +23,13 @@ from deviceplugin.devices import card_of_device
 from deviceplugin.plugin import SOCKETS
 from deviceplugin.runtime import RunningPlugin, start_device_plugin
 from gpushare import contract as c
-from gpushare.cli import DEFAULT_REREAD, NodeSettings, Reread, UsageError
 from gpushare.inventory import SimulatedBackend
 from gpushare.observability import serve_http
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import AdmissionResult, KubeletEmulator, LaggingWatchCache
+from gpushare.settings import DEFAULT_REREAD, NodeSettings, Reread, UsageError
 
 SPEC = "2xA100-80GB:81920,1xT4:15360"
 MEM_UNITS = 80 + 80 + 15
@@ -219,7 +219,9 @@ def test_an_over_commit_attempt_is_refused_and_reported_on_the_pod(node: SimNode
     assert "would be over-committed" in greedy.error and "default/fits (10)" in greedy.error
     ann = node.annotations("greedy")
     assert ann[c.ANN_MEM_ASSIGNED] == "false" and c.ANN_ASSIGNED_CONTAINERS not in ann
-    assert any("would be over-committed" in m for m in refusal_events(node.core, "greedy"))
+    wait_until(
+        lambda: any("would be over-committed" in m for m in refusal_events(node.core, "greedy")), what="the Event"
+    )
 
 
 @pytest.mark.parametrize(
@@ -242,7 +244,27 @@ def test_bad_annotations_are_refused_as_invalid_argument(
     assert not admission.admitted
     assert "UnexpectedAdmissionError" in admission.error and "(INVALID_ARGUMENT)" in admission.error
     assert "pod default/bad container main" in admission.error and message in admission.error
-    assert any(message in m for m in refusal_events(node.core, "bad"))
+    wait_until(lambda: any(message in m for m in refusal_events(node.core, "bad")), what="the refusal Event")
+
+
+def test_a_pod_passed_over_on_every_allocate_gets_one_event_with_a_count(node: SimNode) -> None:
+    t4 = node.cards[2]
+    stuck = gpu_pod("stuck", [container("main", 3)], original_index=t4.minor)
+    stuck["metadata"]["annotations"][c.ANN_MEM_ASSUME_TIME] = "x"
+    node.create(stuck)
+    for name in ("first", "second"):
+        assert visible(node.admit(gpu_pod(name, [container("main", 3)], original_index=t4.minor))) == t4.uuid
+
+    def warnings() -> list[tuple[str, int]]:
+        return [
+            (e.message, e.count)
+            for e in node.core.list_namespaced_event("default").items
+            if e.involved_object.name == "stuck" and e.type == "Warning"
+        ]
+
+    (message, _), *_ = wait_until(lambda: [w for w in warnings() if w[1] == 2], what="the Event counted twice")
+    assert "passed over in Allocate on node n1" in message and "'x' is not integer nanoseconds" in message
+    assert warnings() == [(message, 2)]
 
 
 def test_a_request_no_pod_is_waiting_for_is_refused_not_faked_within_a_bounded_time(node: SimNode) -> None:

@@ -19,7 +19,7 @@ from extender.wiring import RunningExtender, start_extender
 from gpushare import contract as c
 from gpushare.cards import Card
 from gpushare.inventory import SimulatedBackend
-from gpushare.kube import get_pod, list_nodes
+from gpushare.kube.objects import get_pod, list_nodes
 from gpushare.usage import held_units, pod_allocation
 
 NODES = {"mixed": "2xA100-80GB:81920,1xT4:15360", "small": "1xA10:24576"}

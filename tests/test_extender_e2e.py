@@ -16,11 +16,11 @@ from advertiser.agent import Advertiser
 from deviceplugin.runtime import start_device_plugin
 from extender.wiring import start_extender
 from gpushare import contract as c
-from gpushare.cli import NodeSettings
 from gpushare.inventory import SimulatedBackend
-from gpushare.kube import get_pod
+from gpushare.kube.objects import get_pod
 from gpushare.sandbox.kubelet import KubeletEmulator
 from gpushare.sandbox.scheduler import ExtenderClient, ScheduleResult, schedule_one
+from gpushare.settings import NodeSettings
 
 NODES = {"gpu-a": "2xA100-80GB:81920,1xT4:15360", "gpu-b": "1xA10:24576"}
 

@@ -15,7 +15,7 @@ from podfactory import container, gpu_pod
 from test_extender import Cluster
 
 from gpushare import contract as c
-from gpushare import kube
+from gpushare.kube import transport
 from gpushare.sandbox import apiserver as standin
 from gpushare.usage import pod_allocation
 
@@ -128,7 +128,7 @@ def test_a_bind_whose_answers_are_lost_in_an_api_pause_still_succeeds(
 ) -> None:
     """The binding (which carries the annotations) lands, but its answer comes after the client gave up:
     the binding reports an error, yet the pod is bound here with this bind's annotations."""
-    monkeypatch.setattr(kube, "REQUEST_TIMEOUT", (2.0, 0.3))
+    monkeypatch.setattr(transport, "REQUEST_TIMEOUT", (2.0, 0.3))
     released = threading.Event()
     delayed: list[str] = []
     original = standin._Handler._send

@@ -20,7 +20,7 @@ from test_extender import NODES, Cluster
 from tlscerts import Certs, make_certs
 
 from extender.wiring import Serving, start_extender
-from gpushare.cli import UsageError
+from gpushare.settings import UsageError
 from gpushare.tlshttp import Limits, server_context
 
 

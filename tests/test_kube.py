@@ -1,5 +1,6 @@
-"""Kubernetes access: retries through outages, preconditions, typed errors, and the watch cache's
-recovery paths (410 Gone, re-listing), against the API server stand-in."""
+"""Kubernetes access: retries through outages, preconditions, typed errors, the Event recorder (order,
+deduplication, never blocking) and the watch cache's recovery paths (410 Gone, re-listing), against the
+API server stand-in."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from kubernetes import client
 from kubernetes.config import kube_config
 
 from gpushare import contract as c
-from gpushare import kube
+from gpushare.kube import errors, events, objects, retry, transport, watch
+from gpushare.sandbox import apiserver as standin
 from gpushare.sandbox import store
 from gpushare.sandbox.apiserver import ApiServer
 
-FAST = kube.Backoff(initial=0.02, maximum=0.1)
+FAST = retry.Backoff(initial=0.02, maximum=0.1)
 
 
 def pod(name: str, node: str | None = None, labels: dict[str, str] | None = None) -> dict:
@@ -29,8 +31,8 @@ def pod(name: str, node: str | None = None, labels: dict[str, str] | None = None
 
 
 @pytest.fixture
-def node_cache(kube_api: client.ApiClient) -> Iterator[kube.WatchCache]:
-    cache = kube.WatchCache(kube_api, "nodes", label_selector="gpu=yes", backoff=FAST)
+def node_cache(kube_api: client.ApiClient) -> Iterator[watch.WatchCache]:
+    cache = watch.WatchCache(kube_api, "nodes", label_selector="gpu=yes", backoff=FAST)
     yield cache
     cache.stop()
 
@@ -39,12 +41,12 @@ def test_patch_rides_out_an_outage(
     apiserver: ApiServer, kube_api: client.ApiClient, core_v1: client.CoreV1Api, caplog: pytest.LogCaptureFixture
 ) -> None:
     core_v1.create_namespaced_pod("default", pod("a"))
-    caplog.set_level(logging.WARNING, logger=kube.__name__)
+    caplog.set_level(logging.WARNING, logger="gpushare.kube")
     apiserver.pause()
     result: list[dict] = []
     writer = threading.Thread(
         target=lambda: result.append(
-            kube.patch_pod_annotations(kube_api, "default", "a", {"k": "v"}, retries=200, backoff=FAST)
+            objects.patch_pod_annotations(kube_api, "default", "a", {"k": "v"}, retries=200, backoff=FAST)
         )
     )
     writer.start()
@@ -60,16 +62,16 @@ def test_patch_rides_out_an_outage(
 def test_patch_gives_up_with_kube_unavailable(apiserver: ApiServer, kube_api: client.ApiClient) -> None:
     apiserver.pause()
     try:
-        with pytest.raises(kube.KubeUnavailable, match="pod default/a: API server unreachable"):
-            kube.patch_pod(kube_api, "default", "a", {"metadata": {"labels": {"x": "y"}}}, retries=1, backoff=FAST)
+        with pytest.raises(errors.KubeUnavailable, match="pod default/a: API server unreachable"):
+            objects.patch_pod(kube_api, "default", "a", {"metadata": {"labels": {"x": "y"}}}, retries=1, backoff=FAST)
     finally:
         apiserver.resume()
 
 
 def test_patch_pod_removes_annotations_given_none(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:
     core_v1.create_namespaced_pod("default", pod("a"))
-    kube.patch_pod_annotations(kube_api, "default", "a", {"keep": "1", "drop": "2"})
-    patched = kube.patch_pod_annotations(kube_api, "default", "a", {"drop": None})
+    objects.patch_pod_annotations(kube_api, "default", "a", {"keep": "1", "drop": "2"})
+    patched = objects.patch_pod_annotations(kube_api, "default", "a", {"drop": None})
     assert patched["metadata"]["annotations"] == {"keep": "1"}
 
 
@@ -77,32 +79,32 @@ def test_node_patch_with_a_precondition(kube_api: client.ApiClient, core_v1: cli
     created = core_v1.create_node({"metadata": {"name": "n1"}}).metadata.resource_version
 
     def annotate(seq: str, version: str) -> dict:
-        return kube.patch_node(kube_api, "n1", {"metadata": {"annotations": {"seq": seq}}}, resource_version=version)
+        return objects.patch_node(kube_api, "n1", {"metadata": {"annotations": {"seq": seq}}}, resource_version=version)
 
     first = annotate("1", created)
-    with pytest.raises(kube.KubeConflict, match="node n1"):
+    with pytest.raises(errors.KubeConflict, match="node n1"):
         annotate("2", created)
-    assert kube.get_node(kube_api, "n1")["metadata"]["annotations"] == {"seq": "1"}
+    assert objects.get_node(kube_api, "n1")["metadata"]["annotations"] == {"seq": "1"}
     annotate("2", first["metadata"]["resourceVersion"])
-    assert kube.get_node(kube_api, "n1")["metadata"]["annotations"] == {"seq": "2"}
+    assert objects.get_node(kube_api, "n1")["metadata"]["annotations"] == {"seq": "2"}
 
 
 def test_bind_pod_errors_are_typed(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:
     uid = core_v1.create_namespaced_pod("default", pod("a")).metadata.uid
-    kube.bind_pod(kube_api, "default", "a", uid, "n1")
-    assert kube.get_pod(kube_api, "default", "a")["spec"]["nodeName"] == "n1"
-    with pytest.raises(kube.KubeConflict, match="pod default/a to node n2"):
-        kube.bind_pod(kube_api, "default", "a", uid, "n2")
-    with pytest.raises(kube.KubeNotFound, match="pod default/ghost"):
-        kube.bind_pod(kube_api, "default", "ghost", None, "n1")
+    objects.bind_pod(kube_api, "default", "a", uid, "n1")
+    assert objects.get_pod(kube_api, "default", "a")["spec"]["nodeName"] == "n1"
+    with pytest.raises(errors.KubeConflict, match="pod default/a to node n2"):
+        objects.bind_pod(kube_api, "default", "a", uid, "n2")
+    with pytest.raises(errors.KubeNotFound, match="pod default/ghost"):
+        objects.bind_pod(kube_api, "default", "ghost", None, "n1")
 
 
 def test_binding_sets_its_annotations_on_the_pod_in_the_same_write(
     kube_api: client.ApiClient, core_v1: client.CoreV1Api
 ) -> None:
     uid = core_v1.create_namespaced_pod("default", pod("a")).metadata.uid
-    kube.bind_pod(kube_api, "default", "a", uid, "n1", {c.ANN_ALLOCATION: "x"})
-    bound = kube.get_pod(kube_api, "default", "a")
+    objects.bind_pod(kube_api, "default", "a", uid, "n1", {c.ANN_ALLOCATION: "x"})
+    bound = objects.get_pod(kube_api, "default", "a")
     assert bound["spec"]["nodeName"] == "n1"
     assert bound["metadata"]["annotations"][c.ANN_ALLOCATION] == "x"
 
@@ -110,38 +112,115 @@ def test_binding_sets_its_annotations_on_the_pod_in_the_same_write(
 def test_list_pods_by_label(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:
     core_v1.create_namespaced_pod("default", pod("a", labels={"gpu": "yes"}))
     core_v1.create_namespaced_pod("other", pod("b"))
-    assert [p["metadata"]["name"] for p in kube.list_pods(kube_api, label_selector="gpu=yes")] == ["a"]
-    assert sorted(p["metadata"]["name"] for p in kube.list_pods(kube_api)) == ["a", "b"]
+    assert [p["metadata"]["name"] for p in objects.list_pods(kube_api, label_selector="gpu=yes")] == ["a"]
+    assert sorted(p["metadata"]["name"] for p in objects.list_pods(kube_api)) == ["a", "b"]
 
 
-def test_create_event_records_the_object(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:
-    target = kube.get_pod(kube_api, "default", core_v1.create_namespaced_pod("default", pod("a")).metadata.name)
-    kube.create_event(kube_api, target, reason="Assigned", message="card 0", type_="Warning", component="gpushare")
-    (event,) = core_v1.list_namespaced_event("default").items
-    assert (event.reason, event.message, event.type, event.source.component) == (
-        "Assigned",
-        "card 0",
-        "Warning",
-        "gpushare",
-    )
-    assert (event.involved_object.name, event.involved_object.uid) == ("a", target["metadata"]["uid"])
+def recorded_events(core_v1: client.CoreV1Api) -> list[client.CoreV1Event]:
+    """The default namespace's Events, oldest first."""
+    return sorted(core_v1.list_namespaced_event("default").items, key=lambda e: int(e.metadata.resource_version))
 
 
-def test_background_events_are_all_recorded_in_order_by_close(
+def test_events_record_the_object_in_order_by_close(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:
+    target = objects.get_pod(kube_api, "default", core_v1.create_namespaced_pod("default", pod("a")).metadata.name)
+    recorder = events.EventRecorder(kube_api, "gpushare")
+    for i in range(3):
+        recorder.record(target, reason="Assigned", message=f"card {i}", type_="Warning")
+    recorder.close()
+    recorded = recorded_events(core_v1)
+    assert [(e.message, e.count) for e in recorded] == [("card 0", 1), ("card 1", 1), ("card 2", 1)]
+    assert {(e.reason, e.type, e.source.component) for e in recorded} == {("Assigned", "Warning", "gpushare")}
+    assert {(e.involved_object.name, e.involved_object.uid) for e in recorded} == {("a", target["metadata"]["uid"])}
+
+
+def test_identical_events_are_one_event_with_a_count(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:
+    a = objects.get_pod(kube_api, "default", core_v1.create_namespaced_pod("default", pod("a")).metadata.name)
+    b = objects.get_pod(kube_api, "default", core_v1.create_namespaced_pod("default", pod("b")).metadata.name)
+    recorder = events.EventRecorder(kube_api, "gpushare")
+    for target, message in [(a, "m"), (a, "m"), (b, "m"), (a, "other"), (a, "m")]:
+        recorder.record(target, reason="Refused", message=message, type_="Warning")
+    recorder.close()
+    assert [(e.involved_object.name, e.message, e.count) for e in recorded_events(core_v1)] == [
+        ("b", "m", 1),
+        ("a", "other", 1),
+        ("a", "m", 3),  # patched last
+    ]
+
+
+def test_an_event_deleted_on_the_server_is_created_afresh(
     kube_api: client.ApiClient, core_v1: client.CoreV1Api
 ) -> None:
-    target = kube.get_pod(kube_api, "default", core_v1.create_namespaced_pod("default", pod("a")).metadata.name)
-    events = kube.BackgroundEvents(kube_api, "gpushare")
-    for i in range(3):
-        events.record(target, reason="Assigned", message=f"card {i}")
-    events.close()
-    recorded = sorted(core_v1.list_namespaced_event("default").items, key=lambda e: int(e.metadata.resource_version))
-    assert [e.message for e in recorded] == ["card 0", "card 1", "card 2"]
-    assert {(e.reason, e.source.component, e.involved_object.name) for e in recorded} == {("Assigned", "gpushare", "a")}
+    target = {"metadata": {"name": "a", "namespace": "default", "uid": "u1"}}
+    recorder = events.EventRecorder(kube_api, "gpushare")
+    recorder.record(target, reason="R", message="m")
+    (first,) = wait_until(lambda: core_v1.list_namespaced_event("default").items, what="the first Event")
+    core_v1.delete_namespaced_event(first.metadata.name, "default")  # as the API server does after its TTL
+    recorder.record(target, reason="R", message="m")
+    recorder.record(target, reason="R", message="m")
+    recorder.close()
+    (again,) = core_v1.list_namespaced_event("default").items
+    assert again.metadata.name != first.metadata.name and again.count == 2
+
+
+def test_recording_never_waits_for_a_stalled_api_server(
+    kube_api: client.ApiClient,
+    core_v1: client.CoreV1Api,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """While the API server sits on the first Event, the caller goes on; past the queue's bound an Event
+    is dropped with a log line rather than held."""
+    stalled, release = threading.Event(), threading.Event()
+    original = standin._Handler._send
+
+    def slow(self: standin._Handler, code: int, body: object) -> None:
+        if "/events" in self.path and not stalled.is_set():
+            stalled.set()
+            release.wait(10)
+        original(self, code, body)
+
+    monkeypatch.setattr(standin._Handler, "_send", slow)
+    caplog.set_level(logging.WARNING, logger="gpushare.kube")
+    recorder = events.EventRecorder(kube_api, "gpushare", queue_size=1)
+    target = {"metadata": {"name": "a", "namespace": "default"}}
+    recorder.record(target, reason="R", message="written while the server stalls")
+    assert stalled.wait(5)
+    recorder.record(target, reason="R", message="queued")
+    recorder.record(target, reason="R", message="dropped")
+    assert "event R on default/a dropped: too many events queued" in caplog.messages
+    release.set()
+    recorder.close()
+    assert [e.message for e in recorded_events(core_v1)] == ["written while the server stalls", "queued"]
+
+
+def test_an_outage_costs_the_event_and_nothing_else(
+    apiserver: ApiServer, kube_api: client.ApiClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="gpushare.kube")
+    recorder = events.EventRecorder(kube_api, "gpushare")
+    apiserver.pause()
+    try:
+        recorder.record({"metadata": {"name": "p", "namespace": "default"}}, reason="R", message="m")
+        recorder.close()
+    finally:
+        apiserver.resume()
+    assert any(m.startswith("could not record event R on default/p: ") for m in caplog.messages)
+
+
+def test_the_event_log_is_bounded_and_forgets_after_its_window() -> None:
+    log = events.EventLog(capacity=2, window=60.0)
+    keys = [events.EventKey("c", "Pod", "default", name, "", "Normal", "R", "m") for name in "abc"]
+    log.remember(keys[0], events.Written("a.1", 1, at=0.0))
+    log.remember(keys[1], events.Written("b.1", 1, at=0.0))
+    assert log.lookup(keys[0], now=1.0) is not None  # a is now the most recently used
+    log.remember(keys[2], events.Written("c.1", 1, at=1.0))
+    assert len(log) == 2 and log.lookup(keys[1], now=1.0) is None  # b was the least recently used
+    assert log.lookup(keys[0], now=60.0) == events.Written("a.1", 1, at=0.0)
+    assert log.lookup(keys[0], now=60.1) is None and len(log) == 1  # written more than a window ago
 
 
 def test_node_cache_follows_label_scope_and_modifications(
-    node_cache: kube.WatchCache, core_v1: client.CoreV1Api
+    node_cache: watch.WatchCache, core_v1: client.CoreV1Api
 ) -> None:
     core_v1.create_node({"metadata": {"name": "gpu1", "labels": {"gpu": "yes"}}})
     core_v1.create_node({"metadata": {"name": "cpu1"}})
@@ -163,14 +242,14 @@ def test_cache_lists_again_when_its_watch_expires(
     apiserver: ApiServer,
     kube_api: client.ApiClient,
     core_v1: client.CoreV1Api,
-    node_cache: kube.WatchCache,
+    node_cache: watch.WatchCache,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(store, "HISTORY", 2)
     monkeypatch.setattr(apiserver, "store", store.Store())
     core_v1.create_node({"metadata": {"name": "n0", "labels": {"gpu": "yes"}}})
-    caplog.set_level(logging.INFO, logger=kube.__name__)
+    caplog.set_level(logging.INFO, logger="gpushare.kube")
 
     def outpace_history(kind: str, obj: dict) -> None:
         # Runs between the cache's LIST and its WATCH: three writes push the listed version out of the
@@ -187,11 +266,11 @@ def test_cache_lists_again_when_its_watch_expires(
 
 def test_load_api_without_any_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "absent"))
-    with pytest.raises(kube.KubeConfigError, match="no in-cluster configuration"):
-        kube.load_api(None)
+    with pytest.raises(errors.KubeConfigError, match="no in-cluster configuration"):
+        transport.load_api(None)
 
 
 def test_load_api_from_a_kubeconfig_reaches_the_server(apiserver: ApiServer, kubeconfig: Path) -> None:
-    api = kube.load_api(str(kubeconfig))
+    api = transport.load_api(str(kubeconfig))
     assert api.configuration.host == apiserver.url
-    assert kube.list_pods(api) == []
+    assert objects.list_pods(api) == []

@@ -6,7 +6,7 @@ import pytest
 from conftest import wait_until
 from kubernetes import client
 
-from gpushare import kube
+from gpushare.kube import errors, objects, retry, transport, watch
 from gpushare.sandbox.apiserver import ApiServer
 
 
@@ -16,7 +16,7 @@ def pod(name: str, node: str) -> dict:
 
 def test_node_cache_follows_only_its_node(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:
     core_v1.create_namespaced_pod("default", pod("before", "n1"))
-    cache = kube.node_pod_cache(kube_api, "n1")
+    cache = watch.node_pod_cache(kube_api, "n1")
     seen: list[tuple[str, str]] = []
     cache.add_listener(lambda kind, obj: seen.append((kind, obj["metadata"]["name"])))
     cache.start()
@@ -35,7 +35,7 @@ def test_node_cache_follows_only_its_node(kube_api: client.ApiClient, core_v1: c
 def test_cache_catches_up_after_an_outage(
     apiserver: ApiServer, kube_api: client.ApiClient, core_v1: client.CoreV1Api
 ) -> None:
-    cache = kube.node_pod_cache(kube_api, "n1")
+    cache = watch.node_pod_cache(kube_api, "n1")
     cache.start()
     try:
         assert cache.wait_synced(5)
@@ -54,11 +54,11 @@ def test_cache_catches_up_after_an_outage(
 
 def test_own_writes_are_visible_at_once(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:
     core_v1.create_namespaced_pod("default", pod("a", "n1"))
-    cache = kube.node_pod_cache(kube_api, "n1")
+    cache = watch.node_pod_cache(kube_api, "n1")
     cache.start()
     try:
         assert cache.wait_synced(5)
-        updated = kube.patch_pod_annotations(kube_api, "default", "a", {"k": "v"})
+        updated = objects.patch_pod_annotations(kube_api, "default", "a", {"k": "v"})
         cache.apply(updated)
         assert cache.get("a", "default")["metadata"]["annotations"] == {"k": "v"}
     finally:
@@ -67,9 +67,9 @@ def test_own_writes_are_visible_at_once(kube_api: client.ApiClient, core_v1: cli
 
 def test_precondition_conflict_is_not_retried(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:
     created = core_v1.create_namespaced_pod("default", pod("a", "n1"))
-    kube.patch_pod_annotations(kube_api, "default", "a", {"k": "1"})
-    with pytest.raises(kube.KubeConflict, match="pod default/a"):
-        kube.patch_pod(
+    objects.patch_pod_annotations(kube_api, "default", "a", {"k": "1"})
+    with pytest.raises(errors.KubeConflict, match="pod default/a"):
+        objects.patch_pod(
             kube_api,
             "default",
             "a",
@@ -79,25 +79,21 @@ def test_precondition_conflict_is_not_retried(kube_api: client.ApiClient, core_v
 
 
 def test_typed_errors_name_the_object(apiserver: ApiServer, kube_api: client.ApiClient) -> None:
-    with pytest.raises(kube.KubeNotFound, match="pod default/ghost"):
-        kube.get_pod(kube_api, "default", "ghost")
+    with pytest.raises(errors.KubeNotFound, match="pod default/ghost"):
+        objects.get_pod(kube_api, "default", "ghost")
     apiserver.pause()
     try:
-        with pytest.raises(kube.KubeUnavailable, match="node n1: API server unreachable"):
-            kube.get_node(kube_api, "n1")
-        # events are best effort: an outage never turns into an exception for the caller
-        kube.create_event(
-            kube_api, {"metadata": {"name": "p", "namespace": "default"}}, reason="R", message="m", component="test"
-        )
+        with pytest.raises(errors.KubeUnavailable, match="node n1: API server unreachable"):
+            objects.get_node(kube_api, "n1")
     finally:
         apiserver.resume()
 
 
 def test_missing_kubeconfig_is_one_clear_error(tmp_path) -> None:
-    with pytest.raises(kube.KubeConfigError, match=r"kubeconfig .*nope"):
-        kube.load_api(str(tmp_path / "nope"))
+    with pytest.raises(errors.KubeConfigError, match=r"kubeconfig .*nope"):
+        transport.load_api(str(tmp_path / "nope"))
 
 
 def test_backoff_grows_to_its_cap() -> None:
-    delays = kube.Backoff(initial=0.1, maximum=1.0, factor=2.0, jitter=0.0).delays()
+    delays = retry.Backoff(initial=0.1, maximum=1.0, factor=2.0, jitter=0.0).delays()
     assert [round(next(delays), 3) for _ in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from gpushare.kube import create_event
+from gpushare.kube.events import EventRecorder
 
 KUBECTL = shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
@@ -50,12 +50,16 @@ def test_discovery_and_listing(kubectl, core_v1: client.CoreV1Api) -> None:
 
 def test_events_by_involved_object_and_describe_pod(kubectl, kube_api: client.ApiClient) -> None:
     core = client.CoreV1Api(kube_api)
-    for name in ("p", "q"):
+    recorder = EventRecorder(kube_api, "test")
+    for name, times in (("p", 3), ("q", 1)):
         created = kube_api.sanitize_for_serialization(core.create_namespaced_pod("default", pod(name, "n1")))
-        create_event(kube_api, created, reason="GPUAllocationRefused", message=f"no card for {name}", component="test")
+        for _ in range(times):
+            recorder.record(created, reason="GPUAllocationRefused", message=f"no card for {name}", type_="Warning")
+    recorder.close()
     listed = json.loads(kubectl("get", "events", "--field-selector", "involvedObject.name=p", "-o", "json"))
     assert [e["message"] for e in listed["items"]] == ["no card for p"]
     described = kubectl("describe", "pod", "p")
     assert "Node:         n1" in described
     events = described[described.index("Events:") :]
     assert "GPUAllocationRefused" in events and "no card for p" in events and "no card for q" not in events
+    assert "(x3 over" in events  # the three identical Events are one, counted

@@ -14,7 +14,7 @@ from conftest import wait_until
 from kubernetes import client
 
 from gpushare import contract as c
-from gpushare.kube import get_node
+from gpushare.kube.objects import get_node
 from gpushare.sandbox.kubelet import KubeletEmulator
 
 

@@ -16,12 +16,12 @@ from deviceplugin import plugin as plugin_module
 from deviceplugin.plugin import SOCKETS, DevicePlugin
 from deviceplugin.runtime import start_device_plugin
 from gpushare import contract as c
-from gpushare.cli import NodeSettings
 from gpushare.inventory import InventoryError, SimulatedBackend
-from gpushare.kube import Backoff
+from gpushare.kube.retry import Backoff
 from gpushare.node import components
 from gpushare.observability import serve_http
 from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.settings import NodeSettings
 from gpushare.supervisor import Supervisor
 
 SPEC = "2xA100-80GB:81920"

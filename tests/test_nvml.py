@@ -24,13 +24,13 @@ from deviceplugin.devices import card_of_device, device_id
 from deviceplugin.plugin import SOCKETS
 from deviceplugin.runtime import RunningPlugin, start_device_plugin
 from gpushare import contract as c
-from gpushare.cli import NodeSettings
 from gpushare.inventory import HealthEvent, InventoryError, NvmlBackend, _single_node, parse_ignored_xids
-from gpushare.kube import get_node
+from gpushare.kube.objects import get_node
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 from gpushare.sandbox.fakenvml import FakeNvml
 from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.settings import NodeSettings
 
 FAST = {"poll_interval": 0.05}
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import ssl
 
-from gpushare.cli import UsageError, wait_for_termination
+from gpushare.process import wait_for_termination
+from gpushare.settings import UsageError
 from gpushare.tlshttp import server_context
 
 

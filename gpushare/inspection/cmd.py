@@ -29,18 +29,20 @@ def add_arguments(parser: argparse.ArgumentParser, layout: str = "gpushare") -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpushare import kube
     from gpushare.inspection import model, render
+    from gpushare.kube.errors import KubeError
+    from gpushare.kube.objects import get_node, list_nodes, list_pods
+    from gpushare.kube.transport import load_api
 
     try:
-        api = kube.load_api(args.kubeconfig)
+        api = load_api(args.kubeconfig)
         if args.node:
-            nodes = [kube.get_node(api, args.node)]
-            pods = kube.list_pods(api, field_selector=f"spec.nodeName={args.node}")
+            nodes = [get_node(api, args.node)]
+            pods = list_pods(api, field_selector=f"spec.nodeName={args.node}")
         else:
-            nodes = kube.list_nodes(api)
-            pods = kube.list_pods(api)
-    except kube.KubeError as exc:
+            nodes = list_nodes(api)
+            pods = list_pods(api)
+    except KubeError as exc:
         print(f"gpushare inspect: {exc}", file=sys.stderr)
         return 1
     cluster = model.build_cluster(nodes, pods)

@@ -518,7 +518,7 @@ def _watch_type(event: Event, was: bool, now: bool) -> str | None:
 
 def run(port: int, kubeconfig_out: str | None) -> int:
     """Serve until interrupted (``gpushare apiserver``)."""
-    from gpushare.cli import wait_for_termination
+    from gpushare.process import wait_for_termination
 
     server = ApiServer(port=port)
     server.start()

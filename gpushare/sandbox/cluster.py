@@ -26,15 +26,17 @@ import yaml
 from advertiser.agent import Advertiser
 from gpushare import contract as c
 from gpushare.cards import Card
-from gpushare.cli import NodeSettings
 from gpushare.inspection.model import build_cluster
 from gpushare.inspection.render import render_details, render_table
 from gpushare.inventory import SimulatedBackend
-from gpushare.kube import bind_pod, create_event, get_pod, list_nodes, list_pods, load_api, patch_pod_status
+from gpushare.kube.events import EventRecorder
+from gpushare.kube.objects import bind_pod, get_pod, list_nodes, list_pods, patch_pod_status
+from gpushare.kube.transport import load_api
 from gpushare.placement import DEFAULT_POLICY
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import AdmissionResult, KubeletEmulator
 from gpushare.sandbox.scheduler import ExtenderCallError, ExtenderClient, schedule_one
+from gpushare.settings import NodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,7 @@ class PublishedCards:
         self._api, self._node = api, node
 
     def cards(self) -> list[Card]:
-        from gpushare.kube import get_node
+        from gpushare.kube.objects import get_node
 
         text = (get_node(self._api, self._node)["metadata"].get("annotations") or {}).get(c.NODE_ANN_INVENTORY)
         return list(c.parse_inventory(text, self._node).cards) if text else []
@@ -137,6 +139,7 @@ class Sandbox:
         self.apiserver = ApiServer()
         self.kubeconfig = workdir / "kubeconfig"
         self.api: Any = None
+        self.events: EventRecorder | None = None
         self.nodes: dict[str, SimNode] = {}
         self.extender_url = ""
         self.containerd: Any = None
@@ -151,6 +154,8 @@ class Sandbox:
             self.apiserver.write_kubeconfig(self.kubeconfig)
             self._cleanup.append(self.apiserver.stop)
             self.api = load_api(str(self.kubeconfig))
+            self.events = EventRecorder(self.api, "gpushare-sandbox-scheduler")
+            self._cleanup.append(self.events.close)
         with progress.step("containerd for real containers"):
             self._start_containerd()
         count = len(self.nodes_spec) + len(self.nvml_fake)
@@ -353,14 +358,7 @@ class Sandbox:
             return None
         if result.node is None:
             outcome.reason = result.reason
-            create_event(
-                self.api,
-                pod,
-                reason="FailedScheduling",
-                message=result.reason,
-                type_="Warning",
-                component="gpushare-sandbox-scheduler",
-            )
+            self.events.record(pod, reason="FailedScheduling", message=result.reason, type_="Warning")
             return None
         return result.node
 

@@ -480,7 +480,7 @@ class RealCluster:
             raise
 
     def _start_control_plane(self) -> None:
-        from gpushare.kube import load_api
+        from gpushare.kube.transport import load_api
 
         etcd_port, peer_port = free_port(), free_port()
         self._spawn(

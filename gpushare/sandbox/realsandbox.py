@@ -14,7 +14,7 @@ from typing import Any
 
 from gpushare.inspection.model import build_cluster
 from gpushare.inspection.render import render_details
-from gpushare.kube import get_pod, list_nodes, list_pods
+from gpushare.kube.objects import get_pod, list_nodes, list_pods
 from gpushare.placement import DEFAULT_POLICY
 from gpushare.sandbox.cluster import (
     EXAMPLES,

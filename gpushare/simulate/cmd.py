@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpushare.cli import UsageError
+    from gpushare.settings import UsageError
     from gpushare.simulate import report
     from gpushare.simulate.trace import TraceError, load_nodes, load_pods
 
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_cluster:
         if args.nodes or args.pods:
             raise UsageError("--from-cluster writes its own CSVs: give it without --nodes/--pods")
-        from gpushare.kube import load_api
+        from gpushare.kube.transport import load_api
         from gpushare.simulate.snapshot import snapshot
 
         args.nodes, args.pods = snapshot(load_api(args.kubeconfig), args.out)

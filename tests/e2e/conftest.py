@@ -20,7 +20,7 @@ from conftest import wait_until
 from kubernetes import client
 
 from gpushare import contract as c
-from gpushare.kube import get_pod
+from gpushare.kube.objects import get_pod
 from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available
 from gpushare.usage import pod_allocation
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 
-from gpushare.kube import load_api
+from gpushare.kube.transport import load_api
 from gpushare.sandbox.realcluster import RealCluster
 
 NODE_AGENT = "gpushare-node-agent"
@@ -33,6 +33,7 @@ def allowed(cluster: RealCluster, account: str, verb: str, resource: str, subres
         (NODE_AGENT, "watch", "pods", "", True),
         (NODE_AGENT, "patch", "nodes", "", True),
         (NODE_AGENT, "create", "events", "", True),
+        (NODE_AGENT, "patch", "events", "", True),
         (NODE_AGENT, "create", "pods", "binding", False),
         (NODE_AGENT, "list", "nodes", "", False),
         (NODE_AGENT, "delete", "pods", "", False),

@@ -22,7 +22,8 @@ from kubernetes import client
 
 from gpushare import contract as c
 from gpushare.inspection.model import build_cluster
-from gpushare.kube import list_nodes, list_pods, load_api
+from gpushare.kube.objects import list_nodes, list_pods
+from gpushare.kube.transport import load_api
 from gpushare.sandbox.certs import Certs, make_certs
 from gpushare.sandbox.realcluster import SCHEDULER_CONFIG, Process, RealCluster, free_port
 

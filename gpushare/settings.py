@@ -1,0 +1,133 @@
+"""Settings shared by the components, and the flags they come from.
+
+This sits below every component: a component imports its settings and :class:`UsageError` from here,
+and :mod:`gpushare.cli` sits on top of the components.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpushare.contract import ENV_NODE_NAME, ContractError, MemoryUnit, parse_unit
+from gpushare.inventory import (
+    DEFAULT_IGNORED_XIDS,
+    DEFAULT_NVML_RECOVERY,
+    GpuBackend,
+    InventoryError,
+    open_backend,
+    parse_ignored_xids,
+)
+
+DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+
+
+class UsageError(Exception):
+    """A flag value that can't be used; printed as one line, exit code 2."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reread:
+    """How Allocate re-reads the node's pods from the API server before refusing.
+
+    Kubelet learns of a pod from its own watch, and the plugin's watch cache can be behind it, so a
+    miss in the cache is checked against the API server: at once, then ``attempts - 1`` more times
+    after waits of ``first_wait`` seconds, doubling. The defaults give up after about 1.5 s.
+    """
+
+    attempts: int = 4
+    first_wait: float = 0.1
+
+    def waits(self) -> list[float]:
+        """The pause before each re-read (none before the first)."""
+        return [0.0 if i == 0 else self.first_wait * 2 ** (i - 1) for i in range(self.attempts)]
+
+
+DEFAULT_REREAD = Reread()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """The flags every node-side component shares."""
+
+    node_name: str
+    kubeconfig: str | None
+    gpus: str
+    device_plugin_dir: Path
+    memory_unit: MemoryUnit
+    ignored_xids: frozenset[int]
+    reread: Reread = DEFAULT_REREAD
+    #: gpu-count replicas listed per card; 0: one per memory unit of the card (never runs out)
+    count_replicas: int = 0
+    #: seconds without a fault after which an NVML card that failed is trusted again
+    nvml_recovery: float = DEFAULT_NVML_RECOVERY
+
+    def open_backend(self) -> GpuBackend:
+        return open_backend(self.gpus, self.node_name, self.ignored_xids, self.nvml_recovery)
+
+
+def add_node_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--node-name", default=os.environ.get(ENV_NODE_NAME), help="default: $NODE_NAME")
+    parser.add_argument("--kubeconfig", default=None, help="default: in-cluster config, then ~/.kube/config")
+    parser.add_argument("--gpus", default="nvml", help="'nvml' (default) or 'sim:COUNTxMODEL:MiB,...'")
+    parser.add_argument("--device-plugin-dir", default=DEFAULT_DEVICE_PLUGIN_DIR)
+    parser.add_argument("--memory-unit", default="GiB", help="GiB (default), MiB or <N>MiB")
+    parser.add_argument(
+        "--ignore-xids",
+        default=",".join(str(x) for x in sorted(DEFAULT_IGNORED_XIDS)),
+        help="XIDs that don't mark a card unhealthy (application errors)",
+    )
+    parser.add_argument(
+        "--nvml-recovery-seconds",
+        type=float,
+        default=DEFAULT_NVML_RECOVERY,
+        help="with --gpus nvml: seconds without a fault (and NVML answering again) before a card that hit a "
+        f"critical XID or fell off the bus is advertised Healthy again (default {DEFAULT_NVML_RECOVERY:g})",
+    )
+    parser.add_argument(
+        "--count-replicas",
+        type=int,
+        default=0,
+        help="aliyun.com/gpu-count devices listed per card; 0 (default): one per memory unit of the card, "
+        "so the node never runs out of gpu-count before its cards run out of memory",
+    )
+    parser.add_argument(
+        "--allocate-rereads",
+        type=int,
+        default=DEFAULT_REREAD.attempts,
+        help="times Allocate re-reads the node's pods from the API server before refusing (0: never)",
+    )
+    parser.add_argument(
+        "--allocate-reread-wait",
+        type=float,
+        default=DEFAULT_REREAD.first_wait,
+        help="seconds before the second re-read; doubles for each further one",
+    )
+
+
+def node_settings(args: argparse.Namespace) -> NodeSettings:
+    if not args.node_name:
+        raise UsageError("--node-name is required (or set $NODE_NAME)")
+    if min(args.allocate_rereads, args.allocate_reread_wait, args.count_replicas, args.nvml_recovery_seconds) < 0:
+        raise UsageError(
+            "--allocate-rereads, --allocate-reread-wait, --count-replicas and --nvml-recovery-seconds "
+            "must not be negative"
+        )
+    try:
+        unit = parse_unit(args.memory_unit)
+        ignored = parse_ignored_xids(args.ignore_xids)
+    except (ContractError, InventoryError) as exc:
+        raise UsageError(str(exc)) from None
+    return NodeSettings(
+        node_name=args.node_name,
+        kubeconfig=args.kubeconfig,
+        gpus=args.gpus,
+        device_plugin_dir=Path(args.device_plugin_dir),
+        memory_unit=unit,
+        ignored_xids=ignored,
+        reread=Reread(args.allocate_rereads, args.allocate_reread_wait),
+        count_replicas=args.count_replicas,
+        nvml_recovery=args.nvml_recovery_seconds,
+    )
