@@ -32,7 +32,7 @@ def has_init(demands: Sequence[placement.Demand], init: frozenset[str]) -> bool:
 
 
 def fit(
-    cards: Sequence[placement.Card], demands: Sequence[placement.Demand], init: frozenset[str], unit: str
+    cards: Sequence[placement.CardCapacity], demands: Sequence[placement.Demand], init: frozenset[str], unit: str
 ) -> placement.NoFit | None:
     for group in _groups(demands, init):
         nofit = placement.check_fit(cards, group, unit=unit)
@@ -42,7 +42,7 @@ def fit(
 
 
 def cost(
-    cards: Sequence[placement.Card],
+    cards: Sequence[placement.CardCapacity],
     demands: Sequence[placement.Demand],
     init: frozenset[str],
     policy: placement.Policy,
@@ -57,7 +57,7 @@ def cost(
 
 
 def place(
-    cards: Sequence[placement.Card],
+    cards: Sequence[placement.CardCapacity],
     demands: Sequence[placement.Demand],
     init: frozenset[str],
     policy: placement.Policy,
