@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from crishim.assignment import Assignment, Refusal, plugin_view
+from crishim.resolve import Refusal, Resolution, plugin_view
 from gpushare.cards import Card
 from gpushare.contract import (
     CDI_KIND,
@@ -89,7 +89,7 @@ def with_cdi(config: cri_pb2.ContainerConfig, cards: Sequence[Card]) -> None:
     config.CDI_devices.extend(cri_pb2.CDIDevice(name=cdi_device_name(c.uuid)) for c in cards)
 
 
-def _no_gpu(config: cri_pb2.ContainerConfig, assignment: Assignment, options: RewriteOptions) -> Outcome:
+def _no_gpu(config: cri_pb2.ContainerConfig, resolution: Resolution, options: RewriteOptions) -> Outcome:
     """A container without a GPU request gets ``void``: whatever its spec or image says, the NVIDIA
     runtime then exposes no card to it."""
     if not options.block_unrequested_gpu:
@@ -105,7 +105,7 @@ def _no_gpu(config: cri_pb2.ContainerConfig, assignment: Assignment, options: Re
     return Outcome(
         config=fixed,
         reason="unrequested-gpu",
-        message=f"{assignment.target}: requests no GPU but sets {ENV_VISIBLE_DEVICES}={','.join(current)}; "
+        message=f"{resolution.target}: requests no GPU but sets {ENV_VISIBLE_DEVICES}={','.join(current)}; "
         f"replaced with {VISIBLE_DEVICES_VOID}",
     )
 
@@ -123,16 +123,16 @@ def _card_problem(slices: Sequence[CardSlice], cards: Sequence[Card]) -> str | N
 
 def rewrite(
     config: cri_pb2.ContainerConfig,
-    assignment: Assignment,
+    resolution: Resolution,
     cards: Sequence[Card],
     unit: MemoryUnit,
     options: RewriteOptions,
 ) -> Outcome:
-    if assignment.refusal is not None:
-        return Outcome(refusal=assignment.refusal)
-    if not assignment.wants_gpu:
-        return _no_gpu(config, assignment, options)
-    target, slices = assignment.target, assignment.slices
+    if resolution.refusal is not None:
+        return Outcome(refusal=resolution.refusal)
+    if not resolution.wants_gpu:
+        return _no_gpu(config, resolution, options)
+    target, slices = resolution.target, resolution.slices
     problem = _card_problem(slices, cards)
     if problem is not None:
         return Outcome(refusal=Refusal("unknown-card", f"{target}: {problem}"))
@@ -146,7 +146,7 @@ def rewrite(
     assigned_cards = [by_uuid[u] for u in wanted]
     fixed = cri_pb2.ContainerConfig()
     fixed.CopyFrom(config)
-    with_env(fixed, assigned_env(slices, assignment.pod_mem, {c.uuid: unit.units_of(c.memory_mib) for c in cards}))
+    with_env(fixed, assigned_env(slices, resolution.pod_mem, {c.uuid: unit.units_of(c.memory_mib) for c in cards}))
     fixed.annotations[CTR_ANN_POD_UID] = target.uid
     fixed.annotations[CTR_ANN_POD] = target.pod_key
     fixed.annotations[CTR_ANN_CONTAINER] = target.container
@@ -160,7 +160,7 @@ def rewrite(
         config=fixed,
         reason=reason,
         message=f"{target}: device plugin gave {given}; the scheduler assigned {describe(slices)} "
-        f"({assignment.source}); corrected",
+        f"({resolution.source}); corrected",
     )
 
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from deviceplugin.allocate import Decision, Refusal, booked_cards_note, decide, describe, node_env, preferred_cards
+from deviceplugin.decision import Decision, Refusal, booked_cards_note, decide, describe, node_env, preferred_cards
 from deviceplugin.metrics import ALLOCATE_FAILURES, ALLOCATE_LATENCY, publish_card_usage
 from gpushare.cards import Card
 from gpushare.cli import DEFAULT_REREAD, Reread

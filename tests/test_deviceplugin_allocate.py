@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from podfactory import container, gpu_pod, slices
 
-from deviceplugin.allocate import Refusal, booked_cards_note, decide, preferred_cards
+from deviceplugin.decision import Refusal, booked_cards_note, decide, preferred_cards
 from deviceplugin.devices import card_of_device, device_id
 from deviceplugin.preferred import preferred_ids
 from gpushare import contract as c

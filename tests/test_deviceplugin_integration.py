@@ -21,7 +21,7 @@ from podfactory import container, gpu_pod, slices
 from deviceplugin import runtime as deviceplugin_runtime
 from deviceplugin.devices import card_of_device
 from deviceplugin.plugin import SOCKETS
-from deviceplugin.runtime import RunningPlugin, start_device_plugin
+from deviceplugin.wiring import RunningPlugin, start_device_plugin
 from gpushare import contract as c
 from gpushare.cli import DEFAULT_REREAD, NodeSettings, Reread, UsageError
 from gpushare.inventory import SimulatedBackend
