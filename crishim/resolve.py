@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from gpushare.assignment import Claim, Holdings, Refusal, check_assignment
 from gpushare.cards import Card
 from gpushare.contract import (
     ANN_ALLOCATION,
@@ -37,7 +38,7 @@ from gpushare.contract import (
 )
 from gpushare.kube import KubeError, KubeNotFound, get_pod
 from gpushare.pb import cri_pb2
-from gpushare.usage import card_by_minor, node_usage, overcommitted, pod_allocation
+from gpushare.usage import card_by_minor, node_usage, pod_allocation
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ class Target:
     def __str__(self) -> str:
         return f"pod {self.pod_key} container {self.container}"
 
+    def claim(self, slices: tuple[CardSlice, ...]) -> Claim:
+        """This container's claim on ``slices``, for :func:`gpushare.assignment.check_assignment`."""
+        return Claim(self.pod_key, self.uid, self.container, slices)
+
 
 @dataclass(frozen=True, slots=True)
 class PluginView:
@@ -79,14 +84,6 @@ class PluginView:
     env_only: bool = False
     #: the plugin's ALIYUN_COM_GPU_MEM_POD (the pod's effective gpu-mem), when it gave one
     pod_mem: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """The container must not start. ``reason`` is a short metric label."""
-
-    reason: str
-    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,11 +270,10 @@ class Resolver:
                 "checked for over-commit",
             )
         used, counted, _ = node_usage(pods, cards)
-        # the pod's own hold is in ``used`` once its annotations are readable; else add this container's
-        counted_already = bool(found.target.uid) and any(p.uid == found.target.uid for p in counted)
-        extra = {s.uuid: 0 if counted_already else s.units for s in found.slices}
-        why = overcommitted(extra, used, {c.uuid: c for c in cards}, self._unit)
-        return found if why is None else refuse(found.target, "overcommit", why)
+        refusal = check_assignment(
+            found.target.claim(found.slices), cards, self._unit, Holdings(used, counted), require_healthy=False
+        )
+        return found if refusal is None else replace(found, refusal=refusal)
 
 
 class CachedPods:

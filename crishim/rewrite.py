@@ -13,7 +13,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from crishim.resolve import Refusal, Resolution, plugin_view
+from crishim.resolve import Resolution, plugin_view
+from gpushare.assignment import Refusal, check_assignment, describe
 from gpushare.cards import Card
 from gpushare.contract import (
     CDI_KIND,
@@ -24,7 +25,6 @@ from gpushare.contract import (
     DEV_CONTROL_FILES,
     ENV_VISIBLE_DEVICES,
     VISIBLE_DEVICES_VOID,
-    CardSlice,
     MemoryUnit,
     assigned_env,
     cdi_device_name,
@@ -52,10 +52,6 @@ class Outcome:
     refusal: Refusal | None = None
     reason: str = ""
     message: str = ""
-
-
-def describe(slices: Sequence[CardSlice]) -> str:
-    return ", ".join(f"card {s.index} ({s.uuid})" for s in slices)
 
 
 def env_values(config: cri_pb2.ContainerConfig, key: str) -> list[str]:
@@ -110,17 +106,6 @@ def _no_gpu(config: cri_pb2.ContainerConfig, resolution: Resolution, options: Re
     )
 
 
-def _card_problem(slices: Sequence[CardSlice], cards: Sequence[Card]) -> str | None:
-    by_uuid = {c.uuid: c for c in cards}
-    for s in slices:
-        card = by_uuid.get(s.uuid)
-        if card is None:
-            return f"assigned card {s.index} ({s.uuid}) is not on this node"
-        if card.index != s.index:
-            return f"assigned card {s.uuid} is index {card.index} on this node, not {s.index} as annotated"
-    return None
-
-
 def rewrite(
     config: cri_pb2.ContainerConfig,
     resolution: Resolution,
@@ -133,9 +118,9 @@ def rewrite(
     if not resolution.wants_gpu:
         return _no_gpu(config, resolution, options)
     target, slices = resolution.target, resolution.slices
-    problem = _card_problem(slices, cards)
-    if problem is not None:
-        return Outcome(refusal=Refusal("unknown-card", f"{target}: {problem}"))
+    refusal = check_assignment(target.claim(slices), cards, unit, None, require_healthy=False)
+    if refusal is not None:  # the resolver checked against the node's pods; this guards the lookups below
+        return Outcome(refusal=refusal)
 
     wanted = tuple(s.uuid for s in slices)
     mismatch = _mismatch(config, wanted, target.uid)

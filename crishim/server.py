@@ -19,8 +19,9 @@ from google.protobuf.message import DecodeError
 from crishim.metrics import CORRECTIONS, REFUSALS
 from crishim.reactor import Reactor
 from crishim.resolve import Resolver, Target
-from crishim.rewrite import RewriteOptions, describe, rewrite
+from crishim.rewrite import RewriteOptions, rewrite
 from crishim.splice import Forward, Refuse, Splice, Verdict
+from gpushare.assignment import describe
 from gpushare.cards import Card
 from gpushare.contract import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID, MemoryUnit
 from gpushare.pb import cri_pb2

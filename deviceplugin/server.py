@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 
 from deviceplugin.allocator import Allocator, Unavailable
-from deviceplugin.decision import Refusal
 from deviceplugin.devices import device_list
 from deviceplugin.preferred import preferred_ids
+from gpushare.assignment import Refusal
 from gpushare.cards import Card
 from gpushare.contract import MemoryUnit
 from gpushare.pb import deviceplugin_pb2 as pb

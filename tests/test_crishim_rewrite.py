@@ -11,7 +11,6 @@ import pytest
 
 from crishim.resolve import (
     SOURCE_API,
-    Refusal,
     Resolution,
     Resolver,
     Target,
@@ -22,6 +21,7 @@ from crishim.resolve import (
 from crishim.rewrite import RewriteOptions, rewrite
 from crishim.server import CreateContainerGuard
 from crishim.splice import Forward, Refuse
+from gpushare.assignment import Refusal
 from gpushare.contract import (
     ANN_ALLOCATION,
     ANN_MEM_IDX,
