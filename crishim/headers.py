@@ -11,8 +11,9 @@ A table-following reader of our own was about 9x faster per block (hpack 4.2 on 
 connection's first block). At kubelet's call rates that does not matter: in steady state kubelet
 makes a few CRI calls a second (its pod lifecycle relist, every second, is ListPodSandbox plus
 ListContainers; stats and image checks come every 10 s or so), plus a handful per container that
-starts or stops. Even at 100 calls a second the library costs under 2 ms of CPU a second, and it
-adds ~20 us to a call that takes ~400 us through containerd. A node's real rates are in the shim's
+starts or stops. Even at 100 calls a second the library costs under 3 ms of CPU a second. In
+``benchmarks/crishim_latency.py`` the switch moved the shim's added p50 from about 0.10 ms to 0.13 ms
+on calls that take about 0.4 ms through containerd. A node's real call rates are in the shim's
 ``/metrics``: ``gpushare_crishim_forward_seconds_count`` by method.
 
 The shim's own answers (a refused CreateContainer) are encoded by :func:`trailers_only_block`
