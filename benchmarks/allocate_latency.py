@@ -25,10 +25,10 @@ from typing import Any
 import grpc
 from kubernetes import client
 
-from deviceplugin.allocate import decide
+from deviceplugin.decision import decide
 from deviceplugin.devices import MAX_MESSAGE_BYTES, DeviceListTooLarge, check_message_size, message_size
 from deviceplugin.plugin import SOCKETS
-from deviceplugin.runtime import RunningPlugin, start_device_plugin
+from deviceplugin.wiring import RunningPlugin, start_device_plugin
 from gpushare import contract as c
 from gpushare.cards import Card
 from gpushare.inventory import SimulatedBackend

@@ -13,7 +13,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from crishim.assignment import Assignment, Refusal, plugin_view
+from crishim.resolve import Resolution, plugin_view
+from gpushare.assignment import Refusal, check_assignment, describe
 from gpushare.cards import Card
 from gpushare.contract import (
     CDI_KIND,
@@ -24,7 +25,6 @@ from gpushare.contract import (
     DEV_CONTROL_FILES,
     ENV_VISIBLE_DEVICES,
     VISIBLE_DEVICES_VOID,
-    CardSlice,
     MemoryUnit,
     assigned_env,
     cdi_device_name,
@@ -52,10 +52,6 @@ class Outcome:
     refusal: Refusal | None = None
     reason: str = ""
     message: str = ""
-
-
-def describe(slices: Sequence[CardSlice]) -> str:
-    return ", ".join(f"card {s.index} ({s.uuid})" for s in slices)
 
 
 def env_values(config: cri_pb2.ContainerConfig, key: str) -> list[str]:
@@ -89,7 +85,7 @@ def with_cdi(config: cri_pb2.ContainerConfig, cards: Sequence[Card]) -> None:
     config.CDI_devices.extend(cri_pb2.CDIDevice(name=cdi_device_name(c.uuid)) for c in cards)
 
 
-def _no_gpu(config: cri_pb2.ContainerConfig, assignment: Assignment, options: RewriteOptions) -> Outcome:
+def _no_gpu(config: cri_pb2.ContainerConfig, resolution: Resolution, options: RewriteOptions) -> Outcome:
     """A container without a GPU request gets ``void``: whatever its spec or image says, the NVIDIA
     runtime then exposes no card to it."""
     if not options.block_unrequested_gpu:
@@ -105,37 +101,26 @@ def _no_gpu(config: cri_pb2.ContainerConfig, assignment: Assignment, options: Re
     return Outcome(
         config=fixed,
         reason="unrequested-gpu",
-        message=f"{assignment.target}: requests no GPU but sets {ENV_VISIBLE_DEVICES}={','.join(current)}; "
+        message=f"{resolution.target}: requests no GPU but sets {ENV_VISIBLE_DEVICES}={','.join(current)}; "
         f"replaced with {VISIBLE_DEVICES_VOID}",
     )
 
 
-def _card_problem(slices: Sequence[CardSlice], cards: Sequence[Card]) -> str | None:
-    by_uuid = {c.uuid: c for c in cards}
-    for s in slices:
-        card = by_uuid.get(s.uuid)
-        if card is None:
-            return f"assigned card {s.index} ({s.uuid}) is not on this node"
-        if card.index != s.index:
-            return f"assigned card {s.uuid} is index {card.index} on this node, not {s.index} as annotated"
-    return None
-
-
 def rewrite(
     config: cri_pb2.ContainerConfig,
-    assignment: Assignment,
+    resolution: Resolution,
     cards: Sequence[Card],
     unit: MemoryUnit,
     options: RewriteOptions,
 ) -> Outcome:
-    if assignment.refusal is not None:
-        return Outcome(refusal=assignment.refusal)
-    if not assignment.wants_gpu:
-        return _no_gpu(config, assignment, options)
-    target, slices = assignment.target, assignment.slices
-    problem = _card_problem(slices, cards)
-    if problem is not None:
-        return Outcome(refusal=Refusal("unknown-card", f"{target}: {problem}"))
+    if resolution.refusal is not None:
+        return Outcome(refusal=resolution.refusal)
+    if not resolution.wants_gpu:
+        return _no_gpu(config, resolution, options)
+    target, slices = resolution.target, resolution.slices
+    refusal = check_assignment(target.claim(slices), cards, unit, None, require_healthy=False)
+    if refusal is not None:  # the resolver checked against the node's pods; this guards the lookups below
+        return Outcome(refusal=refusal)
 
     wanted = tuple(s.uuid for s in slices)
     mismatch = _mismatch(config, wanted, target.uid)
@@ -146,7 +131,7 @@ def rewrite(
     assigned_cards = [by_uuid[u] for u in wanted]
     fixed = cri_pb2.ContainerConfig()
     fixed.CopyFrom(config)
-    with_env(fixed, assigned_env(slices, assignment.pod_mem, {c.uuid: unit.units_of(c.memory_mib) for c in cards}))
+    with_env(fixed, assigned_env(slices, resolution.pod_mem, {c.uuid: unit.units_of(c.memory_mib) for c in cards}))
     fixed.annotations[CTR_ANN_POD_UID] = target.uid
     fixed.annotations[CTR_ANN_POD] = target.pod_key
     fixed.annotations[CTR_ANN_CONTAINER] = target.container
@@ -160,7 +145,7 @@ def rewrite(
         config=fixed,
         reason=reason,
         message=f"{target}: device plugin gave {given}; the scheduler assigned {describe(slices)} "
-        f"({assignment.source}); corrected",
+        f"({resolution.source}); corrected",
     )
 
 

@@ -16,11 +16,12 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
-from crishim.assignment import Resolver, Target
 from crishim.metrics import CORRECTIONS, REFUSALS
 from crishim.reactor import Reactor
-from crishim.rewrite import RewriteOptions, describe, rewrite
+from crishim.resolve import Resolver, Target
+from crishim.rewrite import RewriteOptions, rewrite
 from crishim.splice import Forward, Refuse, Splice, Verdict
+from gpushare.assignment import describe
 from gpushare.cards import Card
 from gpushare.contract import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID, MemoryUnit
 from gpushare.pb import cri_pb2
@@ -73,23 +74,23 @@ class CreateContainerGuard:
         except DecodeError as exc:
             return Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"CreateContainer request can't be decoded: {exc}")
         cards = list(self._cards())
-        assignment = self._resolver.resolve(decoded, cards)
-        outcome = rewrite(decoded.config, assignment, cards, self._unit, self._options)
+        resolution = self._resolver.resolve(decoded, cards)
+        outcome = rewrite(decoded.config, resolution, cards, self._unit, self._options)
         if outcome.refusal is not None:
             REFUSALS.labels(outcome.refusal.reason).inc()
             log.warning("refused CreateContainer (%s): %s", outcome.refusal.reason, outcome.refusal.message)
-            self._event(assignment.target, EVENT_REFUSED, outcome.refusal.message, "Warning")
+            self._event(resolution.target, EVENT_REFUSED, outcome.refusal.message, "Warning")
             return Refuse(grpc.StatusCode.FAILED_PRECONDITION, outcome.refusal.message)
         if outcome.config is None:
-            if assignment.wants_gpu:
-                log.info("%s: %s as assigned (%s)", assignment.target, describe(assignment.slices), assignment.source)
+            if resolution.wants_gpu:
+                log.info("%s: %s as assigned (%s)", resolution.target, describe(resolution.slices), resolution.source)
             return Forward(request)
         if outcome.reason:
             CORRECTIONS.labels(outcome.reason).inc()
             log.warning("corrected CreateContainer (%s): %s", outcome.reason, outcome.message)
-            self._event(assignment.target, EVENT_CORRECTED, outcome.message, "Warning")
+            self._event(resolution.target, EVENT_CORRECTED, outcome.message, "Warning")
         else:
-            log.debug("%s requests no GPU: %s=%s", assignment.target, ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID)
+            log.debug("%s requests no GPU: %s=%s", resolution.target, ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID)
         decoded.config.CopyFrom(outcome.config)
         return Forward(decoded.SerializeToString())
 

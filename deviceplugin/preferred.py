@@ -23,7 +23,7 @@ def _topology_order(available: Sequence[str], cards: Sequence[Card], size: int) 
     """Pick ``size`` free cards with the scheduler's own rule for multi-card demands (NVLink, then NUMA)."""
     free = set(available)
     pool = [
-        placement.Card(c.index, c.uuid, capacity=1, used=0, numa=c.numa_node, nvlink=frozenset(c.nvlink_peers))
+        placement.CardCapacity(c.index, c.uuid, capacity=1, used=0, numa=c.numa_node, nvlink=frozenset(c.nvlink_peers))
         for c in cards
         if c.uuid in free
     ]

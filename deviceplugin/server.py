@@ -1,4 +1,5 @@
-"""The DevicePlugin gRPC service for one resource. Thin: decisions live in allocate/allocator."""
+"""The DevicePlugin gRPC service for one resource. Thin: the decision is :mod:`deviceplugin.decision`,
+the state around it :mod:`deviceplugin.allocator`."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
-from deviceplugin.allocate import Refusal
 from deviceplugin.allocator import Allocator, Unavailable
 from deviceplugin.devices import device_list
 from deviceplugin.preferred import preferred_ids
+from gpushare.assignment import Refusal
 from gpushare.cards import Card
 from gpushare.contract import MemoryUnit
 from gpushare.pb import deviceplugin_pb2 as pb

@@ -46,7 +46,7 @@ class CachedNode:
 
     name: str
     inventory: NodeInventory
-    cards: tuple[placement.Card, ...]
+    cards: tuple[placement.CardCapacity, ...]
     generation: int
 
 
@@ -99,7 +99,7 @@ def placement_cards(
     pods: Iterable[Mapping[str, Any]],
     extra: Iterable[Mapping[str, int]] = (),
     fenced: frozenset[int] = frozenset(),
-) -> tuple[placement.Card, ...]:
+) -> tuple[placement.CardCapacity, ...]:
     """The node's cards with the units held by ``pods`` (and ``extra``: units per card UUID of binds in
     flight) marked used, by the one rule of :mod:`gpushare.usage`. Cards whose minor is in ``fenced``
     (the original extender's unhealthy-GPU ConfigMap) take no new pods."""
@@ -110,7 +110,7 @@ def placement_cards(
         for uuid, units in held.items():
             used[uuid] = used.get(uuid, 0) + units
     return tuple(
-        placement.Card(
+        placement.CardCapacity(
             index=card.index,
             uuid=card.uuid,
             capacity=inventory.units_of(card),

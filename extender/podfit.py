@@ -38,14 +38,14 @@ class InitOrder:
         apps = tuple(d for d in demands if d.container not in init)
         return cls(((apps,) if apps else ()) + tuple((d,) for d in demands if d.container in init))
 
-    def fit(self, cards: Sequence[placement.Card], unit: str) -> placement.NoFit | None:
+    def fit(self, cards: Sequence[placement.CardCapacity], unit: str) -> placement.NoFit | None:
         for group in self.groups:
             nofit = placement.check_fit(cards, group, unit=unit)
             if nofit is not None:
                 return nofit
         return None
 
-    def cost(self, cards: Sequence[placement.Card], policy: placement.Policy, unit: str) -> float:
+    def cost(self, cards: Sequence[placement.CardCapacity], policy: placement.Policy, unit: str) -> float:
         """The policy's cost of what the pod keeps: its app containers (its init containers when it has
         no GPU app container); raises NoFit when any part doesn't fit."""
         nofit = self.fit(cards, unit)
@@ -54,7 +54,7 @@ class InitOrder:
         return placement.node_cost(cards, self.groups[0], policy, unit=unit)
 
     def place(
-        self, cards: Sequence[placement.Card], policy: placement.Policy, unit: str
+        self, cards: Sequence[placement.CardCapacity], policy: placement.Policy, unit: str
     ) -> tuple[placement.Assignment, ...]:
         """Assignments for every demand; raises NoFit."""
         return tuple(a for group in self.groups for a in placement.place(cards, group, policy, unit=unit))

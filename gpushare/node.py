@@ -9,7 +9,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from crishim.runtime import ShimSettings
+    from crishim.wiring import ShimSettings
     from gpushare.inventory import GpuBackend
     from gpushare.settings import NodeSettings
     from gpushare.supervisor import Supervised
@@ -28,8 +28,8 @@ def components(
 ) -> list[Supervised]:
     """The node agent's components, each as a way to start it afresh."""
     from advertiser.agent import Advertiser
-    from crishim.runtime import start_cri_shim
-    from deviceplugin.runtime import start_device_plugin
+    from crishim.wiring import start_cri_shim
+    from deviceplugin.wiring import start_device_plugin
     from gpushare.supervisor import Supervised
 
     def start_advertiser() -> Advertiser:
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from crishim.cmd import shim_settings
-    from deviceplugin.runtime import check_unit
+    from deviceplugin.wiring import check_unit
     from gpushare.kube.transport import load_api
     from gpushare.observability import serve_http
     from gpushare.process import wait_for_termination

@@ -285,24 +285,3 @@ def node_usage(
         for uuid, units in held.held.items():
             used[uuid] += units
     return used, counted, bad
-
-
-def card_capacity(card: Card, unit: MemoryUnit) -> int:
-    return unit.units_of(card.memory_mib)
-
-
-def overcommitted(
-    extra: Mapping[str, int], used: Mapping[str, int], cards: Mapping[str, Card], unit: MemoryUnit
-) -> str | None:
-    """Why adding ``extra`` (units per card UUID) on top of ``used`` would not fit, or None."""
-    for uuid, units in sorted(extra.items()):
-        card = cards.get(uuid)
-        if card is None:
-            return f"card {uuid} is not on this node"
-        capacity = card_capacity(card, unit)
-        if used.get(uuid, 0) + units > capacity:
-            return (
-                f"card {card.index} ({uuid}) would be over-committed: {used.get(uuid, 0)} + {units} > "
-                f"{capacity} {unit.name} unit(s)"
-            )
-    return None

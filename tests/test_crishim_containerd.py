@@ -41,8 +41,8 @@ from crishim.frames import (
 )
 from crishim.metrics import CORRECTIONS, REFUSALS
 from crishim.rewrite import RewriteOptions
-from crishim.runtime import RunningShim, ShimSettings, start_cri_shim
 from crishim.server import EVENT_CORRECTED
+from crishim.wiring import RunningShim, ShimSettings, start_cri_shim
 from gpushare.contract import (
     ANN_ALLOCATION,
     CRI_LABEL_CONTAINER_NAME,

@@ -19,7 +19,7 @@ from test_crishim_rewrite import (
     slice_of,
 )
 
-from crishim.assignment import CachedPods, Resolver, Target
+from crishim.resolve import CachedPods, Resolver, Target
 from crishim.rewrite import RewriteOptions, rewrite
 from gpushare.contract import ANN_MEM_IDX, ENV_MEM_CONTAINER, ENV_MEM_IDX, ENV_VISIBLE_DEVICES, GIB
 

@@ -87,10 +87,10 @@ def test_path_decoder_empties_the_table_for_an_entry_larger_than_the_table() -> 
 @pytest.mark.parametrize(
     ("block", "problem"),
     [
-        (b"\xff\x80", "truncated"),  # an index whose continuation bytes are missing
-        (b"\xc5", "index 69 does not exist"),  # a dynamic entry nobody inserted
-        (b"\x40\x05:pa", "truncated"),  # a literal name cut short
-        (b"\x3f\xe1\xff\xff\x7f", "table size update"),  # a size far beyond any peer's limit
+        (b"\xff\x80", "integer"),  # an index whose continuation bytes are missing
+        (b"\xc5", "table index 69"),  # a dynamic entry nobody inserted
+        (b"\x40\x05:pa", "Truncated"),  # a literal name cut short
+        (b"\x3f\xe1\xff\xff\x7f", "table size"),  # a size far beyond any peer's limit
     ],
 )
 def test_path_decoder_rejects_blocks_it_cant_follow(block: bytes, problem: str) -> None:

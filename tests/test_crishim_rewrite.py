@@ -9,10 +9,9 @@ from typing import Any
 import grpc
 import pytest
 
-from crishim.assignment import (
+from crishim.resolve import (
     SOURCE_API,
-    Assignment,
-    Refusal,
+    Resolution,
     Resolver,
     Target,
     from_annotations,
@@ -22,6 +21,7 @@ from crishim.assignment import (
 from crishim.rewrite import RewriteOptions, rewrite
 from crishim.server import CreateContainerGuard
 from crishim.splice import Forward, Refuse
+from gpushare.assignment import Refusal
 from gpushare.contract import (
     ANN_ALLOCATION,
     ANN_MEM_IDX,
@@ -93,8 +93,8 @@ def env_of(config: cri_pb2.ContainerConfig) -> dict[str, list[str]]:
     return env
 
 
-def gpu(target: Target, *slices: CardSlice, pod_mem: int = 20) -> Assignment:
-    return Assignment(target=target, wants_gpu=True, slices=slices, pod_mem=pod_mem)
+def gpu(target: Target, *slices: CardSlice, pod_mem: int = 20) -> Resolution:
+    return Resolution(target=target, wants_gpu=True, slices=slices, pod_mem=pod_mem)
 
 
 # --- correcting a device plugin answer ----------------------------------------------------------------
@@ -183,7 +183,7 @@ def plain_config(*env: tuple[str, str]) -> cri_pb2.ContainerConfig:
     )
 
 
-NO_GPU = Assignment(target=POD, wants_gpu=False)
+NO_GPU = Resolution(target=POD, wants_gpu=False)
 
 
 def test_unrequested_gpu_is_voided() -> None:
@@ -205,7 +205,7 @@ def test_blocking_can_be_turned_off() -> None:
 
 
 def test_refusal_from_resolution_is_passed_on() -> None:
-    refused = Assignment(target=POD, wants_gpu=True, refusal=Refusal("overcommit", "full"))
+    refused = Resolution(target=POD, wants_gpu=True, refusal=Refusal("overcommit", "full"))
     assert rewrite(plugin_config(POD, [slice_of(A0)]), refused, CARDS, GIB, RewriteOptions()).refusal == refused.refusal
 
 
@@ -244,7 +244,7 @@ def test_allocation_annotation_names_the_cards() -> None:
 def test_container_outside_the_allocation_wants_no_gpu_unless_the_plugin_served_it() -> None:
     annotations = allocation_of(worker=(slice_of(A1),))
     other = Target(POD.namespace, POD.pod, POD.uid, "sidecar")
-    assert from_annotations(other, annotations, plugin_view(plain_config()), CARDS) == Assignment(
+    assert from_annotations(other, annotations, plugin_view(plain_config()), CARDS) == Resolution(
         other, wants_gpu=False
     )
     assert from_annotations(other, annotations, plugin_view(plugin_config(other, [slice_of(A0)])), CARDS) is None

@@ -7,10 +7,11 @@ from typing import Any
 import pytest
 from podfactory import container, gpu_pod, slices
 
-from deviceplugin.allocate import Refusal, booked_cards_note, decide, preferred_cards
+from deviceplugin.decision import booked_cards_note, decide, preferred_cards
 from deviceplugin.devices import card_of_device, device_id
 from deviceplugin.preferred import preferred_ids
 from gpushare import contract as c
+from gpushare.assignment import Refusal
 from gpushare.cards import Card
 from gpushare.inventory import simulated_cards
 

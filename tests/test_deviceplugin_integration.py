@@ -18,10 +18,10 @@ from conftest import wait_until
 from kubernetes import client
 from podfactory import container, gpu_pod, slices
 
-from deviceplugin import runtime as deviceplugin_runtime
+from deviceplugin import wiring as deviceplugin_wiring
 from deviceplugin.devices import card_of_device
 from deviceplugin.plugin import SOCKETS
-from deviceplugin.runtime import RunningPlugin, start_device_plugin
+from deviceplugin.wiring import RunningPlugin, start_device_plugin
 from gpushare import contract as c
 from gpushare.inventory import SimulatedBackend
 from gpushare.observability import serve_http
@@ -283,7 +283,7 @@ def test_a_pod_kubelet_admits_before_the_plugin_cache_has_it_is_admitted_by_re_r
 ) -> None:
     """Issue 14's first defect: kubelet admits a pod the moment its watch shows it bound, while the
     plugin's informer is still behind. Allocate must re-read the API server, not refuse."""
-    monkeypatch.setattr(deviceplugin_runtime, "node_pod_cache", lambda api, node: LaggingWatchCache(api, node, 30))
+    monkeypatch.setattr(deviceplugin_wiring, "node_pod_cache", lambda api, node: LaggingWatchCache(api, node, 30))
     directory = Path(tempfile.mkdtemp(prefix="dp", dir="/tmp"))
     sim = SimNode(kube_api, core_v1, directory)
     try:

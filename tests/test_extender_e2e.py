@@ -13,7 +13,7 @@ from kubernetes import client
 from podfactory import container, gpu_pod
 
 from advertiser.agent import Advertiser
-from deviceplugin.runtime import start_device_plugin
+from deviceplugin.wiring import start_device_plugin
 from extender.wiring import start_extender
 from gpushare import contract as c
 from gpushare.inventory import SimulatedBackend

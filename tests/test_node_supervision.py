@@ -14,7 +14,7 @@ from podfactory import container, gpu_pod
 
 from deviceplugin import plugin as plugin_module
 from deviceplugin.plugin import SOCKETS, DevicePlugin
-from deviceplugin.runtime import start_device_plugin
+from deviceplugin.wiring import start_device_plugin
 from gpushare import contract as c
 from gpushare.inventory import InventoryError, SimulatedBackend
 from gpushare.kube.retry import Backoff

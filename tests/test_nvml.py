@@ -22,7 +22,7 @@ from support.nvml import described_cards, fake_machine, nvml_backend
 from advertiser.agent import Advertiser
 from deviceplugin.devices import card_of_device, device_id
 from deviceplugin.plugin import SOCKETS
-from deviceplugin.runtime import RunningPlugin, start_device_plugin
+from deviceplugin.wiring import RunningPlugin, start_device_plugin
 from gpushare import contract as c
 from gpushare.inventory import HealthEvent, InventoryError, NvmlBackend, _single_node, parse_ignored_xids
 from gpushare.kube.objects import get_node

@@ -9,7 +9,7 @@ import pytest
 
 from gpushare.placement import (
     POLICIES,
-    Card,
+    CardCapacity,
     Demand,
     Fgd,
     HostFit,
@@ -29,10 +29,10 @@ from gpushare.placement.fragmentation import batch_deltas, batch_fragmentation, 
 BINPACK, SPREAD, FGD = POLICIES["binpack"], POLICIES["spread"], POLICIES["fgd"]
 
 
-def cards(*free_of_capacity: tuple[int, int], **overrides: dict) -> list[Card]:
+def cards(*free_of_capacity: tuple[int, int], **overrides: dict) -> list[CardCapacity]:
     """Cards 0..n-1 from (free, capacity) pairs."""
     return [
-        Card(i, f"GPU-{i}", capacity, capacity - free, **overrides.get(f"c{i}", {}))
+        CardCapacity(i, f"GPU-{i}", capacity, capacity - free, **overrides.get(f"c{i}", {}))
         for i, (free, capacity) in enumerate(free_of_capacity)
     ]
 
@@ -117,7 +117,7 @@ def test_earlier_choices_are_revisited_when_a_later_container_would_not_fit() ->
 def test_check_fit_agrees_with_exhaustive_search() -> None:
     rng = random.Random(7)
     for _ in range(300):
-        node = [Card(i, f"G{i}", 8, rng.choice([0, 2, 4, 8]), healthy=rng.random() > 0.1) for i in range(3)]
+        node = [CardCapacity(i, f"G{i}", 8, rng.choice([0, 2, 4, 8]), healthy=rng.random() > 0.1) for i in range(3)]
         demands = [
             Demand(f"c{j}", 0, rng.choice([1, 2]), exclusive=True)
             if rng.random() < 0.2
@@ -127,7 +127,7 @@ def test_check_fit_agrees_with_exhaustive_search() -> None:
         assert (check_fit(node, demands) is None) == _fits_exhaustively(node, demands), (node, demands)
 
 
-def _fits_exhaustively(node: list[Card], demands: list[Demand]) -> bool:
+def _fits_exhaustively(node: list[CardCapacity], demands: list[Demand]) -> bool:
     def search(i: int, free: list[int]) -> bool:
         if i == len(demands):
             return True
@@ -174,10 +174,12 @@ def test_bad_demands_are_refused_with_the_container_named() -> None:
 
 def test_multi_card_demands_prefer_nvlink_then_numa() -> None:
     plain = cards((16, 16), (16, 16), (16, 16), (16, 16))
-    numa = [Card(c.index, c.uuid, c.capacity, c.used, numa=c.index % 2) for c in plain]
+    numa = [CardCapacity(c.index, c.uuid, c.capacity, c.used, numa=c.index % 2) for c in plain]
     assert taken(place(numa, [Demand("m", 0, 2, exclusive=True)], BINPACK)) == {"m": [(0, 16), (2, 16)]}
     linked = [
-        Card(c.index, c.uuid, c.capacity, c.used, numa=c.numa, nvlink=frozenset({"GPU-3"} if c.index == 1 else ()))
+        CardCapacity(
+            c.index, c.uuid, c.capacity, c.used, numa=c.numa, nvlink=frozenset({"GPU-3"} if c.index == 1 else ())
+        )
         for c in numa
     ]
     assert taken(place(linked, [Demand("m", 0, 2, exclusive=True)], BINPACK)) == {"m": [(1, 16), (3, 16)]}
@@ -186,17 +188,17 @@ def test_multi_card_demands_prefer_nvlink_then_numa() -> None:
 
 def test_multi_card_demands_prefer_nvlink_then_numa_over_the_policys_card_order() -> None:
     node = [
-        Card(0, "GPU-0", 16, 12, numa=0),
-        Card(1, "GPU-1", 16, 12, numa=1),
-        Card(2, "GPU-2", 16, 0, numa=1, nvlink=frozenset({"GPU-3"})),
-        Card(3, "GPU-3", 16, 0, numa=1),
+        CardCapacity(0, "GPU-0", 16, 12, numa=0),
+        CardCapacity(1, "GPU-1", 16, 12, numa=1),
+        CardCapacity(2, "GPU-2", 16, 0, numa=1, nvlink=frozenset({"GPU-3"})),
+        CardCapacity(3, "GPU-3", 16, 0, numa=1),
     ]
     # binpack alone would take the two fullest cards, which share nothing
     assert taken(place(node, [Demand("m", 2, 2)], BINPACK)) == {"m": [(2, 2), (3, 2)]}
-    no_link = [Card(c.index, c.uuid, c.capacity, c.used, numa=c.numa) for c in node]
+    no_link = [CardCapacity(c.index, c.uuid, c.capacity, c.used, numa=c.numa) for c in node]
     # without NVLink, a shared NUMA node wins; binpack then picks the fullest such pair
     assert taken(place(no_link, [Demand("m", 2, 2)], BINPACK)) == {"m": [(1, 2), (2, 2)]}
-    flat = [Card(c.index, c.uuid, c.capacity, c.used) for c in node]
+    flat = [CardCapacity(c.index, c.uuid, c.capacity, c.used) for c in node]
     # with no topology at all the policy decides
     assert taken(place(flat, [Demand("m", 2, 2)], BINPACK)) == {"m": [(0, 2), (1, 2)]}
     assert taken(place(flat, [Demand("m", 2, 2)], SPREAD)) == {"m": [(2, 2), (3, 2)]}
@@ -317,7 +319,9 @@ def test_vectorised_choice_matches_the_per_node_choice(name: str, shape: Shape) 
     demand = Demand("m", shape.units, shape.cards, shape.exclusive)
     for n in range(len(free)):
         node = [
-            Card(c, f"G{c}", int(capacity[n, c]), int(capacity[n, c] - free[n, c])) for c in range(4) if capacity[n, c]
+            CardCapacity(c, f"G{c}", int(capacity[n, c]), int(capacity[n, c] - free[n, c]))
+            for c in range(4)
+            if capacity[n, c]
         ]
         if check_fit(node, [demand]) is not None:
             assert choice.cost[n] == np.inf

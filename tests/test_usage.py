@@ -2,7 +2,7 @@
 
 from gpushare import contract as c
 from gpushare.inventory import simulated_cards
-from gpushare.usage import node_usage, overcommitted, pod_allocation
+from gpushare.usage import node_usage, pod_allocation
 
 CARDS = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
 A0, A1, T4 = CARDS
@@ -54,15 +54,6 @@ def test_a_pod_naming_a_card_the_node_lacks_is_reported_and_counted_nowhere() ->
     assert used == {A0.uuid: 8, A1.uuid: 0, T4.uuid: 0}
     assert [p.key for p in counted] == ["ns/a"]
     assert [(b.key, b.reason) for b in bad] == [("ns/z", "pod ns/z: card(s) GPU-gone are not on this node")]
-
-
-def test_overcommit_check_names_the_card() -> None:
-    used = {A0.uuid: 76, A1.uuid: 0, T4.uuid: 0}
-    by_uuid = {card.uuid: card for card in CARDS}
-    assert overcommitted({A0.uuid: 4}, used, by_uuid, c.GIB) is None
-    reason = overcommitted({A0.uuid: 5}, used, by_uuid, c.GIB)
-    assert reason == f"card 0 ({A0.uuid}) would be over-committed: 76 + 5 > 80 GiB unit(s)"
-    assert "GPU-ffff is not on this node" in overcommitted({"GPU-ffff": 1}, used, by_uuid, c.GIB)
 
 
 def test_original_index_resolves_as_a_minor_number_through_the_node_inventory() -> None:

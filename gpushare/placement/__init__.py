@@ -6,7 +6,7 @@ No I/O here; the extender and the trace-replay benchmark both drive these functi
 from gpushare.placement.batch import BatchChoice, batch_costs, batch_place, batch_scores, node_order
 from gpushare.placement.fit import SEARCH_BUDGET, check_fit, node_cost, place
 from gpushare.placement.fragmentation import Workload, fragmentation
-from gpushare.placement.model import Assignment, Card, Demand, NoFit, Shape, shape_key
+from gpushare.placement.model import Assignment, CardCapacity, Demand, NoFit, Shape, shape_key
 from gpushare.placement.policies import (
     DEFAULT_POLICY,
     POLICIES,
@@ -26,7 +26,7 @@ __all__ = [
     "Assignment",
     "BatchChoice",
     "Binpack",
-    "Card",
+    "CardCapacity",
     "Demand",
     "Fgd",
     "FgdFit",

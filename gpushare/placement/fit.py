@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from itertools import combinations
 
-from gpushare.placement.model import Assignment, Card, Demand, NoFit, Shape
+from gpushare.placement.model import Assignment, CardCapacity, Demand, NoFit, Shape
 from gpushare.placement.policies import POLICIES, Policy
 
 #: at most this many options are tried per pod before giving up as "don't fit together"
@@ -26,7 +26,7 @@ _PACKER = POLICIES["binpack"]
 
 
 def place(
-    cards: Sequence[Card], demands: Sequence[Demand], policy: Policy, *, unit: str = "GiB"
+    cards: Sequence[CardCapacity], demands: Sequence[Demand], policy: Policy, *, unit: str = "GiB"
 ) -> tuple[Assignment, ...]:
     """Assignments for ``demands`` (in their given order) on this node; raises ``NoFit``."""
     node = _Node(cards)
@@ -36,7 +36,7 @@ def place(
     return tuple(_assignment(node, d, chosen[d.container]) for d in demands)
 
 
-def check_fit(cards: Sequence[Card], demands: Sequence[Demand], *, unit: str = "GiB") -> NoFit | None:
+def check_fit(cards: Sequence[CardCapacity], demands: Sequence[Demand], *, unit: str = "GiB") -> NoFit | None:
     """``None`` if the demands fit on these cards, else why not. Same answer as ``place`` would give."""
     if len(demands) == 1 and demands[0].cards == 1:
         demand = demands[0]
@@ -50,7 +50,7 @@ def check_fit(cards: Sequence[Card], demands: Sequence[Demand], *, unit: str = "
     return None if _solve(node, demands, _PACKER) is not None else _explain(node, demands, unit)
 
 
-def node_cost(cards: Sequence[Card], demands: Sequence[Demand], policy: Policy, *, unit: str = "GiB") -> float:
+def node_cost(cards: Sequence[CardCapacity], demands: Sequence[Demand], policy: Policy, *, unit: str = "GiB") -> float:
     """The policy's cost of placing the pod on this node (lower is better); raises ``NoFit``."""
     node = _Node(cards)
     chosen = _solve(node, demands, policy)
@@ -68,7 +68,7 @@ class _Node:
 
     __slots__ = ("capacity", "cards", "free")
 
-    def __init__(self, cards: Sequence[Card]) -> None:
+    def __init__(self, cards: Sequence[CardCapacity]) -> None:
         self.cards = sorted(cards, key=lambda c: c.index)
         self.capacity = [c.capacity if c.healthy else 0 for c in self.cards]
         self.free = [c.free for c in self.cards]
@@ -178,7 +178,7 @@ def _grow(node: _Node, start: list[int], pool: list[int], key_of: dict[int, floa
     return members
 
 
-def _linked(a: Card, b: Card) -> bool:
+def _linked(a: CardCapacity, b: CardCapacity) -> bool:
     return b.uuid in a.nvlink or a.uuid in b.nvlink
 
 

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class Card:
-    """One card of a node. ``capacity`` and ``used`` are in the plugin's memory unit."""
+class CardCapacity:
+    """What placement sees of one card: its capacity and the units already used of it, in the plugin's
+    memory unit (the inventory's description of a card is :class:`gpushare.cards.Card`)."""
 
     index: int
     uuid: str

@@ -189,7 +189,7 @@ class Sandbox:
         self.container_note = "env read with ExecSync from the running container process"
 
     def _start_node(self, spec: NodeSpec) -> None:
-        from deviceplugin.runtime import start_device_plugin
+        from deviceplugin.wiring import start_device_plugin
 
         self.apiserver_create_node(spec)
         directory = Path(tempfile.mkdtemp(prefix=f"gs-{spec.name[:8]}-", dir="/tmp"))
@@ -208,7 +208,7 @@ class Sandbox:
         self._publish_capacity(spec.name, kubelet)
         if self.containerd is not None:
             from crishim.rewrite import RewriteOptions
-            from crishim.runtime import ShimSettings, start_cri_shim
+            from crishim.wiring import ShimSettings, start_cri_shim
 
             shim_socket = directory / "cri-shim.sock"
             shim_settings = ShimSettings(

@@ -51,9 +51,9 @@ def learned(name: str, pods: Sequence[TracePod]) -> placement.Policy:
     return placement.POLICIES[name]
 
 
-def node_cards(state: ClusterState, row: int) -> list[placement.Card]:
+def node_cards(state: ClusterState, row: int) -> list[placement.CardCapacity]:
     return [
-        placement.Card(index=j, uuid=f"{state.names[row]}/{j}", capacity=int(cap), used=int(cap - free))
+        placement.CardCapacity(index=j, uuid=f"{state.names[row]}/{j}", capacity=int(cap), used=int(cap - free))
         for j, (cap, free) in enumerate(zip(state.capacity[row], state.free[row], strict=True))
         if cap > 0
     ]

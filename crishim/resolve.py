@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from gpushare.assignment import Claim, Holdings, Refusal, check_assignment
 from gpushare.cards import Card
 from gpushare.contract import (
     ANN_ALLOCATION,
@@ -38,7 +39,7 @@ from gpushare.contract import (
 from gpushare.kube.errors import KubeError, KubeNotFound
 from gpushare.kube.objects import get_pod
 from gpushare.pb import cri_pb2
-from gpushare.usage import card_by_minor, node_usage, overcommitted, pod_allocation
+from gpushare.usage import card_by_minor, node_usage, pod_allocation
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,10 @@ class Target:
     def __str__(self) -> str:
         return f"pod {self.pod_key} container {self.container}"
 
+    def claim(self, slices: tuple[CardSlice, ...]) -> Claim:
+        """This container's claim on ``slices``, for :func:`gpushare.assignment.check_assignment`."""
+        return Claim(self.pod_key, self.uid, self.container, slices)
+
 
 @dataclass(frozen=True, slots=True)
 class PluginView:
@@ -83,16 +88,9 @@ class PluginView:
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
-    """The container must not start. ``reason`` is a short metric label."""
-
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class Assignment:
-    """The verdict on one container: no GPU, these cards, or a refusal."""
+class Resolution:
+    """What a container being created resolves to: no GPU, these cards, or a refusal (placement's
+    :class:`gpushare.placement.Assignment` is the scheduler's choice; this is the node's reading of it)."""
 
     target: Target
     wants_gpu: bool
@@ -102,8 +100,8 @@ class Assignment:
     refusal: Refusal | None = None
 
 
-def refuse(target: Target, reason: str, why: str) -> Assignment:
-    return Assignment(target=target, wants_gpu=True, refusal=Refusal(reason, f"{target}: {why}"))
+def refuse(target: Target, reason: str, why: str) -> Resolution:
+    return Resolution(target=target, wants_gpu=True, refusal=Refusal(reason, f"{target}: {why}"))
 
 
 def target_of(request: cri_pb2.CreateContainerRequest) -> Target:
@@ -145,7 +143,7 @@ def plugin_view(config: cri_pb2.ContainerConfig) -> PluginView:
 
 def from_annotations(
     target: Target, annotations: Mapping[str, str], plugin: PluginView, cards: Sequence[Card]
-) -> Assignment | None:
+) -> Resolution | None:
     """The assignment recorded in the sandbox's pod annotations; None when they don't settle it (no
     assignment for a container the plugin served, unreadable or naming a card this node lacks, or
     only env that the pod spec may have set itself).
@@ -156,7 +154,7 @@ def from_annotations(
     if plugin.env_only:
         return None
     if not plugin.served:
-        return Assignment(target=target, wants_gpu=False)
+        return Resolution(target=target, wants_gpu=False)
     if ANN_ALLOCATION in annotations:
         try:
             allocation = parse_allocation(annotations[ANN_ALLOCATION], target.pod_key)
@@ -180,7 +178,7 @@ def from_annotations(
     known = {c.uuid for c in cards}
     if any(s.uuid not in known for s in slices):
         return None
-    return Assignment(
+    return Resolution(
         target=target,
         wants_gpu=True,
         slices=slices,
@@ -196,7 +194,7 @@ def _int_or(text: str | None, default: int | None) -> int | None:
         return default
 
 
-def from_pod(target: Target, pod: Mapping[str, Any], cards: Sequence[Card]) -> Assignment:
+def from_pod(target: Target, pod: Mapping[str, Any], cards: Sequence[Card]) -> Resolution:
     """The assignment from the pod object itself: its spec says whether the container wants a GPU."""
     try:
         request = parse_pod_request(pod)
@@ -204,13 +202,13 @@ def from_pod(target: Target, pod: Mapping[str, Any], cards: Sequence[Card]) -> A
         if container is None:
             return refuse(target, "bad-annotation", "the pod from the API server has no such container")
         if not container.wants_gpu:
-            return Assignment(target=target, wants_gpu=False, source=SOURCE_API)
+            return Resolution(target=target, wants_gpu=False, source=SOURCE_API)
         allocation = pod_allocation(pod, cards)
     except ContractError as exc:
         return refuse(target, "bad-annotation", str(exc))
     if not allocation or target.container not in allocation:
         return refuse(target, "no-assignment", f"requests a GPU but the pod has no card assignment ({ANN_ALLOCATION})")
-    return Assignment(
+    return Resolution(
         target=target,
         wants_gpu=True,
         slices=allocation[target.container],
@@ -238,7 +236,7 @@ class Resolver:
         self._unit = unit
         self._pods = pods
 
-    def resolve(self, request: cri_pb2.CreateContainerRequest, cards: Sequence[Card]) -> Assignment:
+    def resolve(self, request: cri_pb2.CreateContainerRequest, cards: Sequence[Card]) -> Resolution:
         target = target_of(request)
         plugin = plugin_view(request.config)
         found = from_annotations(target, request.sandbox_config.annotations, plugin, cards)
@@ -261,7 +259,7 @@ class Resolver:
             return self._check_capacity(found, cards)
         return found
 
-    def _check_capacity(self, found: Assignment, cards: Sequence[Card]) -> Assignment:
+    def _check_capacity(self, found: Resolution, cards: Sequence[Card]) -> Resolution:
         if self._pods is None:  # --no-api-fetch: the operator chose to trust sandbox_config alone
             return found
         pods = self._pods.node_pods()
@@ -273,11 +271,10 @@ class Resolver:
                 "checked for over-commit",
             )
         used, counted, _ = node_usage(pods, cards)
-        # the pod's own hold is in ``used`` once its annotations are readable; else add this container's
-        counted_already = bool(found.target.uid) and any(p.uid == found.target.uid for p in counted)
-        extra = {s.uuid: 0 if counted_already else s.units for s in found.slices}
-        why = overcommitted(extra, used, {c.uuid: c for c in cards}, self._unit)
-        return found if why is None else refuse(found.target, "overcommit", why)
+        refusal = check_assignment(
+            found.target.claim(found.slices), cards, self._unit, Holdings(used, counted), require_healthy=False
+        )
+        return found if refusal is None else replace(found, refusal=refusal)
 
 
 class CachedPods:

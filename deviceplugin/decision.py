@@ -1,8 +1,8 @@
 """The Allocate decision: check the scheduler's assignment against this node, then build the answer.
 
 Pure: takes the pods on the node and the node's cards, returns what to tell kubelet and what to record
-on the pod, or raises :class:`Refusal`. Whoever wrote the annotations, nothing here trusts them: the
-card must exist on this node, be healthy, and the units held on it by all live pods must fit.
+on the pod, or raises :class:`~gpushare.assignment.Refusal`. Whoever wrote the annotations, nothing
+here trusts them: the container's cards pass :func:`gpushare.assignment.check_assignment` first.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deviceplugin.devices import card_of_device
-from deviceplugin.matching import Match, Skipped, fully_served, match_container
+from deviceplugin.matching import Skipped, fully_served, match_container
+from gpushare.assignment import Claim, Holdings, Refusal, check_assignment, describe
 from gpushare.cards import Card
 from gpushare.contract import (
     ANN_ALLOCATION,
@@ -37,23 +38,7 @@ from gpushare.contract import (
     parse_bool,
     validate_allocation,
 )
-from gpushare.usage import PodCards, node_usage, pod_allocation
-
-
-class Refusal(Exception):
-    """Allocate must fail.
-
-    ``reason`` is a short label for metrics; ``invalid_input`` marks bad annotations (as opposed to a
-    node state that forbids the assignment); ``pod`` is the pod the refusal is about, when known.
-    """
-
-    def __init__(
-        self, reason: str, message: str, *, invalid_input: bool = False, pod: Mapping[str, Any] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.invalid_input = invalid_input
-        self.pod = pod
+from gpushare.usage import node_usage, pod_allocation
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,60 +54,6 @@ class Decision:
     usage: dict[str, int]
     #: pending pods passed over because they can't be read (each gets an Event)
     skipped: tuple[Skipped, ...] = ()
-
-
-def describe(slices: Sequence[CardSlice]) -> str:
-    return ", ".join(f"card {s.index} ({s.uuid})" for s in slices)
-
-
-def _holders(counted: Sequence[PodCards], uuid: str) -> str:
-    held = sorted((pod.key, pod.held.get(uuid, 0)) for pod in counted)
-    return ", ".join(f"{key} ({units})" for key, units in held if units)
-
-
-def check_cards(
-    match: Match,
-    slices: tuple[CardSlice, ...],
-    pods: Sequence[Mapping[str, Any]],
-    cards: Sequence[Card],
-    unit: MemoryUnit,
-) -> dict[str, int]:
-    """Refuse unless every assigned card is here, healthy and not over-committed; returns the usage."""
-    where = f"pod {match.request.key} container {match.container.name}"
-    by_uuid = {c.uuid: c for c in cards}
-    for s in slices:
-        card = by_uuid.get(s.uuid)
-        if card is None:
-            raise Refusal(
-                "unknown-card", f"{where}: assigned card {s.index} ({s.uuid}) is not on this node", pod=match.pod
-            )
-        if card.index != s.index:
-            raise Refusal(
-                "unknown-card",
-                f"{where}: assigned card {s.uuid} is index {card.index} here, not {s.index} as annotated",
-                pod=match.pod,
-            )
-        if not card.healthy:
-            raise Refusal("unhealthy-card", f"{where}: assigned card {s.index} ({s.uuid}) is unhealthy", pod=match.pod)
-        if match.container.exclusive and s.units != unit.units_of(card.memory_mib):
-            raise Refusal(
-                "bad-annotation",
-                f"{where}: requests card {s.index} ({s.uuid}) whole but is assigned {s.units} of its "
-                f"{unit.units_of(card.memory_mib)} unit(s)",
-                invalid_input=True,
-                pod=match.pod,
-            )
-    used, counted, _ = node_usage(pods, cards)
-    for s in slices:
-        capacity = unit.units_of(by_uuid[s.uuid].memory_mib)
-        if used[s.uuid] > capacity:
-            raise Refusal(
-                "overcommit",
-                f"{where}: card {s.index} ({s.uuid}) would be over-committed: live pods on this node claim "
-                f"{used[s.uuid]} of its {capacity} {unit.name} unit(s): {_holders(counted, s.uuid)}",
-                pod=match.pod,
-            )
-    return used
 
 
 def decide(
@@ -154,14 +85,18 @@ def decide(
             "bad-annotation", f"pod {key} container {name}: {exc}", invalid_input=True, pod=match.pod
         ) from None
     slices = allocation[name]
-    usage = check_cards(match, slices, pods, cards, unit)
+    meta = match.pod.get("metadata") or {}
+    usage, counted, _ = node_usage(pods, cards)
+    claim = Claim(key, meta.get("uid", ""), name, slices, exclusive=match.container.exclusive)
+    refusal = check_assignment(claim, cards, unit, Holdings(usage, counted))
+    if refusal is not None:
+        raise refusal.about(match.pod)
 
     served = {**match.served, name: match.served.get(name, frozenset()) | {resource}}
     annotations: dict[str, str] = {ANN_ASSIGNED_CONTAINERS: format_assigned_containers(served)}
     if fully_served(match.request, served):
         annotations[ANN_MEM_ASSIGNED] = format_bool(True)
     card_units = {c.uuid: unit.units_of(c.memory_mib) for c in cards}
-    meta = match.pod.get("metadata") or {}
     return Decision(
         pod=match.pod,
         container=name,

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from crishim.assignment import CachedPods, Resolver, Target
+from crishim.resolve import CachedPods, Resolver, Target
 from crishim.rewrite import RewriteOptions
 from crishim.server import CreateContainerGuard, CriShim, EventSink
 from gpushare.inventory import GpuBackend

@@ -1,0 +1,129 @@
+"""Whether a container's card assignment can be honoured on this node: the one check the device plugin
+(in Allocate) and the CRI shim (in CreateContainer) both apply, and the one way either refuses.
+
+Whoever wrote the assignment, nothing here trusts it: every assigned card must be on this node under
+the index the assignment gives, and the units the node's live pods hold on it must fit its capacity.
+Pure: plain values in, a :class:`Refusal` or None out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpushare.cards import Card
+from gpushare.contract import CardSlice, MemoryUnit
+from gpushare.usage import PodCards
+
+
+class Refusal(Exception):
+    """A container must not get its cards.
+
+    ``reason`` is a short label for metrics; ``invalid_input`` marks bad annotations (as opposed to a
+    node state that forbids the assignment); ``pod`` is the pod the refusal is about, when known. The
+    device plugin raises it; the CRI shim passes it along as a value.
+    """
+
+    def __init__(
+        self, reason: str, message: str, *, invalid_input: bool = False, pod: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.invalid_input = invalid_input
+        self.pod = pod
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+    def about(self, pod: Mapping[str, Any]) -> Refusal:
+        """The same refusal, naming the pod it is about."""
+        return Refusal(self.reason, self.message, invalid_input=self.invalid_input, pod=pod)
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """One container's assigned cards, as the node is asked to honour them."""
+
+    pod: str  # namespace/name
+    uid: str
+    container: str
+    slices: tuple[CardSlice, ...]
+    #: the container asked for whole cards (gpu-count alone), so each slice must be a whole card
+    exclusive: bool = False
+
+    def __str__(self) -> str:
+        return f"pod {self.pod} container {self.container}"
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What the node's live pods hold: units per card UUID and the pods counted (see
+    :func:`gpushare.usage.node_usage`)."""
+
+    used: Mapping[str, int]
+    pods: Sequence[PodCards]
+
+    def holds(self, claim: Claim) -> bool:
+        """Whether ``claim``'s pod is among the pods counted (by uid when known, else by name)."""
+        return any(p.uid == claim.uid if claim.uid else p.key == claim.pod for p in self.pods)
+
+
+def describe(slices: Sequence[CardSlice]) -> str:
+    """``card 0 (GPU-…), card 1 (GPU-…)``: how logs and messages name a container's cards."""
+    return ", ".join(f"card {s.index} ({s.uuid})" for s in slices)
+
+
+def check_assignment(
+    claim: Claim,
+    cards: Sequence[Card],
+    unit: MemoryUnit,
+    holdings: Holdings | None,
+    *,
+    require_healthy: bool = True,
+) -> Refusal | None:
+    """Why ``claim`` can't be honoured on a node with ``cards``, or None when it can.
+
+    ``holdings``: what the node's live pods hold; when the claim's pod isn't among them yet, its
+    slices are added on top. None skips the over-commit check (the caller has no view of the node's
+    pods). ``require_healthy``: a new allocation must land on healthy cards; the CRI shim passes
+    False, because a container re-created in a pod that already holds its cards keeps them, as
+    kubelet keeps a running pod's devices when they turn unhealthy.
+    """
+    by_uuid = {c.uuid: c for c in cards}
+    for s in claim.slices:
+        card = by_uuid.get(s.uuid)
+        if card is None:
+            return Refusal("unknown-card", f"{claim}: assigned card {s.index} ({s.uuid}) is not on this node")
+        if card.index != s.index:
+            return Refusal(
+                "unknown-card",
+                f"{claim}: assigned card {s.uuid} is index {card.index} here, not {s.index} as annotated",
+            )
+        if require_healthy and not card.healthy:
+            return Refusal("unhealthy-card", f"{claim}: assigned card {s.index} ({s.uuid}) is unhealthy")
+        if claim.exclusive and s.units != unit.units_of(card.memory_mib):
+            return Refusal(
+                "bad-annotation",
+                f"{claim}: requests card {s.index} ({s.uuid}) whole but is assigned {s.units} of its "
+                f"{unit.units_of(card.memory_mib)} unit(s)",
+                invalid_input=True,
+            )
+    if holdings is None:
+        return None
+    pending = not holdings.holds(claim)
+    for s in claim.slices:
+        capacity = unit.units_of(by_uuid[s.uuid].memory_mib)
+        claimed = holdings.used.get(s.uuid, 0) + (s.units if pending else 0)
+        if claimed > capacity:
+            holders = sorted((p.key, p.held.get(s.uuid, 0)) for p in holdings.pods)
+            if pending:
+                holders.append((claim.pod, s.units))
+            named = ", ".join(f"{key} ({units})" for key, units in holders if units)
+            return Refusal(
+                "overcommit",
+                f"{claim}: card {s.index} ({s.uuid}) would be over-committed: live pods on this node claim "
+                f"{claimed} of its {capacity} {unit.name} unit(s): {named}",
+            )
+    return None
