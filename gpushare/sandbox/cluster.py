@@ -24,8 +24,21 @@ import grpc
 import yaml
 
 from advertiser.agent import Advertiser
-from gpushare import contract as c
 from gpushare.cards import Card
+from gpushare.contract.inventory import parse_inventory
+from gpushare.contract.names import (
+    ENV_MEM_CONTAINER,
+    ENV_MEM_DEV,
+    ENV_MEM_IDX,
+    ENV_MEM_POD,
+    ENV_VISIBLE_DEVICES,
+    NODE_ANN_INVENTORY,
+    RESOURCE_COUNT,
+    RESOURCE_MEM,
+    RESOURCES,
+)
+from gpushare.contract.request import requests_gpu
+from gpushare.contract.units import GIB
 from gpushare.inspection.model import build_cluster
 from gpushare.inspection.render import render_details, render_table
 from gpushare.inventory import SimulatedBackend
@@ -42,13 +55,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NODES = ("node-a=2xA100-80GB:81920,1xT4:15360", "node-b=1xA100-40GB:40960,2xA10:24576")
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
-GPU_ENV = (c.ENV_VISIBLE_DEVICES, c.ENV_MEM_IDX, c.ENV_MEM_POD, c.ENV_MEM_CONTAINER, c.ENV_MEM_DEV)
+GPU_ENV = (ENV_VISIBLE_DEVICES, ENV_MEM_IDX, ENV_MEM_POD, ENV_MEM_CONTAINER, ENV_MEM_DEV)
 
 
 def devices_listed(kubelet: KubeletEmulator) -> bool:
     """Both resources' first device lists have reached kubelet: before that the node would publish
     ``aliyun.com/gpu-count: 0``, and the original inspect and extender would see no cards."""
-    return all(kubelet.updates(r) > 0 for r in c.RESOURCES) and kubelet.capacity(c.RESOURCE_MEM) > 0
+    return all(kubelet.updates(r) > 0 for r in RESOURCES) and kubelet.capacity(RESOURCE_MEM) > 0
 
 
 class SandboxError(RuntimeError):
@@ -114,8 +127,8 @@ class PublishedCards:
     def cards(self) -> list[Card]:
         from gpushare.kube.objects import get_node
 
-        text = (get_node(self._api, self._node)["metadata"].get("annotations") or {}).get(c.NODE_ANN_INVENTORY)
-        return list(c.parse_inventory(text, self._node).cards) if text else []
+        text = (get_node(self._api, self._node)["metadata"].get("annotations") or {}).get(NODE_ANN_INVENTORY)
+        return list(parse_inventory(text, self._node).cards) if text else []
 
 
 @dataclass
@@ -194,8 +207,8 @@ class Sandbox:
         self.apiserver_create_node(spec)
         directory = Path(tempfile.mkdtemp(prefix=f"gs-{spec.name[:8]}-", dir="/tmp"))
         backend = SimulatedBackend(spec.name, spec.gpus)
-        settings = NodeSettings(spec.name, str(self.kubeconfig), f"sim:{spec.gpus}", directory, c.GIB, frozenset())
-        advertiser = Advertiser(self.api, spec.name, backend, c.GIB)
+        settings = NodeSettings(spec.name, str(self.kubeconfig), f"sim:{spec.gpus}", directory, GIB, frozenset())
+        advertiser = Advertiser(self.api, spec.name, backend, GIB)
         advertiser.start()
         kubelet = KubeletEmulator(directory)
         kubelet.start()
@@ -249,7 +262,7 @@ class Sandbox:
         with log_path.open("w") as log_file:
             proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=fake.env())
         node.stop.insert(0, lambda: (proc.terminate(), proc.wait(10)))
-        if not kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) > 0 and k.capacity(c.RESOURCE_COUNT) > 0, 30):
+        if not kubelet.wait_for(lambda k: k.capacity(RESOURCE_MEM) > 0 and k.capacity(RESOURCE_COUNT) > 0, 30):
             raise SandboxError(f"node {spec.name}: the node agent did not register with kubelet; see {log_path}")
         self._publish_capacity(spec.name, kubelet)
 
@@ -268,8 +281,8 @@ class Sandbox:
         from kubernetes import client
 
         status = {
-            "capacity": {r: str(kubelet.capacity(r)) for r in c.RESOURCES},
-            "allocatable": {r: str(kubelet.allocatable(r)) for r in c.RESOURCES},
+            "capacity": {r: str(kubelet.capacity(r)) for r in RESOURCES},
+            "allocatable": {r: str(kubelet.allocatable(r)) for r in RESOURCES},
         }
         client.CoreV1Api(self.api).patch_node_status(node, {"status": status})
 
@@ -346,7 +359,7 @@ class Sandbox:
     def _schedule(self, pod: dict[str, Any], outcome: PodOutcome) -> str | None:
         node_names = sorted(self.nodes)
         meta = pod["metadata"]
-        if not c.requests_gpu(pod):
+        if not requests_gpu(pod):
             # kube-scheduler calls the extender only for pods that request its managed resources
             node = node_names[0]
             bind_pod(self.api, meta["namespace"], meta["name"], meta.get("uid"), node)
