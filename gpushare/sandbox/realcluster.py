@@ -232,7 +232,7 @@ def render_loopback_conflist() -> str:
 def as_host_network(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """A pod manifest as it must run here: the only network is the host's (CNI has just loopback) and
     deletion needs no grace period; quantities become strings as the API serves them."""
-    from gpushare.sandbox.cluster import with_string_quantities
+    from gpushare.sandbox.examples import with_string_quantities
 
     body = with_string_quantities(manifest)
     spec = body.setdefault("spec", {})

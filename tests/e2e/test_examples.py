@@ -9,7 +9,7 @@ import pytest
 from kubernetes import client
 
 from gpushare.contract.names import ENV_MEM_PREFIX, ENV_VISIBLE_DEVICES, RESOURCE_MEM, VISIBLE_DEVICES_VOID
-from gpushare.sandbox.cluster import load_examples
+from gpushare.sandbox.examples import load_examples
 from gpushare.sandbox.realcluster import RealCluster, as_host_network
 
 from .conftest import API_POLL, NODES, Pods, assert_sees_assigned_cards, wait_until
