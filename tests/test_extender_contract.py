@@ -1,5 +1,6 @@
-"""The extender's wire contract: bodies exactly as kube-scheduler sends and reads them (PROTOCOLS.md §3),
-and pod annotations the original gpushare device plugin can match (PROTOCOLS.md §4)."""
+"""The extender's wire contract: bodies exactly as kube-scheduler sends and reads them (docs/extender.md),
+and pod annotations the original gpushare device plugin can match (docs/operations.md, "What the original
+components read from pods gpushare placed")."""
 
 from __future__ import annotations
 
@@ -181,7 +182,7 @@ def test_prioritize_returns_a_host_priority_list_and_honours_the_pod_policy(ext:
 
 
 def original_plugin_pick(pods: Sequence[Mapping[str, Any]], node: str, request: int) -> Mapping[str, Any] | None:
-    """The original device plugin's matching rule in Allocate (PROTOCOLS.md §4): among the node's Pending
+    """The original device plugin's matching rule in Allocate: among the node's Pending
     gpu-mem pods with ASSIGNED == "false", by ASSUME_TIME, the first whose pod total equals the request."""
     candidates = []
     for pod in pods:
