@@ -11,7 +11,7 @@ import logging
 import threading
 
 from advertiser.publish import node_patch
-from gpushare.contract import MemoryUnit
+from gpushare.contract.units import MemoryUnit
 from gpushare.inventory import GpuBackend, HealthEvent
 from gpushare.kube.errors import KubeError
 from gpushare.kube.objects import get_node, patch_node

@@ -6,7 +6,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpushare.cards import Card
-from gpushare.contract import NODE_ANN_INVENTORY, NODE_LABEL_MODEL, MemoryUnit, format_inventory, format_model_label
+from gpushare.contract.inventory import format_inventory, format_model_label
+from gpushare.contract.names import NODE_ANN_INVENTORY, NODE_LABEL_MODEL
+from gpushare.contract.units import MemoryUnit
 
 
 def node_patch(node: Mapping[str, Any], cards: Sequence[Card], unit: MemoryUnit) -> dict[str, Any] | None:

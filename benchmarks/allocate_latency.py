@@ -29,8 +29,18 @@ from deviceplugin.decision import decide
 from deviceplugin.devices import MAX_MESSAGE_BYTES, DeviceListTooLarge, check_message_size, message_size
 from deviceplugin.plugin import SOCKETS
 from deviceplugin.wiring import RunningPlugin, start_device_plugin
-from gpushare import contract as c
 from gpushare.cards import Card
+from gpushare.contract.aliyun import format_assume_time, format_bool
+from gpushare.contract.allocation import CardSlice, format_allocation
+from gpushare.contract.names import (
+    ANN_ALLOCATION,
+    ANN_MEM_ASSIGNED,
+    ANN_MEM_ASSUME_TIME,
+    ANN_MEM_IDX,
+    ENV_VISIBLE_DEVICES,
+    RESOURCE_MEM,
+)
+from gpushare.contract.units import GIB, parse_unit
 from gpushare.inventory import SimulatedBackend
 from gpushare.kube.transport import load_api
 from gpushare.pb import deviceplugin_pb2 as pb
@@ -46,21 +56,21 @@ TARGET_P99_MS = 10.0
 
 
 def pod(name: str, card: Card, units: int, assume_ns: int) -> dict[str, Any]:
-    allocation = {"main": (c.CardSlice(card.index, card.uuid, units),)}
+    allocation = {"main": (CardSlice(card.index, card.uuid, units),)}
     return {
         "metadata": {
             "name": name,
             "namespace": "default",
             "annotations": {
-                c.ANN_ALLOCATION: c.format_allocation(allocation),
-                c.ANN_MEM_IDX: str(card.index),
-                c.ANN_MEM_ASSIGNED: c.format_bool(False),
-                c.ANN_MEM_ASSUME_TIME: c.format_assume_time(assume_ns),
+                ANN_ALLOCATION: format_allocation(allocation),
+                ANN_MEM_IDX: str(card.index),
+                ANN_MEM_ASSIGNED: format_bool(False),
+                ANN_MEM_ASSUME_TIME: format_assume_time(assume_ns),
             },
         },
         "spec": {
             "nodeName": NODE,
-            "containers": [{"name": "main", "image": "busybox", "resources": {"limits": {c.RESOURCE_MEM: str(units)}}}],
+            "containers": [{"name": "main", "image": "busybox", "resources": {"limits": {RESOURCE_MEM: str(units)}}}],
         },
     }
 
@@ -87,14 +97,14 @@ def run_round(
     decisions, full = [], []
     for name, card, units, _ in plan:
         started = time.perf_counter()
-        decision = decide(running.allocator.pods(), NODE, c.RESOURCE_MEM, units, cards, c.GIB)
+        decision = decide(running.allocator.pods(), NODE, RESOURCE_MEM, units, cards, GIB)
         decisions.append(time.perf_counter() - started)
         assert decision.pod["metadata"]["name"] == name, (decision.pod["metadata"]["name"], name)
         request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["x"] * units)])
         started = time.perf_counter()
         reply = stub.Allocate(request, timeout=10)
         full.append(time.perf_counter() - started)
-        assert reply.container_responses[0].envs[c.ENV_VISIBLE_DEVICES] == card.uuid
+        assert reply.container_responses[0].envs[ENV_VISIBLE_DEVICES] == card.uuid
     return decisions, full
 
 
@@ -110,7 +120,7 @@ def percentiles(samples: list[float]) -> dict[str, float]:
 def listandwatch_sizes(cards: list[Card]) -> list[dict[str, Any]]:
     rows = []
     for name in UNITS:
-        unit = c.parse_unit(name)
+        unit = parse_unit(name)
         try:
             check_message_size(cards, unit)
             verdict = "accepted"
@@ -136,12 +146,12 @@ def main() -> int:
     cards = backend.cards()
     kubelet = KubeletEmulator(workdir)
     kubelet.start()
-    settings = NodeSettings(NODE, None, f"sim:{SPEC}", workdir, c.GIB, frozenset())
+    settings = NodeSettings(NODE, None, f"sim:{SPEC}", workdir, GIB, frozenset())
     running = start_device_plugin(settings, backend, api)
     try:
         running.cache.wait_synced(10)
-        kubelet.wait_registered(c.RESOURCE_MEM, 10)
-        channel = grpc.insecure_channel(f"unix://{workdir / SOCKETS[c.RESOURCE_MEM]}")
+        kubelet.wait_registered(RESOURCE_MEM, 10)
+        channel = grpc.insecure_channel(f"unix://{workdir / SOCKETS[RESOURCE_MEM]}")
         stub = pb_grpc.DevicePluginStub(channel)
         run_round(core, running, stub, cards, min(args.pods, 10))  # warm-up: connections, imports, caches
         decisions, full = [], []

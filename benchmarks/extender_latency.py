@@ -38,7 +38,10 @@ from typing import Any
 
 from kubernetes import client
 
-from gpushare import contract as c
+from gpushare.contract.allocation import CardSlice, format_allocation
+from gpushare.contract.inventory import format_inventory
+from gpushare.contract.names import ANN_ALLOCATION, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
+from gpushare.contract.units import GIB
 from gpushare.inventory import simulated_cards
 from gpushare.kube.objects import get_pod
 from gpushare.kube.transport import load_api
@@ -82,9 +85,9 @@ def percentile(samples: list[float], q: float) -> float:
 def pod_body(name: str, mem: int, count: int) -> dict[str, Any]:
     limits = {}
     if mem:
-        limits[c.RESOURCE_MEM] = str(mem)
+        limits[RESOURCE_MEM] = str(mem)
     if count:
-        limits[c.RESOURCE_COUNT] = str(count)
+        limits[RESOURCE_COUNT] = str(count)
     return {
         "metadata": {"name": name, "namespace": "default"},
         "spec": {"containers": [{"name": "main", "image": "busybox", "resources": {"limits": limits}}]},
@@ -101,10 +104,10 @@ def running_pod(name: str, node: str, uuids: list[str], free: list[int], shape: 
         return None
     for i in chosen:
         free[i] -= need
-    slices = tuple(c.CardSlice(i, uuids[i], need) for i in chosen)
+    slices = tuple(CardSlice(i, uuids[i], need) for i in chosen)
     pod = pod_body(name, mem, count)
     pod["spec"]["nodeName"] = node
-    pod["metadata"]["annotations"] = {c.ANN_ALLOCATION: c.format_allocation({"main": slices})}
+    pod["metadata"]["annotations"] = {ANN_ALLOCATION: format_allocation({"main": slices})}
     return pod
 
 
@@ -167,7 +170,7 @@ def main() -> int:
         for name in names:
             cards = simulated_cards(name, f"8xA100-80GB:{CARD_UNITS * 1024}")
             uuids[name] = [card.uuid for card in cards]
-            annotations = {c.NODE_ANN_INVENTORY: c.format_inventory(cards, c.GIB)}
+            annotations = {NODE_ANN_INVENTORY: format_inventory(cards, GIB)}
             core.create_node({"metadata": {"name": name, "annotations": annotations}})
         placed = fill(core, names, uuids, args.running, rng)
         print(f"{args.nodes} nodes x 8 cards and {placed} running pods created in {time.perf_counter() - started:.1f}s")

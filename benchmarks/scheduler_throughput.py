@@ -33,7 +33,9 @@ import yaml
 from kubernetes import client
 
 from deviceplugin.devices import count_replicas
-from gpushare import contract as c
+from gpushare.contract.inventory import format_inventory
+from gpushare.contract.names import ANN_ALLOCATION, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
+from gpushare.contract.units import GIB
 from gpushare.inventory import simulated_cards
 from gpushare.kube.watch import WatchCache
 from gpushare.sandbox.realcluster import (
@@ -64,14 +66,14 @@ def node_body(name: str, gpus: str) -> tuple[dict[str, Any], dict[str, Any]]:
         "cpu": "64",
         "memory": "512Gi",
         "pods": "110",
-        c.RESOURCE_MEM: str(sum(c.GIB.units_of(card.memory_mib) for card in cards)),
-        c.RESOURCE_COUNT: str(sum(count_replicas(card, c.GIB) for card in cards)),
+        RESOURCE_MEM: str(sum(GIB.units_of(card.memory_mib) for card in cards)),
+        RESOURCE_COUNT: str(sum(count_replicas(card, GIB) for card in cards)),
     }
     node = {
         "metadata": {
             "name": name,
             "labels": {"kubernetes.io/hostname": name},
-            "annotations": {c.NODE_ANN_INVENTORY: c.format_inventory(cards, c.GIB)},
+            "annotations": {NODE_ANN_INVENTORY: format_inventory(cards, GIB)},
         }
     }
     status = {
@@ -86,9 +88,9 @@ def pod_body(name: str, run: str, shape: tuple[int, int]) -> dict[str, Any]:
     mem, count = shape
     limits = {"cpu": "100m", "memory": "64Mi"}
     if mem:
-        limits[c.RESOURCE_MEM] = str(mem)
+        limits[RESOURCE_MEM] = str(mem)
     if count:
-        limits[c.RESOURCE_COUNT] = str(count)
+        limits[RESOURCE_COUNT] = str(count)
     return {
         "metadata": {"name": name, "namespace": NAMESPACE, "labels": {RUN_LABEL: run}},
         "spec": {
@@ -167,7 +169,7 @@ def run_once(
         watch.stop()
     if extender_url is not None:
         placed = [p for p in core.list_namespaced_pod(NAMESPACE, label_selector=f"{RUN_LABEL}={run}").items
-                  if c.ANN_ALLOCATION in (p.metadata.annotations or {})]  # fmt: skip
+                  if ANN_ALLOCATION in (p.metadata.annotations or {})]  # fmt: skip
         if len(placed) != args.pods:
             raise ClusterError(f"run {run}: only {len(placed)} of {args.pods} pods carry the extender's allocation")
     core.delete_collection_namespaced_pod(NAMESPACE, label_selector=f"{RUN_LABEL}={run}", grace_period_seconds=0)

@@ -15,7 +15,10 @@ from typing import Any, Protocol
 
 from gpushare.assignment import Claim, Holdings, Refusal, check_assignment
 from gpushare.cards import Card
-from gpushare.contract import (
+from gpushare.contract.aliyun import parse_card_index
+from gpushare.contract.allocation import CardSlice, parse_allocation
+from gpushare.contract.errors import ContractError
+from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_FRAMEWORK_ALLOCATION,
     ANN_MEM_IDX,
@@ -29,13 +32,9 @@ from gpushare.contract import (
     ENV_MEM_CONTAINER,
     ENV_MEM_POD,
     ENV_VISIBLE_DEVICES,
-    CardSlice,
-    ContractError,
-    MemoryUnit,
-    parse_allocation,
-    parse_card_index,
-    parse_pod_request,
 )
+from gpushare.contract.request import parse_pod_request
+from gpushare.contract.units import MemoryUnit
 from gpushare.kube.errors import KubeError, KubeNotFound
 from gpushare.kube.objects import get_pod
 from gpushare.pb import cri_pb2

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from crishim.resolve import Resolution, plugin_view
 from gpushare.assignment import Refusal, check_assignment, describe
 from gpushare.cards import Card
-from gpushare.contract import (
+from gpushare.contract.env import assigned_env
+from gpushare.contract.names import (
     CDI_KIND,
     CTR_ANN_CARDS,
     CTR_ANN_CONTAINER,
@@ -25,11 +26,10 @@ from gpushare.contract import (
     DEV_CONTROL_FILES,
     ENV_VISIBLE_DEVICES,
     VISIBLE_DEVICES_VOID,
-    MemoryUnit,
-    assigned_env,
     cdi_device_name,
     device_file,
 )
+from gpushare.contract.units import MemoryUnit
 from gpushare.pb import cri_pb2
 
 _CARD_DEVICE = re.compile(r"^/dev/nvidia[0-9]+$")

@@ -23,7 +23,8 @@ from crishim.rewrite import RewriteOptions, rewrite
 from crishim.splice import Forward, Refuse, Splice, Verdict
 from gpushare.assignment import describe
 from gpushare.cards import Card
-from gpushare.contract import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID, MemoryUnit
+from gpushare.contract.names import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID
+from gpushare.contract.units import MemoryUnit
 from gpushare.pb import cri_pb2
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,9 @@ from deviceplugin.decision import Decision, booked_cards_note, decide, node_env,
 from deviceplugin.metrics import ALLOCATE_FAILURES, ALLOCATE_LATENCY, publish_card_usage
 from gpushare.assignment import Refusal, describe
 from gpushare.cards import Card
-from gpushare.contract import ENV_CGPU_DISABLE, MemoryUnit, pod_key
+from gpushare.contract.names import ENV_CGPU_DISABLE
+from gpushare.contract.request import pod_key
+from gpushare.contract.units import MemoryUnit
 from gpushare.kube.errors import KubeError, KubeUnavailable
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import get_node, list_pods, patch_pod

@@ -15,7 +15,11 @@ from deviceplugin.devices import card_of_device
 from deviceplugin.matching import Skipped, fully_served, match_container
 from gpushare.assignment import Claim, Holdings, Refusal, check_assignment, describe
 from gpushare.cards import Card
-from gpushare.contract import (
+from gpushare.contract.aliyun import format_bool, parse_bool
+from gpushare.contract.allocation import CardSlice, format_assigned_containers, validate_allocation
+from gpushare.contract.env import assigned_env
+from gpushare.contract.errors import AnnotationError, ContractError
+from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_ASSIGNED_CONTAINERS,
     ANN_FRAMEWORK_ALLOCATION,
@@ -28,16 +32,8 @@ from gpushare.contract import (
     ENV_CGPU_DISABLE,
     NODE_LABEL_CGPU_DISABLE,
     RESOURCE_COUNT,
-    AnnotationError,
-    CardSlice,
-    ContractError,
-    MemoryUnit,
-    assigned_env,
-    format_assigned_containers,
-    format_bool,
-    parse_bool,
-    validate_allocation,
 )
+from gpushare.contract.units import MemoryUnit
 from gpushare.usage import node_usage, pod_allocation
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from gpushare.cards import Card
-from gpushare.contract import RESOURCE_COUNT, RESOURCE_MEM, MemoryUnit, format_unit
+from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM
+from gpushare.contract.units import MemoryUnit, format_unit
 from gpushare.pb import deviceplugin_pb2 as pb
 
 HEALTHY = "Healthy"

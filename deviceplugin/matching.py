@@ -12,7 +12,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.contract import (
+from gpushare.contract.aliyun import parse_assume_time, parse_bool
+from gpushare.contract.allocation import parse_assigned_containers
+from gpushare.contract.errors import AnnotationError, ContractError
+from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_ASSIGNED_CONTAINERS,
     ANN_MEM_ASSIGNED,
@@ -20,17 +23,8 @@ from gpushare.contract import (
     ANN_MEM_IDX,
     RESOURCE_COUNT,
     RESOURCE_MEM,
-    AnnotationError,
-    ContainerRequest,
-    ContractError,
-    PodRequest,
-    annotations_of,
-    parse_assigned_containers,
-    parse_assume_time,
-    parse_bool,
-    parse_pod_request,
-    pod_key,
 )
+from gpushare.contract.request import ContainerRequest, PodRequest, annotations_of, parse_pod_request, pod_key
 
 #: annotations that show a gpushare scheduler (ours or the original) has placed the pod
 SCHEDULED_MARKERS = (ANN_ALLOCATION, ANN_MEM_IDX, ANN_MEM_ASSUME_TIME)

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from prometheus_client import Counter, Gauge, Histogram
 
 from gpushare.cards import Card
-from gpushare.contract import MemoryUnit
+from gpushare.contract.units import MemoryUnit
 
 ALLOCATE_LATENCY = Histogram(
     "gpushare_allocate_seconds",

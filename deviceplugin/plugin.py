@@ -23,7 +23,8 @@ import grpc
 from deviceplugin.allocator import Allocator
 from deviceplugin.server import DeviceState, ResourceService
 from gpushare.cards import Card
-from gpushare.contract import RESOURCE_COUNT, RESOURCE_MEM, MemoryUnit
+from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM
+from gpushare.contract.units import MemoryUnit
 from gpushare.inventory import GpuBackend, HealthEvent
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc

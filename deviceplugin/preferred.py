@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from deviceplugin.devices import card_of_device
 from gpushare import placement
 from gpushare.cards import Card
-from gpushare.contract import RESOURCE_MEM
+from gpushare.contract.names import RESOURCE_MEM
 
 BINPACK = placement.POLICIES["binpack"]
 

@@ -14,7 +14,7 @@ from deviceplugin.devices import device_list
 from deviceplugin.preferred import preferred_ids
 from gpushare.assignment import Refusal
 from gpushare.cards import Card
-from gpushare.contract import MemoryUnit
+from gpushare.contract.units import MemoryUnit
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from deviceplugin.allocator import Allocator
 from deviceplugin.devices import REPLICAS_PER_UNIT, DeviceListTooLarge, check_message_size
 from deviceplugin.plugin import DevicePlugin
-from gpushare.contract import MemoryUnit
+from gpushare.contract.units import MemoryUnit
 from gpushare.inventory import GpuBackend
 from gpushare.kube.transport import load_api
 from gpushare.kube.watch import WatchCache, node_pod_cache

@@ -32,7 +32,11 @@ from extender.cache import ClusterCache, demands_of, placement_cards
 from extender.engine import PlacementEngine
 from extender.metrics import BIND_FAILURES
 from gpushare import placement
-from gpushare.contract import (
+from gpushare.contract.aliyun import format_assume_time, format_bool, format_framework_allocation
+from gpushare.contract.allocation import Allocation, CardSlice, format_allocation
+from gpushare.contract.errors import ContractError, quoted
+from gpushare.contract.inventory import NodeInventory
+from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_FRAMEWORK_ALLOCATION,
     ANN_MEM_ASSIGNED,
@@ -43,21 +47,9 @@ from gpushare.contract import (
     NODE_ANN_BIND_SEQUENCE,
     NODE_ANN_PENDING_BINDS,
     PLACEMENT_ANNOTATIONS,
-    Allocation,
-    CardSlice,
-    ContractError,
-    NodeInventory,
-    PendingBind,
-    annotations_of,
-    format_allocation,
-    format_assume_time,
-    format_bool,
-    format_framework_allocation,
-    format_pending_binds,
-    parse_pending_binds,
-    parse_pod_request,
-    quoted,
 )
+from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
+from gpushare.contract.request import annotations_of, parse_pod_request
 from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import bind_pod, get_node, get_pod, list_pods, patch_node

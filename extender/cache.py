@@ -18,21 +18,18 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from gpushare import placement
-from gpushare.contract import (
+from gpushare.contract.aliyun import parse_fenced_cards
+from gpushare.contract.errors import ContractError
+from gpushare.contract.inventory import NodeInventory
+from gpushare.contract.names import (
     FENCE_CONFIGMAP_KEY,
     FENCE_CONFIGMAP_NAMESPACE,
     FENCE_CONFIGMAP_PREFIX,
     PLACEMENT_ANNOTATIONS,
     RESOURCE_CPU,
     RESOURCE_MEMORY,
-    ContractError,
-    NodeInventory,
-    annotations_of,
-    effective_request,
-    parse_fenced_cards,
-    parse_pod_request,
-    pod_key,
 )
+from gpushare.contract.request import annotations_of, effective_request, parse_pod_request, pod_key
 from gpushare.kube.watch import WatchCache
 from gpushare.usage import holds_resources, node_inventory, node_usage
 

@@ -17,7 +17,9 @@ from extender.cache import CachedNode, ClusterCache
 from extender.matrix import CostMemo, NodeMatrix
 from extender.wire import NodeNames
 from gpushare import placement
-from gpushare.contract import ANN_POLICY, ContractError, annotations_of, pod_key
+from gpushare.contract.errors import ContractError
+from gpushare.contract.names import ANN_POLICY
+from gpushare.contract.request import annotations_of, pod_key
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare import placement
-from gpushare.contract import parse_pod_request
+from gpushare.contract.request import parse_pod_request
 
 
 def init_names(pod: Mapping[str, Any]) -> frozenset[str]:

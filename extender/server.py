@@ -17,7 +17,7 @@ from extender.engine import PlacementEngine
 from extender.metrics import CARD_ALLOCATED, CARD_TOTAL, VERB_LATENCY
 from extender.verbs import filter_result, host_prioritize_result, preempt_result, prioritize_result
 from extender.wire import BadRequest, encode
-from gpushare.contract import quoted
+from gpushare.contract.errors import quoted
 from gpushare.observability import health_reply
 from gpushare.tlshttp import HttpServer, Limits, Reply, Request
 from gpushare.usage import node_usage

@@ -15,7 +15,8 @@ from extender.cache import CachedNode, ClusterCache, demands_of, host_request, p
 from extender.engine import PlacementEngine
 from extender.wire import NodeNames, Raw, candidate_names, check_victims, request_pod
 from gpushare import placement
-from gpushare.contract import ContractError, pod_key
+from gpushare.contract.errors import ContractError
+from gpushare.contract.request import pod_key
 
 log = logging.getLogger(__name__)
 

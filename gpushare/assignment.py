@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare.cards import Card
-from gpushare.contract import CardSlice, MemoryUnit
+from gpushare.contract.allocation import CardSlice
+from gpushare.contract.units import MemoryUnit
 from gpushare.usage import PodCards
 
 

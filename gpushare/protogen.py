@@ -1,7 +1,8 @@
 """Regenerate the Python gRPC stubs in gpushare/pb from the .proto files under proto/.
 
 Run ``python -m gpushare.protogen`` from the repository root after editing a .proto file. The test
-suite fails while the committed stubs differ from what this produces.
+suite fails while the committed stubs differ from what this produces. protoc comes from grpcio-tools,
+which only this needs: the ``protogen`` extra (and the ``test`` extra) installs it.
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from grpc_tools import protoc
+try:
+    from grpc_tools import protoc
+except ImportError:
+    raise ImportError("gpushare.protogen needs grpcio-tools: pip install -e '.[protogen]'") from None
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"

@@ -11,7 +11,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpushare.contract import ENV_NODE_NAME, ContractError, MemoryUnit, parse_unit
+from gpushare.contract.errors import ContractError
+from gpushare.contract.names import ENV_NODE_NAME
+from gpushare.contract.units import MemoryUnit, parse_unit
 from gpushare.inventory import (
     DEFAULT_IGNORED_XIDS,
     DEFAULT_NVML_RECOVERY,

@@ -29,31 +29,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare.cards import Card
-from gpushare.contract import (
+from gpushare.contract.aliyun import parse_card_index
+from gpushare.contract.allocation import Allocation, CardSlice, parse_allocation
+from gpushare.contract.errors import AnnotationError, ContractError, json_object, quoted
+from gpushare.contract.inventory import NodeInventory, parse_inventory
+from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_FRAMEWORK_ALLOCATION,
     ANN_MEM_IDX,
-    GIB,
     NODE_ANN_INVENTORY,
     RESOURCE_COUNT,
     RESOURCE_MEM,
-    Allocation,
-    AnnotationError,
-    CardSlice,
-    ContractError,
-    MemoryUnit,
-    NodeInventory,
-    PodRequest,
-    annotations_of,
-    effective_request,
-    json_object,
-    parse_allocation,
-    parse_card_index,
-    parse_inventory,
-    parse_pod_request,
-    pod_key,
-    quoted,
 )
+from gpushare.contract.request import PodRequest, annotations_of, effective_request, parse_pod_request, pod_key
+from gpushare.contract.units import GIB, MemoryUnit
 
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
 MIB = MemoryUnit(1)

@@ -6,8 +6,16 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from gpushare import contract as c
 from gpushare.cards import Card
+from gpushare.contract.allocation import CardSlice, format_allocation
+from gpushare.contract.names import (
+    ANN_ALLOCATION,
+    ANN_MEM_ASSIGNED,
+    ANN_MEM_ASSUME_TIME,
+    ANN_MEM_IDX,
+    RESOURCE_COUNT,
+    RESOURCE_MEM,
+)
 
 _assume = itertools.count(1_700_000_000_000_000_000, 1_000)
 
@@ -15,17 +23,17 @@ _assume = itertools.count(1_700_000_000_000_000_000, 1_000)
 def container(name: str, mem: int = 0, count: int = 0, env: dict[str, str] | None = None) -> dict[str, Any]:
     limits = {}
     if mem:
-        limits[c.RESOURCE_MEM] = str(mem)
+        limits[RESOURCE_MEM] = str(mem)
     if count:
-        limits[c.RESOURCE_COUNT] = str(count)
+        limits[RESOURCE_COUNT] = str(count)
     spec: dict[str, Any] = {"name": name, "image": "busybox", "resources": {"limits": limits}}
     if env:
         spec["env"] = [{"name": k, "value": v} for k, v in env.items()]
     return spec
 
 
-def slices(cards: Sequence[Card], units: int) -> tuple[c.CardSlice, ...]:
-    return tuple(c.CardSlice(card.index, card.uuid, units) for card in cards)
+def slices(cards: Sequence[Card], units: int) -> tuple[CardSlice, ...]:
+    return tuple(CardSlice(card.index, card.uuid, units) for card in cards)
 
 
 def gpu_pod(
@@ -33,7 +41,7 @@ def gpu_pod(
     containers: Sequence[dict[str, Any]],
     *,
     node: str | None = "n1",
-    allocation: dict[str, tuple[c.CardSlice, ...]] | None = None,
+    allocation: dict[str, tuple[CardSlice, ...]] | None = None,
     original_index: int | None = None,
     assume_ns: int | None = None,
     init: Sequence[dict[str, Any]] = (),
@@ -48,14 +56,14 @@ def gpu_pod(
     """
     annotations: dict[str, str] = {}
     if allocation is not None or original_index is not None:
-        annotations[c.ANN_MEM_ASSIGNED] = "false"
-        annotations[c.ANN_MEM_ASSUME_TIME] = str(assume_ns if assume_ns is not None else next(_assume))
+        annotations[ANN_MEM_ASSIGNED] = "false"
+        annotations[ANN_MEM_ASSUME_TIME] = str(assume_ns if assume_ns is not None else next(_assume))
     if allocation is not None:
-        annotations[c.ANN_ALLOCATION] = c.format_allocation(allocation)
+        annotations[ANN_ALLOCATION] = format_allocation(allocation)
         first = next(iter(allocation.values()))[0]
-        annotations[c.ANN_MEM_IDX] = str(first.index)
+        annotations[ANN_MEM_IDX] = str(first.index)
     if original_index is not None:
-        annotations[c.ANN_MEM_IDX] = str(original_index)
+        annotations[ANN_MEM_IDX] = str(original_index)
     annotations.update(extra_annotations or {})
     spec: dict[str, Any] = {"containers": list(containers)}
     if init:

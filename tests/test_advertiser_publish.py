@@ -10,7 +10,9 @@ from kubernetes import client
 
 from advertiser.agent import Advertiser
 from advertiser.publish import node_patch
-from gpushare import contract as c
+from gpushare.contract.inventory import NodeInventory, format_inventory, parse_inventory
+from gpushare.contract.names import NODE_ANN_INVENTORY, NODE_LABEL_MODEL
+from gpushare.contract.units import GIB
 from gpushare.inventory import SimulatedBackend, simulated_cards
 from gpushare.kube.objects import get_node
 from gpushare.kube.retry import Backoff
@@ -19,25 +21,25 @@ from gpushare.sandbox.apiserver import ApiServer
 SPEC = "2xA100-80GB:81920,1xT4:15360"
 
 
-def inventory(api: client.ApiClient) -> c.NodeInventory:
-    return c.parse_inventory(get_node(api, "n1")["metadata"]["annotations"][c.NODE_ANN_INVENTORY], "n1")
+def inventory(api: client.ApiClient) -> NodeInventory:
+    return parse_inventory(get_node(api, "n1")["metadata"]["annotations"][NODE_ANN_INVENTORY], "n1")
 
 
 @pytest.fixture
 def node(core_v1: client.CoreV1Api) -> None:
-    core_v1.create_node({"metadata": {"name": "n1", "labels": {c.NODE_LABEL_MODEL: "stale"}}})
+    core_v1.create_node({"metadata": {"name": "n1", "labels": {NODE_LABEL_MODEL: "stale"}}})
 
 
 def test_publishes_every_card_field_and_the_model_label(kube_api: client.ApiClient, node: None) -> None:
     backend = SimulatedBackend("n1", SPEC)
-    assert Advertiser(kube_api, "n1", backend, c.GIB).publish_once() is True
+    assert Advertiser(kube_api, "n1", backend, GIB).publish_once() is True
     inv = inventory(kube_api)
-    assert inv.unit == c.GIB and inv.cards == tuple(backend.cards())
-    assert get_node(kube_api, "n1")["metadata"]["labels"][c.NODE_LABEL_MODEL] == "A100-80GB_T4"
+    assert inv.unit == GIB and inv.cards == tuple(backend.cards())
+    assert get_node(kube_api, "n1")["metadata"]["labels"][NODE_LABEL_MODEL] == "A100-80GB_T4"
 
 
 def test_no_patch_when_nothing_changed(kube_api: client.ApiClient, node: None) -> None:
-    advertiser = Advertiser(kube_api, "n1", SimulatedBackend("n1", SPEC), c.GIB)
+    advertiser = Advertiser(kube_api, "n1", SimulatedBackend("n1", SPEC), GIB)
     advertiser.publish_once()
     rv = get_node(kube_api, "n1")["metadata"]["resourceVersion"]
     assert advertiser.publish_once() is False
@@ -48,21 +50,21 @@ def test_cards_that_disappear_drop_out_and_the_label_goes_with_the_last() -> Non
     cards = simulated_cards("n1", SPEC)
     published = {
         "metadata": {
-            "annotations": {c.NODE_ANN_INVENTORY: c.format_inventory(cards, c.GIB)},
-            "labels": {c.NODE_LABEL_MODEL: "A100-80GB_T4"},
+            "annotations": {NODE_ANN_INVENTORY: format_inventory(cards, GIB)},
+            "labels": {NODE_LABEL_MODEL: "A100-80GB_T4"},
         }
     }
-    patch = node_patch(published, cards[:2], c.GIB)
-    kept = c.parse_inventory(patch["metadata"]["annotations"][c.NODE_ANN_INVENTORY])
+    patch = node_patch(published, cards[:2], GIB)
+    kept = parse_inventory(patch["metadata"]["annotations"][NODE_ANN_INVENTORY])
     assert [card.uuid for card in kept.cards] == [cards[0].uuid, cards[1].uuid]
-    assert patch["metadata"]["labels"] == {c.NODE_LABEL_MODEL: "A100-80GB"}
-    assert node_patch(published, [], c.GIB)["metadata"]["labels"] == {c.NODE_LABEL_MODEL: None}
+    assert patch["metadata"]["labels"] == {NODE_LABEL_MODEL: "A100-80GB"}
+    assert node_patch(published, [], GIB)["metadata"]["labels"] == {NODE_LABEL_MODEL: None}
 
 
 @pytest.fixture
 def running(kube_api: client.ApiClient, node: None) -> Iterator[tuple[Advertiser, SimulatedBackend]]:
     backend = SimulatedBackend("n1", SPEC)
-    advertiser = Advertiser(kube_api, "n1", backend, c.GIB, interval=3600, backoff=Backoff(initial=0.05, maximum=0.2))
+    advertiser = Advertiser(kube_api, "n1", backend, GIB, interval=3600, backoff=Backoff(initial=0.05, maximum=0.2))
     advertiser.start()
     yield advertiser, backend
     advertiser.stop()

@@ -43,7 +43,9 @@ from crishim.metrics import CORRECTIONS, REFUSALS
 from crishim.rewrite import RewriteOptions
 from crishim.server import EVENT_CORRECTED
 from crishim.wiring import RunningShim, ShimSettings, start_cri_shim
-from gpushare.contract import (
+from gpushare.contract.allocation import CardSlice, format_allocation
+from gpushare.contract.env import assigned_env
+from gpushare.contract.names import (
     ANN_ALLOCATION,
     CRI_LABEL_CONTAINER_NAME,
     CRI_LABEL_POD_NAME,
@@ -55,13 +57,10 @@ from gpushare.contract import (
     CTR_ANN_POD_UID,
     ENV_MEM_IDX,
     ENV_VISIBLE_DEVICES,
-    GIB,
     RESOURCE_MEM,
     VISIBLE_DEVICES_VOID,
-    CardSlice,
-    assigned_env,
-    format_allocation,
 )
+from gpushare.contract.units import GIB
 from gpushare.inventory import SimulatedBackend
 from gpushare.pb import cri_pb2 as pb
 from gpushare.pb import cri_pb2_grpc as pb_grpc

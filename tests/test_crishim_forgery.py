@@ -21,7 +21,8 @@ from test_crishim_rewrite import (
 
 from crishim.resolve import CachedPods, Resolver, Target
 from crishim.rewrite import RewriteOptions, rewrite
-from gpushare.contract import ANN_MEM_IDX, ENV_MEM_CONTAINER, ENV_MEM_IDX, ENV_VISIBLE_DEVICES, GIB
+from gpushare.contract.names import ANN_MEM_IDX, ENV_MEM_CONTAINER, ENV_MEM_IDX, ENV_VISIBLE_DEVICES
+from gpushare.contract.units import GIB
 
 SIDECAR = Target(POD.namespace, POD.pod, POD.uid, "sidecar")
 

@@ -22,7 +22,9 @@ from crishim.rewrite import RewriteOptions, rewrite
 from crishim.server import CreateContainerGuard
 from crishim.splice import Forward, Refuse
 from gpushare.assignment import Refusal
-from gpushare.contract import (
+from gpushare.contract.allocation import CardSlice, format_allocation
+from gpushare.contract.env import assigned_env
+from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_MEM_IDX,
     CDI_KIND,
@@ -37,15 +39,12 @@ from gpushare.contract import (
     ENV_MEM_IDX,
     ENV_MEM_POD,
     ENV_VISIBLE_DEVICES,
-    GIB,
     RESOURCE_MEM,
     VISIBLE_DEVICES_VOID,
-    CardSlice,
-    assigned_env,
     cdi_device_name,
     device_file,
-    format_allocation,
 )
+from gpushare.contract.units import GIB
 from gpushare.inventory import simulated_cards
 from gpushare.kube.errors import KubeUnavailable
 from gpushare.pb import cri_pb2

@@ -11,7 +11,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gpushare import contract as c
+from gpushare.contract.names import ENV_NODE_NAME, ENV_VISIBLE_DEVICES, RESOURCE_MEM, RESOURCES
+from gpushare.contract.request import parse_pod_request
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 KUBERNETES_VERSION = "1.30"
@@ -159,7 +160,7 @@ def test_node_agent_daemonset() -> None:
     runtime = next(a.split("=", 1)[1] for a in container["args"] if a.startswith("--runtime="))
     assert urlparse(runtime).path.startswith(mounted["/run/containerd"] + "/")
     env = {e["name"]: e for e in container["env"]}
-    assert env[c.ENV_NODE_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env[ENV_NODE_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert probe_paths(container) == {"/healthz", "/readyz"}
     assert container["resources"]["requests"].keys() >= {"cpu", "memory"}
 
@@ -227,7 +228,7 @@ def example_pods() -> dict[str, dict[str, Any]]:
 
 
 def test_examples_cover_every_case() -> None:
-    requests = {name: c.parse_pod_request(p) for name, p in example_pods().items()}
+    requests = {name: parse_pod_request(p) for name, p in example_pods().items()}
     single = [r for r in requests.values() if len(r.gpu_containers) == 1 and r.gpu_containers[0].cards == 1]
     assert len([r for r in single if r.effective_mem <= 16]) >= 2, "two shared single-card pods"
     assert any(len(r.gpu_containers) >= 2 for r in requests.values()), "a multi-container pod"
@@ -240,7 +241,7 @@ def test_examples_cover_every_case() -> None:
         for name, p in example_pods().items()
         if not requests[name].gpu_containers
         and any(
-            e.get("name") == c.ENV_VISIBLE_DEVICES and e.get("value") == "all"
+            e.get("name") == ENV_VISIBLE_DEVICES and e.get("value") == "all"
             for ctr in p["spec"]["containers"]
             for e in ctr.get("env") or []
         )
@@ -258,11 +259,11 @@ def test_scheduler_config_has_the_extender_entry() -> None:
     assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
     assert config["kind"] == SCHEDULER_CONFIG_KIND
     (extender,) = [
-        e for e in config["extenders"] if c.RESOURCE_MEM in {r["name"] for r in e.get("managedResources") or []}
+        e for e in config["extenders"] if RESOURCE_MEM in {r["name"] for r in e.get("managedResources") or []}
     ]
     for verb in ("filterVerb", "prioritizeVerb", "bindVerb", "preemptVerb"):
         assert isinstance(extender.get(verb), str) and extender[verb], verb
-    assert {r["name"] for r in extender["managedResources"]} == set(c.RESOURCES)
+    assert {r["name"] for r in extender["managedResources"]} == set(RESOURCES)
     assert all(isinstance(r.get("ignoredByScheduler", False), bool) for r in extender["managedResources"])
     assert extender["nodeCacheCapable"] is True
     assert extender["ignorable"] is False

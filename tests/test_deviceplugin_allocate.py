@@ -10,18 +10,37 @@ from podfactory import container, gpu_pod, slices
 from deviceplugin.decision import booked_cards_note, decide, preferred_cards
 from deviceplugin.devices import card_of_device, device_id
 from deviceplugin.preferred import preferred_ids
-from gpushare import contract as c
 from gpushare.assignment import Refusal
 from gpushare.cards import Card
+from gpushare.contract.allocation import CardSlice, format_assigned_containers, parse_assigned_containers
+from gpushare.contract.names import (
+    ANN_ALLOCATION,
+    ANN_ASSIGNED_CONTAINERS,
+    ANN_MEM_ASSIGNED,
+    ANN_MEM_ASSUME_TIME,
+    ANN_MEM_IDX,
+    CTR_ANN_CARDS,
+    CTR_ANN_CONTAINER,
+    CTR_ANN_POD,
+    CTR_ANN_POD_UID,
+    ENV_MEM_CONTAINER,
+    ENV_MEM_DEV,
+    ENV_MEM_IDX,
+    ENV_MEM_POD,
+    ENV_VISIBLE_DEVICES,
+    RESOURCE_COUNT,
+    RESOURCE_MEM,
+)
+from gpushare.contract.units import GIB, parse_unit
 from gpushare.inventory import simulated_cards
 
 CARDS = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
 A0, A1, T4 = CARDS
 
 
-def refusal(pods: list[dict[str, Any]], units: int, resource: str = c.RESOURCE_MEM, cards: list[Card] = CARDS):
+def refusal(pods: list[dict[str, Any]], units: int, resource: str = RESOURCE_MEM, cards: list[Card] = CARDS):
     with pytest.raises(Refusal) as refused:
-        decide(pods, "n1", resource, units, cards, c.GIB)
+        decide(pods, "n1", resource, units, cards, GIB)
     return refused.value
 
 
@@ -32,24 +51,24 @@ def test_answer_carries_the_cards_env_and_the_annotations_for_the_cri_shim() -> 
         uid="u-1",
         allocation={"main": slices([A1], 6), "side": slices([T4], 2)},
     )
-    decision = decide([pod], "n1", c.RESOURCE_MEM, 6, CARDS, c.GIB)
+    decision = decide([pod], "n1", RESOURCE_MEM, 6, CARDS, GIB)
     assert decision.container == "main"
     assert decision.envs == {
-        c.ENV_VISIBLE_DEVICES: A1.uuid,
-        c.ENV_MEM_IDX: "1",
-        c.ENV_MEM_POD: "8",
-        c.ENV_MEM_CONTAINER: "6",
-        c.ENV_MEM_DEV: "80",
+        ENV_VISIBLE_DEVICES: A1.uuid,
+        ENV_MEM_IDX: "1",
+        ENV_MEM_POD: "8",
+        ENV_MEM_CONTAINER: "6",
+        ENV_MEM_DEV: "80",
     }
     assert decision.annotations == {
-        c.CTR_ANN_POD_UID: "u-1",
-        c.CTR_ANN_POD: "default/web",
-        c.CTR_ANN_CONTAINER: "main",
-        c.CTR_ANN_CARDS: A1.uuid,
+        CTR_ANN_POD_UID: "u-1",
+        CTR_ANN_POD: "default/web",
+        CTR_ANN_CONTAINER: "main",
+        CTR_ANN_CARDS: A1.uuid,
     }
     recorded = decision.pod_patch["metadata"]["annotations"]
-    assert c.parse_assigned_containers(recorded[c.ANN_ASSIGNED_CONTAINERS]) == {"main": frozenset({c.RESOURCE_MEM})}
-    assert c.ANN_MEM_ASSIGNED not in recorded  # "side" is still waiting
+    assert parse_assigned_containers(recorded[ANN_ASSIGNED_CONTAINERS]) == {"main": frozenset({RESOURCE_MEM})}
+    assert ANN_MEM_ASSIGNED not in recorded  # "side" is still waiting
     assert decision.usage == {A0.uuid: 0, A1.uuid: 6, T4.uuid: 2}
 
 
@@ -59,37 +78,37 @@ def test_the_last_container_served_marks_the_pod_assigned() -> None:
         [container("main", 6), container("side", 2)],
         allocation={"main": slices([A1], 6), "side": slices([T4], 2)},
     )
-    pod["metadata"]["annotations"][c.ANN_ASSIGNED_CONTAINERS] = c.format_assigned_containers(
-        {"main": frozenset({c.RESOURCE_MEM})}
+    pod["metadata"]["annotations"][ANN_ASSIGNED_CONTAINERS] = format_assigned_containers(
+        {"main": frozenset({RESOURCE_MEM})}
     )
-    recorded = decide([pod], "n1", c.RESOURCE_MEM, 2, CARDS, c.GIB).pod_patch["metadata"]["annotations"]
-    assert recorded[c.ANN_MEM_ASSIGNED] == "true"
-    assert set(c.parse_assigned_containers(recorded[c.ANN_ASSIGNED_CONTAINERS])) == {"main", "side"}
+    recorded = decide([pod], "n1", RESOURCE_MEM, 2, CARDS, GIB).pod_patch["metadata"]["annotations"]
+    assert recorded[ANN_MEM_ASSIGNED] == "true"
+    assert set(parse_assigned_containers(recorded[ANN_ASSIGNED_CONTAINERS])) == {"main", "side"}
 
 
 def test_a_two_card_container_sees_both_cards_and_is_assigned_after_both_resources() -> None:
     pod = gpu_pod("pair", [container("main", 40, 2)], allocation={"main": slices([A0, A1], 20)})
-    first = decide([pod], "n1", c.RESOURCE_COUNT, 2, CARDS, c.GIB)
-    assert first.envs[c.ENV_VISIBLE_DEVICES] == f"{A0.uuid},{A1.uuid}"
-    assert first.envs[c.ENV_MEM_IDX] == "0,1" and first.envs[c.ENV_MEM_CONTAINER] == "40"
-    assert first.annotations[c.CTR_ANN_CARDS] == f"{A0.uuid},{A1.uuid}"
-    assert c.ANN_MEM_ASSIGNED not in first.pod_patch["metadata"]["annotations"]
+    first = decide([pod], "n1", RESOURCE_COUNT, 2, CARDS, GIB)
+    assert first.envs[ENV_VISIBLE_DEVICES] == f"{A0.uuid},{A1.uuid}"
+    assert first.envs[ENV_MEM_IDX] == "0,1" and first.envs[ENV_MEM_CONTAINER] == "40"
+    assert first.annotations[CTR_ANN_CARDS] == f"{A0.uuid},{A1.uuid}"
+    assert ANN_MEM_ASSIGNED not in first.pod_patch["metadata"]["annotations"]
     pod["metadata"]["annotations"].update(first.pod_patch["metadata"]["annotations"])
-    second = decide([pod], "n1", c.RESOURCE_MEM, 40, CARDS, c.GIB)
-    assert second.pod_patch["metadata"]["annotations"][c.ANN_MEM_ASSIGNED] == "true"
+    second = decide([pod], "n1", RESOURCE_MEM, 40, CARDS, GIB)
+    assert second.pod_patch["metadata"]["annotations"][ANN_MEM_ASSIGNED] == "true"
 
 
 def test_a_pod_with_only_the_original_annotations_gets_its_card_by_minor_number() -> None:
     decision = decide(
-        [gpu_pod("legacy", [container("main", 5)], original_index=T4.minor)], "n1", c.RESOURCE_MEM, 5, CARDS, c.GIB
+        [gpu_pod("legacy", [container("main", 5)], original_index=T4.minor)], "n1", RESOURCE_MEM, 5, CARDS, GIB
     )
-    assert decision.envs[c.ENV_VISIBLE_DEVICES] == T4.uuid and decision.envs[c.ENV_MEM_DEV] == "15"
+    assert decision.envs[ENV_VISIBLE_DEVICES] == T4.uuid and decision.envs[ENV_MEM_DEV] == "15"
 
 
 def test_units_follow_the_configured_memory_unit() -> None:
     pod = gpu_pod("blocks", [container("main", 3)], allocation={"main": slices([T4], 3)})
-    decision = decide([pod], "n1", c.RESOURCE_MEM, 3, CARDS, c.parse_unit("4096MiB"))
-    assert decision.envs[c.ENV_MEM_DEV] == "3" and decision.envs[c.ENV_MEM_CONTAINER] == "3"
+    decision = decide([pod], "n1", RESOURCE_MEM, 3, CARDS, parse_unit("4096MiB"))
+    assert decision.envs[ENV_MEM_DEV] == "3" and decision.envs[ENV_MEM_CONTAINER] == "3"
 
 
 def test_over_commit_is_refused_naming_pod_container_card_and_holders() -> None:
@@ -106,19 +125,19 @@ def test_over_commit_is_refused_naming_pod_container_card_and_holders() -> None:
 def test_finished_pods_no_longer_hold_their_card() -> None:
     done = gpu_pod("done", [container("main", 10)], allocation={"main": slices([T4], 10)}, phase="Succeeded")
     fits = gpu_pod("fits", [container("main", 6)], allocation={"main": slices([T4], 6)})
-    assert decide([done, fits], "n1", c.RESOURCE_MEM, 6, CARDS, c.GIB).slices == slices([T4], 6)
+    assert decide([done, fits], "n1", RESOURCE_MEM, 6, CARDS, GIB).slices == slices([T4], 6)
 
 
 def test_an_exclusive_card_is_refused_when_anyone_else_holds_part_of_it() -> None:
     sharing = gpu_pod("sharing", [container("main", 1)], allocation={"main": slices([A0], 1)}, phase="Running")
     whole = gpu_pod("whole", [container("main", count=1)], allocation={"main": slices([A0], 80)})
-    assert refusal([sharing, whole], 1, c.RESOURCE_COUNT).reason == "overcommit"
-    assert decide([whole], "n1", c.RESOURCE_COUNT, 1, CARDS, c.GIB).envs[c.ENV_VISIBLE_DEVICES] == A0.uuid
+    assert refusal([sharing, whole], 1, RESOURCE_COUNT).reason == "overcommit"
+    assert decide([whole], "n1", RESOURCE_COUNT, 1, CARDS, GIB).envs[ENV_VISIBLE_DEVICES] == A0.uuid
 
 
 def test_an_exclusive_request_assigned_part_of_a_card_is_bad_input() -> None:
     pod = gpu_pod("half", [container("main", count=1)], allocation={"main": slices([A0], 40)})
-    refused = refusal([pod], 1, c.RESOURCE_COUNT)
+    refused = refusal([pod], 1, RESOURCE_COUNT)
     assert refused.invalid_input and "requests card 0" in str(refused) and "whole but is assigned 40" in str(refused)
 
 
@@ -133,17 +152,17 @@ def test_an_unhealthy_card_is_refused() -> None:
 @pytest.mark.parametrize(
     ("annotations", "message"),
     [
-        ({c.ANN_MEM_IDX: "two"}, "annotation ALIYUN_COM_GPU_MEM_IDX: 'two' is not an integer"),
-        ({c.ANN_MEM_IDX: "7"}, "card 7 (a /dev/nvidia minor number) is not on this node"),
-        ({c.ANN_MEM_IDX: "-1"}, "-1 is negative"),
+        ({ANN_MEM_IDX: "two"}, "annotation ALIYUN_COM_GPU_MEM_IDX: 'two' is not an integer"),
+        ({ANN_MEM_IDX: "7"}, "card 7 (a /dev/nvidia minor number) is not on this node"),
+        ({ANN_MEM_IDX: "-1"}, "-1 is negative"),
         (
-            {c.ANN_MEM_ASSUME_TIME: "1"},
+            {ANN_MEM_ASSUME_TIME: "1"},
             "has none of gpushare.io/allocation, scheduler.framework.gpushare.allocation or ALIYUN_COM_GPU_MEM_IDX",
         ),
-        ({c.ANN_ALLOCATION: "{garbage", c.ANN_MEM_IDX: "0"}, "annotation gpushare.io/allocation: not valid JSON"),
-        ({c.ANN_ALLOCATION: '{"main": [{"index": 0, "uuid": "GPU-x"}]}'}, "units None on card 0"),
-        ({c.ANN_ALLOCATION: '{"main": [{"index": "0", "uuid": "GPU-x", "units": 3}]}'}, "card index '0'"),
-        ({c.ANN_ALLOCATION: '{"other": [{"index": 0, "uuid": "GPU-x", "units": 3}]}'}, "['other'] that request no GPU"),
+        ({ANN_ALLOCATION: "{garbage", ANN_MEM_IDX: "0"}, "annotation gpushare.io/allocation: not valid JSON"),
+        ({ANN_ALLOCATION: '{"main": [{"index": 0, "uuid": "GPU-x"}]}'}, "units None on card 0"),
+        ({ANN_ALLOCATION: '{"main": [{"index": "0", "uuid": "GPU-x", "units": 3}]}'}, "card index '0'"),
+        ({ANN_ALLOCATION: '{"other": [{"index": 0, "uuid": "GPU-x", "units": 3}]}'}, "['other'] that request no GPU"),
     ],
     ids=[
         "non-integer",
@@ -167,12 +186,12 @@ def test_bad_annotations_are_refused_as_invalid_input_naming_pod_and_container(
 
 
 def test_an_annotation_naming_a_card_by_the_wrong_index_is_refused() -> None:
-    pod = gpu_pod("mixed-up", [container("main", 3)], allocation={"main": (c.CardSlice(0, T4.uuid, 3),)})
+    pod = gpu_pod("mixed-up", [container("main", 3)], allocation={"main": (CardSlice(0, T4.uuid, 3),)})
     assert f"assigned card {T4.uuid} is index 2 here, not 0" in str(refusal([pod], 3))
 
 
 def test_a_card_of_another_node_is_refused() -> None:
-    alien = c.CardSlice(0, "GPU-00000000-0000-0000-0000-000000000000", 3)
+    alien = CardSlice(0, "GPU-00000000-0000-0000-0000-000000000000", 3)
     refused = refusal([gpu_pod("alien", [container("main", 3)], allocation={"main": (alien,)})], 3)
     assert refused.reason == "unknown-card" and "is not on this node" in str(refused)
 
@@ -185,8 +204,8 @@ def test_no_matching_pod_is_refused_with_the_request_and_node() -> None:
 
 def test_preferred_cards_are_the_scheduler_choice_for_the_container_that_would_match() -> None:
     pod = gpu_pod("pair", [container("main", 40, 2)], allocation={"main": slices([A1, T4], 20)})
-    assert preferred_cards([pod], "n1", c.RESOURCE_COUNT, 2, CARDS) == (A1.uuid, T4.uuid)
-    assert preferred_cards([pod], "n1", c.RESOURCE_COUNT, 3, CARDS) == ()
+    assert preferred_cards([pod], "n1", RESOURCE_COUNT, 2, CARDS) == (A1.uuid, T4.uuid)
+    assert preferred_cards([pod], "n1", RESOURCE_COUNT, 3, CARDS) == ()
 
 
 def test_gpu_count_preference_is_one_replica_of_each_scheduler_card_then_nvlink_then_numa() -> None:
@@ -194,33 +213,33 @@ def test_gpu_count_preference_is_one_replica_of_each_scheduler_card_then_nvlink_
     uuids = [card.uuid for card in eight]
     replicas = [device_id(u, n) for u in uuids for n in range(3)]
     chosen = [uuids[5], uuids[6]]
-    assert preferred_ids(c.RESOURCE_COUNT, replicas, [], 2, chosen, eight) == [device_id(u, 0) for u in chosen]
+    assert preferred_ids(RESOURCE_COUNT, replicas, [], 2, chosen, eight) == [device_id(u, 0) for u in chosen]
     # replicas already booked are skipped, but never two replicas of one card while others are free
     free = [d for d in replicas if d != device_id(uuids[5], 0)]
-    assert preferred_ids(c.RESOURCE_COUNT, free, [], 2, chosen, eight) == [
+    assert preferred_ids(RESOURCE_COUNT, free, [], 2, chosen, eight) == [
         device_id(uuids[5], 1),
         device_id(uuids[6], 0),
     ]
     # nothing chosen: an NVLink-connected pair rather than two unrelated cards
     some = [device_id(uuids[i], n) for i in (0, 4, 2) for n in range(2)]
-    picked = preferred_ids(c.RESOURCE_COUNT, some, [], 2, [], eight)
+    picked = preferred_ids(RESOURCE_COUNT, some, [], 2, [], eight)
     assert sorted(card_of_device(d) for d in picked) == sorted([uuids[0], uuids[2]])
     # must-include devices are always kept, and the rest come from other cards
-    kept = preferred_ids(c.RESOURCE_COUNT, replicas, [device_id(uuids[5], 2)], 2, chosen, eight)
+    kept = preferred_ids(RESOURCE_COUNT, replicas, [device_id(uuids[5], 2)], 2, chosen, eight)
     assert kept == [device_id(uuids[5], 2), device_id(uuids[6], 0)]
     # fewer distinct cards than asked (kubelet's books differ): still a full answer
-    assert len(preferred_ids(c.RESOURCE_COUNT, [device_id(uuids[0], n) for n in range(3)], [], 2, [], eight)) == 2
+    assert len(preferred_ids(RESOURCE_COUNT, [device_id(uuids[0], n) for n in range(3)], [], 2, [], eight)) == 2
 
 
 def test_kubelet_booking_replicas_of_other_cards_is_noted_not_refused() -> None:
     assigned = slices([A1, T4], 20)
-    assert booked_cards_note(c.RESOURCE_COUNT, [device_id(T4.uuid, 3), device_id(A1.uuid, 0)], assigned) is None
-    note = booked_cards_note(c.RESOURCE_COUNT, [device_id(A0.uuid, 0), device_id(T4.uuid, 1)], assigned)
+    assert booked_cards_note(RESOURCE_COUNT, [device_id(T4.uuid, 3), device_id(A1.uuid, 0)], assigned) is None
+    note = booked_cards_note(RESOURCE_COUNT, [device_id(A0.uuid, 0), device_id(T4.uuid, 1)], assigned)
     assert note is not None and A0.uuid in note and f"card {A1.index} ({A1.uuid})" in note
-    assert booked_cards_note(c.RESOURCE_MEM, [device_id(A0.uuid, 0)], assigned) is None
+    assert booked_cards_note(RESOURCE_MEM, [device_id(A0.uuid, 0)], assigned) is None
 
 
 def test_gpu_mem_preference_takes_units_of_the_scheduler_card_first() -> None:
     available = [device_id(card.uuid, n) for card in CARDS for n in range(3)]
-    picked = preferred_ids(c.RESOURCE_MEM, available, [], 3, [T4.uuid], CARDS)
+    picked = preferred_ids(RESOURCE_MEM, available, [], 3, [T4.uuid], CARDS)
     assert picked == [device_id(T4.uuid, n) for n in range(3)]

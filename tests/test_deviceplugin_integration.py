@@ -22,7 +22,25 @@ from deviceplugin import wiring as deviceplugin_wiring
 from deviceplugin.devices import card_of_device
 from deviceplugin.plugin import SOCKETS
 from deviceplugin.wiring import RunningPlugin, start_device_plugin
-from gpushare import contract as c
+from gpushare.contract.allocation import CardSlice, parse_assigned_containers
+from gpushare.contract.names import (
+    ANN_ALLOCATION,
+    ANN_ASSIGNED_CONTAINERS,
+    ANN_MEM_ASSIGNED,
+    ANN_MEM_ASSUME_TIME,
+    ANN_MEM_IDX,
+    CTR_ANN_CONTAINER,
+    CTR_ANN_POD,
+    ENV_CGPU_DISABLE,
+    ENV_MEM_IDX,
+    ENV_MEM_POD,
+    ENV_VISIBLE_DEVICES,
+    NODE_LABEL_CGPU_DISABLE,
+    RESOURCE_COUNT,
+    RESOURCE_MEM,
+    RESOURCES,
+)
+from gpushare.contract.units import parse_unit
 from gpushare.inventory import SimulatedBackend
 from gpushare.observability import serve_http
 from gpushare.pb import deviceplugin_pb2 as pb
@@ -48,15 +66,13 @@ class SimNode:
         self.reread = DEFAULT_REREAD
 
     def settings(self, unit: str = "GiB") -> NodeSettings:
-        return NodeSettings(
-            "n1", None, f"sim:{self.spec}", self.dir, c.parse_unit(unit), frozenset(), reread=self.reread
-        )
+        return NodeSettings("n1", None, f"sim:{self.spec}", self.dir, parse_unit(unit), frozenset(), reread=self.reread)
 
     def start_plugin(self) -> RunningPlugin:
         self.running = start_device_plugin(self.settings(), self.backend, self.api)
         # the plugin's own flag first: after a restart the emulator still remembers the previous registration
         assert self.running.plugin.wait_registered(5)
-        assert self.kubelet.wait_registered(c.RESOURCE_MEM, 5) and self.kubelet.wait_registered(c.RESOURCE_COUNT, 5)
+        assert self.kubelet.wait_registered(RESOURCE_MEM, 5) and self.kubelet.wait_registered(RESOURCE_COUNT, 5)
         assert self.running.cache.wait_synced(5)
         return self.running
 
@@ -93,7 +109,7 @@ def node(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> Iterator[SimN
 
 def visible(admission: AdmissionResult, name: str = "main") -> str:
     assert admission.admitted, admission.error
-    return admission.containers[name].envs[c.ENV_VISIBLE_DEVICES]
+    return admission.containers[name].envs[ENV_VISIBLE_DEVICES]
 
 
 def allocate(node: SimNode, resource: str, size: int) -> pb.ContainerAllocateResponse:
@@ -119,24 +135,24 @@ def refusal_events(core: client.CoreV1Api, pod: str) -> list[str]:
 
 
 def test_both_resources_register_and_list_each_card_in_its_own_units(node: SimNode) -> None:
-    assert node.kubelet.capacity(c.RESOURCE_MEM) == MEM_UNITS
-    assert node.kubelet.allocatable(c.RESOURCE_MEM) == MEM_UNITS
-    mem = node.kubelet.devices(c.RESOURCE_MEM)
+    assert node.kubelet.capacity(RESOURCE_MEM) == MEM_UNITS
+    assert node.kubelet.allocatable(RESOURCE_MEM) == MEM_UNITS
+    mem = node.kubelet.devices(RESOURCE_MEM)
     assert {card.uuid: sum(d.startswith(card.uuid) for d in mem) for card in node.cards} == {
         node.cards[0].uuid: 80,
         node.cards[1].uuid: 80,
         node.cards[2].uuid: 15,
     }
-    count = node.kubelet.devices(c.RESOURCE_COUNT)
+    count = node.kubelet.devices(RESOURCE_COUNT)
     assert {card.uuid: sum(d.startswith(card.uuid) for d in count) for card in node.cards} == {
         node.cards[0].uuid: 80,
         node.cards[1].uuid: 80,
         node.cards[2].uuid: 15,
     }
     assert set(count.values()) == {"Healthy"}
-    for resource in c.RESOURCES:
+    for resource in RESOURCES:
         assert node.kubelet.plugin_options(resource).get_preferred_allocation_available
-    with node.channel(c.RESOURCE_COUNT) as channel:
+    with node.channel(RESOURCE_COUNT) as channel:
         stream = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
         first = next(stream)
         stream.cancel()
@@ -153,7 +169,7 @@ def test_a_unit_too_fine_for_one_message_refuses_to_start_and_names_one_that_fit
         with pytest.raises(UsageError, match=r"units of MiB needs a [0-9,]+-byte .* use --memory-unit 32MiB"):
             start_device_plugin(big.settings("MiB"), big.backend, kube_api)
         assert not any(directory.glob("gpushare-*.sock"))
-        assert not big.kubelet.registered(c.RESOURCE_MEM)
+        assert not big.kubelet.registered(RESOURCE_MEM)
     finally:
         big.kubelet.stop()
         shutil.rmtree(directory, ignore_errors=True)
@@ -173,11 +189,11 @@ def test_each_container_of_a_multi_container_pod_gets_its_own_card(node: SimNode
     admission = node.admit(pod)
     assert [visible(admission, n) for n in ("setup", "one", "two")] == [t4.uuid, a0.uuid, a1.uuid]
     assert "plain" not in admission.containers
-    assert admission.containers["two"].annotations[c.CTR_ANN_CONTAINER] == "two"
-    assert admission.containers["two"].annotations[c.CTR_ANN_POD] == "default/multi"
+    assert admission.containers["two"].annotations[CTR_ANN_CONTAINER] == "two"
+    assert admission.containers["two"].annotations[CTR_ANN_POD] == "default/multi"
     ann = node.annotations("multi")
-    assert ann[c.ANN_MEM_ASSIGNED] == "true"
-    assert set(c.parse_assigned_containers(ann[c.ANN_ASSIGNED_CONTAINERS])) == {"setup", "one", "two"}
+    assert ann[ANN_MEM_ASSIGNED] == "true"
+    assert set(parse_assigned_containers(ann[ANN_ASSIGNED_CONTAINERS])) == {"setup", "one", "two"}
 
 
 def test_two_pods_with_equal_requests_each_get_their_own_card(node: SimNode) -> None:
@@ -187,7 +203,7 @@ def test_two_pods_with_equal_requests_each_get_their_own_card(node: SimNode) -> 
     early = node.create(gpu_pod("early", [container("main", 8)], allocation={"main": slices([a1], 8)}, assume_ns=1))
     assert visible(node.kubelet.admit(early)) == a1.uuid
     assert visible(node.kubelet.admit(late)) == a0.uuid
-    assert node.annotations("early")[c.ANN_MEM_ASSIGNED] == node.annotations("late")[c.ANN_MEM_ASSIGNED] == "true"
+    assert node.annotations("early")[ANN_MEM_ASSIGNED] == node.annotations("late")[ANN_MEM_ASSIGNED] == "true"
 
 
 def test_a_two_card_container_gets_the_scheduler_cards_through_both_resources(node: SimNode) -> None:
@@ -195,19 +211,19 @@ def test_a_two_card_container_gets_the_scheduler_cards_through_both_resources(no
     admission = node.admit(gpu_pod("pair", [container("main", 20, 2)], allocation={"main": slices([a1, t4], 10)}))
     assert visible(admission) == f"{a1.uuid},{t4.uuid}"
     # one gpu-count replica of each of the scheduler's cards
-    assert sorted(card_of_device(d) for d in admission.containers["main"].device_ids[c.RESOURCE_COUNT]) == sorted(
+    assert sorted(card_of_device(d) for d in admission.containers["main"].device_ids[RESOURCE_COUNT]) == sorted(
         [a1.uuid, t4.uuid]
     )
-    assert {d.split("-_-")[0] for d in admission.containers["main"].device_ids[c.RESOURCE_MEM]} == {a1.uuid}
+    assert {d.split("-_-")[0] for d in admission.containers["main"].device_ids[RESOURCE_MEM]} == {a1.uuid}
 
 
 def test_a_pod_carrying_only_the_original_annotations_works(node: SimNode) -> None:
     t4 = node.cards[2]
     admission = node.admit(gpu_pod("legacy", [container("main", 6)], original_index=t4.minor))
     assert visible(admission) == t4.uuid
-    assert admission.containers["main"].envs[c.ENV_MEM_IDX] == "2"
-    assert admission.containers["main"].envs[c.ENV_MEM_POD] == "6"
-    assert node.annotations("legacy")[c.ANN_MEM_ASSIGNED] == "true"
+    assert admission.containers["main"].envs[ENV_MEM_IDX] == "2"
+    assert admission.containers["main"].envs[ENV_MEM_POD] == "6"
+    assert node.annotations("legacy")[ANN_MEM_ASSIGNED] == "true"
 
 
 def test_an_over_commit_attempt_is_refused_and_reported_on_the_pod(node: SimNode) -> None:
@@ -218,7 +234,7 @@ def test_an_over_commit_attempt_is_refused_and_reported_on_the_pod(node: SimNode
     assert "(FAILED_PRECONDITION): pod default/greedy container main: card 2" in greedy.error
     assert "would be over-committed" in greedy.error and "default/fits (10)" in greedy.error
     ann = node.annotations("greedy")
-    assert ann[c.ANN_MEM_ASSIGNED] == "false" and c.ANN_ASSIGNED_CONTAINERS not in ann
+    assert ann[ANN_MEM_ASSIGNED] == "false" and ANN_ASSIGNED_CONTAINERS not in ann
     wait_until(
         lambda: any("would be over-committed" in m for m in refusal_events(node.core, "greedy")), what="the Event"
     )
@@ -227,13 +243,13 @@ def test_an_over_commit_attempt_is_refused_and_reported_on_the_pod(node: SimNode
 @pytest.mark.parametrize(
     ("annotations", "message"),
     [
-        ({c.ANN_MEM_IDX: "two"}, "'two' is not an integer"),
-        ({c.ANN_MEM_IDX: "7"}, "card 7 (a /dev/nvidia minor number) is not on this node"),
+        ({ANN_MEM_IDX: "two"}, "'two' is not an integer"),
+        ({ANN_MEM_IDX: "7"}, "card 7 (a /dev/nvidia minor number) is not on this node"),
         (
-            {c.ANN_MEM_ASSUME_TIME: "1"},
+            {ANN_MEM_ASSUME_TIME: "1"},
             "none of gpushare.io/allocation, scheduler.framework.gpushare.allocation or ALIYUN_COM_GPU_MEM_IDX",
         ),
-        ({c.ANN_ALLOCATION: "{garbage", c.ANN_MEM_IDX: "0"}, "gpushare.io/allocation: not valid JSON"),
+        ({ANN_ALLOCATION: "{garbage", ANN_MEM_IDX: "0"}, "gpushare.io/allocation: not valid JSON"),
     ],
     ids=["non-integer", "out-of-range", "missing-index", "garbage-json"],
 )
@@ -250,7 +266,7 @@ def test_bad_annotations_are_refused_as_invalid_argument(
 def test_a_pod_passed_over_on_every_allocate_gets_one_event_with_a_count(node: SimNode) -> None:
     t4 = node.cards[2]
     stuck = gpu_pod("stuck", [container("main", 3)], original_index=t4.minor)
-    stuck["metadata"]["annotations"][c.ANN_MEM_ASSUME_TIME] = "x"
+    stuck["metadata"]["annotations"][ANN_MEM_ASSUME_TIME] = "x"
     node.create(stuck)
     for name in ("first", "second"):
         assert visible(node.admit(gpu_pod(name, [container("main", 3)], original_index=t4.minor))) == t4.uuid
@@ -270,7 +286,7 @@ def test_a_pod_passed_over_on_every_allocate_gets_one_event_with_a_count(node: S
 def test_a_request_no_pod_is_waiting_for_is_refused_not_faked_within_a_bounded_time(node: SimNode) -> None:
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as error:
-        allocate(node, c.RESOURCE_MEM, 5)
+        allocate(node, RESOURCE_MEM, 5)
     assert time.monotonic() - started < 3.0
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "no pending pod on node n1" in error.value.details()
@@ -301,7 +317,7 @@ def test_a_pod_kubelet_admits_before_the_plugin_cache_has_it_is_admitted_by_re_r
         admission = sim.kubelet.admissions["default/two-cards"]
         if rereads:
             assert visible(admission) == f"{a1.uuid},{t4.uuid}"
-            assert sim.annotations("two-cards")[c.ANN_MEM_ASSIGNED] == "true"
+            assert sim.annotations("two-cards")[ANN_MEM_ASSIGNED] == "true"
         else:  # the defect this guards against: a refusal for want of a pod the API server has
             assert not admission.admitted and "no pending pod on node n1" in admission.error
     finally:
@@ -315,23 +331,23 @@ def test_a_pod_kubelet_admits_before_the_plugin_cache_has_it_is_admitted_by_re_r
 
 def test_health_flips_both_ways_in_both_resources_and_each_change_is_resent(node: SimNode) -> None:
     t4 = node.cards[2]
-    sent = {r: node.kubelet.updates(r) for r in c.RESOURCES}
+    sent = {r: node.kubelet.updates(r) for r in RESOURCES}
     assert node.backend.inject_xid(t4.uuid, 13) is False  # an application error: the card stays healthy
     node.backend.inject_xid(t4.uuid, 79)
     assert node.kubelet.wait_for(
-        lambda k: k.allocatable(c.RESOURCE_COUNT) == MEM_UNITS - 15 and k.allocatable(c.RESOURCE_MEM) == MEM_UNITS - 15,
+        lambda k: k.allocatable(RESOURCE_COUNT) == MEM_UNITS - 15 and k.allocatable(RESOURCE_MEM) == MEM_UNITS - 15,
         5,
     )
     # exactly one new list per resource: the ignored XID sent nothing
-    assert {r: node.kubelet.updates(r) for r in c.RESOURCES} == {r: n + 1 for r, n in sent.items()}
-    assert {h for d, h in node.kubelet.devices(c.RESOURCE_COUNT).items() if d.startswith(t4.uuid)} == {"Unhealthy"}
-    assert node.kubelet.capacity(c.RESOURCE_MEM) == MEM_UNITS
+    assert {r: node.kubelet.updates(r) for r in RESOURCES} == {r: n + 1 for r, n in sent.items()}
+    assert {h for d, h in node.kubelet.devices(RESOURCE_COUNT).items() if d.startswith(t4.uuid)} == {"Unhealthy"}
+    assert node.kubelet.capacity(RESOURCE_MEM) == MEM_UNITS
 
     sick = node.admit(gpu_pod("sick", [container("main", 2)], allocation={"main": slices([t4], 2)}))
     assert not sick.admitted and f"card 2 ({t4.uuid}) is unhealthy" in sick.error
     node.backend.recover(t4.uuid)
     assert node.kubelet.wait_for(
-        lambda k: k.allocatable(c.RESOURCE_COUNT) == MEM_UNITS and k.allocatable(c.RESOURCE_MEM) == MEM_UNITS, 5
+        lambda k: k.allocatable(RESOURCE_COUNT) == MEM_UNITS and k.allocatable(RESOURCE_MEM) == MEM_UNITS, 5
     )
     assert visible(node.kubelet.admit(node.running.cache.get("sick", "default"))) == t4.uuid
 
@@ -341,7 +357,7 @@ def test_allocate_refuses_a_card_that_turned_unhealthy(node: SimNode) -> None:
     node.create(gpu_pod("late", [container("main", 2)], allocation={"main": slices([t4], 2)}))
     node.backend.inject_xid(t4.uuid, 79)
     with pytest.raises(grpc.RpcError) as error:
-        allocate(node, c.RESOURCE_MEM, 2)
+        allocate(node, RESOURCE_MEM, 2)
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert error.value.details() == f"pod default/late container main: assigned card 2 ({t4.uuid}) is unhealthy"
 
@@ -354,7 +370,7 @@ def test_kubelet_restart_leads_to_registration_within_two_seconds(node: SimNode)
     started = time.monotonic()
     node.kubelet.restart()
     assert node.kubelet.wait_for(
-        lambda k: k.capacity(c.RESOURCE_MEM) == MEM_UNITS and k.capacity(c.RESOURCE_COUNT) == MEM_UNITS, 2.0
+        lambda k: k.capacity(RESOURCE_MEM) == MEM_UNITS and k.capacity(RESOURCE_COUNT) == MEM_UNITS, 2.0
     )
     wait_until(lambda: node.running.plugin.registrations == before + 1, 2.0, "the plugin to count the registration")
     assert time.monotonic() - started < 2.0
@@ -366,10 +382,10 @@ def test_kubelet_restart_leads_to_registration_within_two_seconds(node: SimNode)
 
 def test_a_vanished_plugin_socket_is_served_again(node: SimNode) -> None:
     before = node.running.plugin.registrations
-    (node.dir / SOCKETS[c.RESOURCE_MEM]).unlink()
+    (node.dir / SOCKETS[RESOURCE_MEM]).unlink()
     wait_until(lambda: node.running.plugin.registrations > before, 2.0, "the plugin to register again")
-    assert (node.dir / SOCKETS[c.RESOURCE_MEM]).exists()
-    assert node.kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) == MEM_UNITS, 2.0)
+    assert (node.dir / SOCKETS[RESOURCE_MEM]).exists()
+    assert node.kubelet.wait_for(lambda k: k.capacity(RESOURCE_MEM) == MEM_UNITS, 2.0)
 
 
 def test_a_plugin_restart_assigns_nothing_twice(node: SimNode) -> None:
@@ -382,15 +398,15 @@ def test_a_plugin_restart_assigns_nothing_twice(node: SimNode) -> None:
         )
     )
     # kubelet's first call reaches the plugin, which then restarts before the second
-    assert allocate(node, c.RESOURCE_MEM, 8).annotations[c.CTR_ANN_CONTAINER] == "one"
+    assert allocate(node, RESOURCE_MEM, 8).annotations[CTR_ANN_CONTAINER] == "one"
     node.stop_plugin()
     node.start_plugin()
-    second = allocate(node, c.RESOURCE_MEM, 8)
-    assert second.annotations[c.CTR_ANN_CONTAINER] == "two"
-    assert second.envs[c.ENV_VISIBLE_DEVICES] == a1.uuid
-    assert node.annotations("halfway")[c.ANN_MEM_ASSIGNED] == "true"
+    second = allocate(node, RESOURCE_MEM, 8)
+    assert second.annotations[CTR_ANN_CONTAINER] == "two"
+    assert second.envs[ENV_VISIBLE_DEVICES] == a1.uuid
+    assert node.annotations("halfway")[ANN_MEM_ASSIGNED] == "true"
     with pytest.raises(grpc.RpcError) as error:
-        allocate(node, c.RESOURCE_MEM, 8)
+        allocate(node, RESOURCE_MEM, 8)
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -406,12 +422,12 @@ def test_api_outage_answers_unavailable_while_listandwatch_serves_then_recovers(
         assert not during.admitted
         assert "(UNAVAILABLE)" in during.error and "API server is unreachable from node n1" in during.error
         node.backend.inject_xid(t4.uuid, 79)
-        assert node.kubelet.wait_for(lambda k: k.allocatable(c.RESOURCE_COUNT) == MEM_UNITS - 15, 5)
+        assert node.kubelet.wait_for(lambda k: k.allocatable(RESOURCE_COUNT) == MEM_UNITS - 15, 5)
     finally:
         apiserver.resume()
     wait_until(lambda: node.running.cache.connected, 10, "the node cache to reconnect")
     assert visible(node.kubelet.admit(waiting)) == a0.uuid
-    assert node.annotations("waiting")[c.ANN_MEM_ASSIGNED] == "true"
+    assert node.annotations("waiting")[ANN_MEM_ASSIGNED] == "true"
 
 
 # --- observability --------------------------------------------------------------------------------------
@@ -451,28 +467,28 @@ def test_metrics_show_card_usage_and_refusals_and_probes_follow_readiness(node: 
 
 
 def test_the_cgpu_label_puts_cgpu_disable_in_the_env(node: SimNode) -> None:
-    node.core.create_node({"metadata": {"name": "n1", "labels": {c.NODE_LABEL_CGPU_DISABLE: "true"}}})
+    node.core.create_node({"metadata": {"name": "n1", "labels": {NODE_LABEL_CGPU_DISABLE: "true"}}})
     card = node.cards[0]
     admission = node.admit(
-        gpu_pod("isolated-off", [container("main", 2)], allocation={"main": (c.CardSlice(card.index, card.uuid, 2),)})
+        gpu_pod("isolated-off", [container("main", 2)], allocation={"main": (CardSlice(card.index, card.uuid, 2),)})
     )
     assert visible(admission) == card.uuid
-    assert admission.containers["main"].envs[c.ENV_CGPU_DISABLE] == "true"
-    node.core.patch_node("n1", {"metadata": {"labels": {c.NODE_LABEL_CGPU_DISABLE: None}}})
+    assert admission.containers["main"].envs[ENV_CGPU_DISABLE] == "true"
+    node.core.patch_node("n1", {"metadata": {"labels": {NODE_LABEL_CGPU_DISABLE: None}}})
     admission = node.admit(
-        gpu_pod("isolated", [container("main", 2)], allocation={"main": (c.CardSlice(card.index, card.uuid, 2),)})
+        gpu_pod("isolated", [container("main", 2)], allocation={"main": (CardSlice(card.index, card.uuid, 2),)})
     )
-    assert c.ENV_CGPU_DISABLE not in admission.containers["main"].envs
+    assert ENV_CGPU_DISABLE not in admission.containers["main"].envs
 
 
 def test_allocate_env_and_inspect_use_the_effective_request(node: SimNode) -> None:
     card = node.cards[2]
-    slices = {name: (c.CardSlice(card.index, card.uuid, units),) for name, units in (("init", 9), ("main", 6))}
+    slices = {name: (CardSlice(card.index, card.uuid, units),) for name, units in (("init", 9), ("main", 6))}
     pod = gpu_pod("p", [container("main", 6)], init=[container("init", 9)], allocation=slices)
     admission = node.admit(pod)
     assert admission.admitted, admission.error
-    assert admission.containers["main"].envs[c.ENV_MEM_POD] == "9" == admission.containers["init"].envs[c.ENV_MEM_POD]
+    assert admission.containers["main"].envs[ENV_MEM_POD] == "9" == admission.containers["init"].envs[ENV_MEM_POD]
     # a second pod fits next to it: the card holds max(6, 9) = 9 of 15, not 15
     assert node.admit(
-        gpu_pod("q", [container("main", 6)], allocation={"main": (c.CardSlice(card.index, card.uuid, 6),)})
+        gpu_pod("q", [container("main", 6)], allocation={"main": (CardSlice(card.index, card.uuid, 6),)})
     ).admitted

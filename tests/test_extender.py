@@ -18,7 +18,18 @@ from podfactory import container, gpu_pod
 from advertiser.agent import Advertiser
 from extender.engine import PlacementEngine
 from extender.wiring import RunningExtender, start_extender
-from gpushare import contract as c
+from gpushare.contract.allocation import parse_allocation
+from gpushare.contract.names import (
+    ANN_ALLOCATION,
+    ANN_MEM_ASSIGNED,
+    ANN_MEM_ASSUME_TIME,
+    ANN_MEM_DEV,
+    ANN_MEM_IDX,
+    ANN_MEM_POD,
+    NODE_ANN_PENDING_BINDS,
+)
+from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
+from gpushare.contract.units import GIB
 from gpushare.inventory import SimulatedBackend
 from gpushare.usage import node_usage
 
@@ -32,7 +43,7 @@ class Cluster:
         for name, spec in NODES.items():
             core.create_node({"metadata": {"name": name}})
             self.backends[name] = SimulatedBackend(name, spec)
-            Advertiser(api, name, self.backends[name], c.GIB).publish_once()
+            Advertiser(api, name, self.backends[name], GIB).publish_once()
         self.extender: RunningExtender = start_extender(api, 0, policy, host="127.0.0.1")
         assert self.extender.cache.wait_synced(5)
         wait_until(lambda: all(self.extender.cache.view(n) for n in NODES), what="the inventories in the cache")
@@ -61,7 +72,7 @@ class Cluster:
 
     def allocation(self, name: str) -> dict:
         ann = self.core.read_namespaced_pod(name, "default").metadata.annotations or {}
-        return c.parse_allocation(ann[c.ANN_ALLOCATION]) if c.ANN_ALLOCATION in ann else {}
+        return parse_allocation(ann[ANN_ALLOCATION]) if ANN_ALLOCATION in ann else {}
 
 
 @pytest.fixture
@@ -96,7 +107,7 @@ def test_unknown_node_and_indivisible_request_are_unresolvable(cluster: Cluster)
 def test_unhealthy_card_is_never_used(cluster: Cluster) -> None:
     backend = cluster.backends["n2"]
     backend.inject_xid(backend.cards()[0].uuid, 79)
-    Advertiser(cluster.api, "n2", backend, c.GIB).publish_once()
+    Advertiser(cluster.api, "n2", backend, GIB).publish_once()
     wait_until(lambda: not cluster.extender.cache.view("n2").cards[0].healthy, what="the unhealthy card in the cache")
     result = cluster.filter(cluster.pod(gpu_pod("p", [container("main", 4)])))
     assert result["NodeNames"] == ["n1"] and result["FailedNodes"]["n2"] == "no healthy card (1 unhealthy)"
@@ -120,16 +131,16 @@ def test_bind_writes_all_annotations_compatible_with_the_original_plugin(cluster
     got = cluster.core.read_namespaced_pod("p", "default")
     ann = got.metadata.annotations
     assert got.spec.node_name == "n1"
-    assert ann[c.ANN_MEM_ASSIGNED] == "false"
-    assert int(ann[c.ANN_MEM_ASSUME_TIME]) > 1_600_000_000 * 10**9  # nanoseconds
-    assert ann[c.ANN_MEM_POD] == "8"  # the pod's total, as the original plugin matches on
-    alloc = c.parse_allocation(ann[c.ANN_ALLOCATION])
+    assert ann[ANN_MEM_ASSIGNED] == "false"
+    assert int(ann[ANN_MEM_ASSUME_TIME]) > 1_600_000_000 * 10**9  # nanoseconds
+    assert ann[ANN_MEM_POD] == "8"  # the pod's total, as the original plugin matches on
+    alloc = parse_allocation(ann[ANN_ALLOCATION])
     assert set(alloc) == {"a", "b"}
     first = alloc["a"][0]
     cards = {card.uuid: card for card in cluster.backends["n1"].cards()}
-    assert ann[c.ANN_MEM_IDX] == str(cards[first.uuid].minor)  # the original components number cards by minor
+    assert ann[ANN_MEM_IDX] == str(cards[first.uuid].minor)  # the original components number cards by minor
     # what the original extender takes each card to hold: the node's total over its cards
-    assert ann[c.ANN_MEM_DEV] == str(sum(card.memory_mib // 1024 for card in cards.values()) // len(cards))
+    assert ann[ANN_MEM_DEV] == str(sum(card.memory_mib // 1024 for card in cards.values()) // len(cards))
 
 
 def test_a_bind_records_which_cards_the_pod_got_in_an_event(cluster: Cluster) -> None:
@@ -190,15 +201,15 @@ def test_a_bind_another_replica_recorded_on_the_node_counts_until_its_pod_is_gon
     # another replica has bumped node n2 for its pod "other" (20 of the A10's 24 GiB) and not yet bound it
     other = cluster.pod(gpu_pod("other", [container("main", 20)]))
     a10 = cluster.backends["n2"].cards()[0].uuid
-    pending = {other["metadata"]["uid"]: c.PendingBind("default/other", {a10: 20}, time.time())}
+    pending = {other["metadata"]["uid"]: PendingBind("default/other", {a10: 20}, time.time())}
     cluster.core.patch_node(
-        "n2", {"metadata": {"annotations": {c.NODE_ANN_PENDING_BINDS: c.format_pending_binds(pending)}}}
+        "n2", {"metadata": {"annotations": {NODE_ANN_PENDING_BINDS: format_pending_binds(pending)}}}
     )
     pod = cluster.pod(gpu_pod("p", [container("main", 8)]))
     assert "no single card has 8 GiB free" in cluster.bind(pod, "n2")["Error"]
     cluster.core.delete_namespaced_pod("other", "default")
     assert cluster.bind(pod, "n2")["Error"] == ""
-    recorded = c.parse_pending_binds(cluster.core.read_node("n2").metadata.annotations[c.NODE_ANN_PENDING_BINDS])
+    recorded = parse_pending_binds(cluster.core.read_node("n2").metadata.annotations[NODE_ANN_PENDING_BINDS])
     assert list(recorded) == [pod["metadata"]["uid"]] and recorded[pod["metadata"]["uid"]].held == {a10: 8}
 
 
@@ -212,7 +223,7 @@ def test_failed_binding_takes_the_assignment_back(cluster: Cluster) -> None:
     )
     reply = cluster.bind(pod, "n1")
     assert "creating the binding failed" in reply["Error"]
-    assert c.ANN_ALLOCATION not in (cluster.core.read_namespaced_pod("p", "default").metadata.annotations or {})
+    assert ANN_ALLOCATION not in (cluster.core.read_namespaced_pod("p", "default").metadata.annotations or {})
     assert cluster.extender.cache.assumed_on("n1") == []
 
 
@@ -279,7 +290,7 @@ def test_ready_only_once_the_rows_and_costs_are_built(
     kube_api: client.ApiClient, core_v1: client.CoreV1Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     core_v1.create_node({"metadata": {"name": "n1"}})
-    Advertiser(kube_api, "n1", SimulatedBackend("n1", NODES["n1"]), c.GIB).publish_once()
+    Advertiser(kube_api, "n1", SimulatedBackend("n1", NODES["n1"]), GIB).publish_once()
     warming, release = threading.Event(), threading.Event()
     warm = PlacementEngine.warm
 
@@ -305,7 +316,7 @@ def test_a_failed_warm_up_still_ends_in_readiness_and_the_verbs_build_what_they_
     kube_api: client.ApiClient, core_v1: client.CoreV1Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     core_v1.create_node({"metadata": {"name": "n2"}})
-    Advertiser(kube_api, "n2", SimulatedBackend("n2", NODES["n2"]), c.GIB).publish_once()
+    Advertiser(kube_api, "n2", SimulatedBackend("n2", NODES["n2"]), GIB).publish_once()
 
     def broken(engine: PlacementEngine) -> None:
         raise RuntimeError("warm-up bug")

@@ -1,5 +1,6 @@
-"""The extender's wire contract: bodies exactly as kube-scheduler sends and reads them (PROTOCOLS.md §3),
-and pod annotations the original gpushare device plugin can match (PROTOCOLS.md §4)."""
+"""The extender's wire contract: bodies exactly as kube-scheduler sends and reads them (docs/extender.md),
+and pod annotations the original gpushare device plugin can match (docs/operations.md, "What the original
+components read from pods gpushare placed")."""
 
 from __future__ import annotations
 
@@ -16,8 +17,22 @@ from test_migration import original_inspect_usage, original_node
 
 from advertiser.agent import Advertiser
 from extender.wiring import RunningExtender, start_extender
-from gpushare import contract as c
 from gpushare.cards import Card
+from gpushare.contract.aliyun import format_framework_allocation
+from gpushare.contract.allocation import CardSlice, parse_allocation, validate_allocation
+from gpushare.contract.errors import AnnotationError, ContractError
+from gpushare.contract.names import (
+    ANN_ALLOCATION,
+    ANN_FRAMEWORK_ALLOCATION,
+    ANN_MEM_ASSIGNED,
+    ANN_MEM_ASSUME_TIME,
+    ANN_MEM_DEV,
+    ANN_MEM_IDX,
+    ANN_MEM_POD,
+    ANN_POLICY,
+)
+from gpushare.contract.request import parse_pod_request
+from gpushare.contract.units import GIB
 from gpushare.inventory import SimulatedBackend
 from gpushare.kube.objects import get_pod, list_nodes
 from gpushare.usage import held_units, pod_allocation
@@ -34,7 +49,7 @@ class Extender:
         self.backends = {name: SimulatedBackend(name, spec) for name, spec in NODES.items()}
         for name, backend in self.backends.items():
             core.create_node({"metadata": {"name": name}})
-            Advertiser(api, name, backend, c.GIB).publish_once()
+            Advertiser(api, name, backend, GIB).publish_once()
         self.running: RunningExtender = start_extender(api, 0, "binpack", host="127.0.0.1")
         assert self.running.cache.wait_synced(5)
         wait_until(lambda: all(self.running.cache.view(n) for n in NODES), what="both inventories in the cache")
@@ -121,7 +136,7 @@ def test_mixed_cards_each_count_with_their_own_memory(ext: Extender) -> None:
     pod = ext.pending(gpu_pod("p12", [container("main", 12)]))
     assert ext.call("filter", {"Pod": pod, "NodeNames": ["mixed"]})["NodeNames"] == ["mixed"]
     assert ext.bind(pod, "mixed")["Error"] == ""
-    assert c.parse_allocation(ext.annotations("p12")[c.ANN_ALLOCATION])["main"][0].index == 2
+    assert parse_allocation(ext.annotations("p12")[ANN_ALLOCATION])["main"][0].index == 2
     wait_counted(ext, "mixed", [70, 70, 12])
     too_big = ext.pending(gpu_pod("p11", [container("main", 11)]))
     reply = ext.call("filter", {"Pod": too_big, "NodeNames": ["mixed"]})
@@ -158,7 +173,7 @@ def test_prioritize_returns_a_host_priority_list_and_honours_the_pod_policy(ext:
     wait_counted(ext, "small", [20])
     packed = scores(ext, ext.pending(gpu_pod("packed", [container("main", 2)])), ["mixed", "small"])
     assert packed["small"] > packed["mixed"]  # binpack, the cluster-wide policy here: the fuller node
-    spread_pod = gpu_pod("spread", [container("main", 2)], extra_annotations={c.ANN_POLICY: "spread"})
+    spread_pod = gpu_pod("spread", [container("main", 2)], extra_annotations={ANN_POLICY: "spread"})
     spread = scores(ext, ext.pending(spread_pod), ["mixed", "small"])
     assert spread["mixed"] > spread["small"]
 
@@ -167,18 +182,18 @@ def test_prioritize_returns_a_host_priority_list_and_honours_the_pod_policy(ext:
 
 
 def original_plugin_pick(pods: Sequence[Mapping[str, Any]], node: str, request: int) -> Mapping[str, Any] | None:
-    """The original device plugin's matching rule in Allocate (PROTOCOLS.md §4): among the node's Pending
+    """The original device plugin's matching rule in Allocate: among the node's Pending
     gpu-mem pods with ASSIGNED == "false", by ASSUME_TIME, the first whose pod total equals the request."""
     candidates = []
     for pod in pods:
         ann = pod["metadata"].get("annotations") or {}
         if pod["spec"].get("nodeName") != node or pod["status"].get("phase") != "Pending":
             continue
-        if ann.get(c.ANN_MEM_ASSIGNED) != "false" or c.ANN_MEM_ASSUME_TIME not in ann:
+        if ann.get(ANN_MEM_ASSIGNED) != "false" or ANN_MEM_ASSUME_TIME not in ann:
             continue
-        candidates.append((int(ann[c.ANN_MEM_ASSUME_TIME]), pod))
+        candidates.append((int(ann[ANN_MEM_ASSUME_TIME]), pod))
     for _, pod in sorted(candidates, key=lambda item: item[0]):
-        if int(pod["metadata"]["annotations"][c.ANN_MEM_POD]) == request:
+        if int(pod["metadata"]["annotations"][ANN_MEM_POD]) == request:
             return pod
     return None
 
@@ -197,12 +212,12 @@ def test_bind_writes_annotations_the_original_device_plugin_matches(ext: Extende
     per_card = sum(card.memory_mib // 1024 for card in cards.values()) // len(cards)
     for pod in pods:
         ann = pod["metadata"]["annotations"]
-        allocation = c.parse_allocation(ann[c.ANN_ALLOCATION])
-        card = cards[int(ann[c.ANN_MEM_IDX])]
+        allocation = parse_allocation(ann[ANN_ALLOCATION])
+        card = cards[int(ann[ANN_MEM_IDX])]
         assert allocation["main"][0].uuid == card.uuid  # IDX is the /dev/nvidia minor of the chosen card
-        assert ann[c.ANN_MEM_DEV] == str(per_card)
+        assert ann[ANN_MEM_DEV] == str(per_card)
         assert pod["spec"]["nodeName"] == "mixed"
-    times = [int(p["metadata"]["annotations"][c.ANN_MEM_ASSUME_TIME]) for p in reversed(pods)]
+    times = [int(p["metadata"]["annotations"][ANN_MEM_ASSUME_TIME]) for p in reversed(pods)]
     assert times == sorted(times) and all(t > 10**18 for t in times)  # nanoseconds since the epoch
 
 
@@ -216,9 +231,9 @@ def test_multi_card_and_multi_container_pods_get_distinct_whole_shapes(ext: Exte
     assert ext.call("filter", {"Pod": pending, "NodeNames": ["mixed", "small"]})["NodeNames"] == ["mixed"]
     assert ext.bind(pending, "mixed")["Error"] == ""
     ann = ext.annotations("trainer")
-    allocation = c.parse_allocation(ann[c.ANN_ALLOCATION])
-    request = c.parse_pod_request(pending)
-    c.validate_allocation(request, allocation)
+    allocation = parse_allocation(ann[ANN_ALLOCATION])
+    request = parse_pod_request(pending)
+    validate_allocation(request, allocation)
     pair, solo = allocation["pair"], allocation["solo"]
     assert [s.units for s in pair] == [8, 8] and len({s.uuid for s in pair}) == 2
     assert not {s.uuid for s in pair} & {s.uuid for s in solo}
@@ -227,19 +242,19 @@ def test_multi_card_and_multi_container_pods_get_distinct_whole_shapes(ext: Exte
     # the original keys name the first card of the first app container (by minor) and what the pod
     # holds there: the init container runs before, so it adds nothing to the pair's 8
     minors = {card.uuid: card.minor for card in ext.backends["mixed"].cards()}
-    assert ann[c.ANN_MEM_IDX] == str(minors[pair[0].uuid])
-    assert ann[c.ANN_MEM_POD] == "8"
+    assert ann[ANN_MEM_IDX] == str(minors[pair[0].uuid])
+    assert ann[ANN_MEM_POD] == "8"
     per_card = sum(capacity.values()) // len(capacity)
-    assert json.loads(ann[c.ANN_FRAMEWORK_ALLOCATION]) == {
+    assert json.loads(ann[ANN_FRAMEWORK_ALLOCATION]) == {
         "0": {str(minors[s.uuid]): 8 for s in pair},
         "1": {str(minors[solo[0].uuid]): per_card},
     }
 
 
 def test_unknown_policy_or_unknown_pod_come_back_in_error(ext: Extender) -> None:
-    odd = ext.pending(gpu_pod("odd", [container("main", 2)], extra_annotations={c.ANN_POLICY: "random"}))
+    odd = ext.pending(gpu_pod("odd", [container("main", 2)], extra_annotations={ANN_POLICY: "random"}))
     reply = ext.bind(odd, "small")
-    assert c.ANN_POLICY in reply["Error"] and "random" in reply["Error"]
+    assert ANN_POLICY in reply["Error"] and "random" in reply["Error"]
     assert "nodeName" not in get_pod(ext.api, "default", "odd")["spec"]
     ghost = ext.call("bind", {"PodName": "ghost", "PodNamespace": "default", "PodUID": "0-0", "Node": "small"})
     assert "pod default/ghost" in ghost["Error"] and "not found" in ghost["Error"]
@@ -256,7 +271,7 @@ def test_pods_annotated_by_the_original_extender_are_counted(ext: Extender) -> N
         [container("a", 10), container("b", 5)],
         node="mixed",
         original_index=minor[0],
-        extra_annotations={c.ANN_FRAMEWORK_ALLOCATION: json.dumps({"0": {str(minor[0]): 10}, "1": {str(minor[2]): 5}})},
+        extra_annotations={ANN_FRAMEWORK_ALLOCATION: json.dumps({"0": {str(minor[0]): 10}, "1": {str(minor[2]): 5}})},
     )
     for pod in (legacy, framework):
         ext.core.create_namespaced_pod("default", pod)
@@ -270,25 +285,25 @@ def test_pods_annotated_by_the_original_extender_are_counted(ext: Extender) -> N
 
 def test_framework_allocation_round_trips_by_container_position_and_minor() -> None:
     pod = gpu_pod("p", [container("a", 10), container("b", 4, 2)], init=[container("i", 1)])
-    request = c.parse_pod_request(pod)
+    request = parse_pod_request(pod)
     cards = [Card(i, f"GPU-{i}", "T4", 16384, minor=10 + i) for i in range(3)]
-    text = c.format_framework_allocation({"a": {11: 10}, "b": {10: 2, 12: 2}}, request)
+    text = format_framework_allocation({"a": {11: 10}, "b": {10: 2, 12: 2}}, request)
     assert json.loads(text) == {"0": {"11": 10}, "1": {"10": 2, "12": 2}}
     assert pod_allocation(
-        {**pod, "metadata": {**pod["metadata"], "annotations": {c.ANN_FRAMEWORK_ALLOCATION: text}}}, cards
+        {**pod, "metadata": {**pod["metadata"], "annotations": {ANN_FRAMEWORK_ALLOCATION: text}}}, cards
     ) == {
-        "a": (c.CardSlice(1, "GPU-1", 10),),
-        "b": (c.CardSlice(0, "GPU-0", 2), c.CardSlice(2, "GPU-2", 2)),
+        "a": (CardSlice(1, "GPU-1", 10),),
+        "b": (CardSlice(0, "GPU-0", 2), CardSlice(2, "GPU-2", 2)),
     }
-    with pytest.raises(c.AnnotationError, match="can't name init or unknown containers"):
-        c.format_framework_allocation({"i": {10: 1}}, request)
+    with pytest.raises(AnnotationError, match="can't name init or unknown containers"):
+        format_framework_allocation({"i": {10: 1}}, request)
 
     def annotated(value: dict) -> dict:
-        return {**pod, "metadata": {**pod["metadata"], "annotations": {c.ANN_FRAMEWORK_ALLOCATION: json.dumps(value)}}}
+        return {**pod, "metadata": {**pod["metadata"], "annotations": {ANN_FRAMEWORK_ALLOCATION: json.dumps(value)}}}
 
-    with pytest.raises(c.AnnotationError, match="'2' is not an app container's position"):
+    with pytest.raises(AnnotationError, match="'2' is not an app container's position"):
         pod_allocation(annotated({"2": {"10": 1}}), cards)
-    with pytest.raises(c.ContractError, match=r"card 7 \(a /dev/nvidia minor number\) is not on this node"):
+    with pytest.raises(ContractError, match=r"card 7 \(a /dev/nvidia minor number\) is not on this node"):
         pod_allocation(annotated({"0": {"7": 1}}), cards)
 
 
@@ -355,9 +370,9 @@ def test_a_node_running_the_original_plugin_is_scheduled_from_its_status(ext: Ex
     assert ext.bind(pod, "legacy") == {"Error": ""}
     ann = ext.annotations("p")
     # only what the original device plugin reads: its card number, the node total / cards, no UUIDs
-    assert c.ANN_ALLOCATION not in ann
-    assert ann[c.ANN_MEM_DEV] == "16" and ann[c.ANN_MEM_POD] == "10" and ann[c.ANN_MEM_ASSIGNED] == "false"
-    assert json.loads(ann[c.ANN_FRAMEWORK_ALLOCATION]) == {"0": {ann[c.ANN_MEM_IDX]: 10}}
+    assert ANN_ALLOCATION not in ann
+    assert ann[ANN_MEM_DEV] == "16" and ann[ANN_MEM_POD] == "10" and ann[ANN_MEM_ASSIGNED] == "false"
+    assert json.loads(ann[ANN_FRAMEWORK_ALLOCATION]) == {"0": {ann[ANN_MEM_IDX]: 10}}
     wait_until(lambda: sorted(ext.used("legacy")) == [10, 12], what="both pods counted")
 
     # what that plugin can't serve is refused there, with the reason
@@ -417,7 +432,7 @@ def test_cards_listed_in_the_unhealthy_gpu_configmap_take_no_pods(ext: Extender)
     )
     pod = ext.pending(gpu_pod("p", [container("main", 2)]))
     assert ext.bind(pod, "mixed") == {"Error": ""}
-    assert [s.index for s in c.parse_allocation(ext.annotations("p")[c.ANN_ALLOCATION])["main"]] == [open_card]
+    assert [s.index for s in parse_allocation(ext.annotations("p")[ANN_ALLOCATION])["main"]] == [open_card]
     ext.core.delete_namespaced_config_map("unhealthy-gpu-mixed", "kube-system")
     wait_until(lambda: all(card.healthy for card in ext.running.cache.view("mixed").cards), what="the fence lifted")
 
@@ -434,11 +449,11 @@ def test_multi_card_and_whole_card_pods_are_counted_right_by_the_original_compon
     assert sorted(original_inspect_usage(pair_pod).values()) == [8, 8]
     # the whole card is full in the original's eyes, not free (_POD was 0 before)
     whole_ann = whole_pod["metadata"]["annotations"]
-    assert whole_ann[c.ANN_MEM_POD] == whole_ann[c.ANN_MEM_DEV] == str(per_card)
-    assert original_inspect_usage(whole_pod) == {int(whole_ann[c.ANN_MEM_IDX]): per_card}
+    assert whole_ann[ANN_MEM_POD] == whole_ann[ANN_MEM_DEV] == str(per_card)
+    assert original_inspect_usage(whole_pod) == {int(whole_ann[ANN_MEM_IDX]): per_card}
     # the original extender counts _POD on the _IDX card: the pair holds 8 there
     pair_ann = pair_pod["metadata"]["annotations"]
-    assert pair_ann[c.ANN_MEM_POD] == "8" and pair_ann[c.ANN_MEM_DEV] == str(per_card)
+    assert pair_ann[ANN_MEM_POD] == "8" and pair_ann[ANN_MEM_DEV] == str(per_card)
 
 
 def test_an_init_container_runs_inside_the_app_containers_share(ext: Extender) -> None:
@@ -451,5 +466,5 @@ def test_an_init_container_runs_inside_the_app_containers_share(ext: Extender) -
     wait_until(lambda: ext.used("small") == [24], what="the card counted full, not over-committed")
     bound = get_pod(ext.api, "default", "p")
     allocation = pod_allocation(bound, ext.backends["small"].cards())
-    assert sum(held_units(allocation, c.parse_pod_request(bound)).values()) == 6
-    assert c.parse_pod_request(bound).effective_mem == 6
+    assert sum(held_units(allocation, parse_pod_request(bound)).values()) == 6
+    assert parse_pod_request(bound).effective_mem == 6

@@ -15,7 +15,9 @@ from podfactory import container, gpu_pod
 from advertiser.agent import Advertiser
 from deviceplugin.wiring import start_device_plugin
 from extender.wiring import start_extender
-from gpushare import contract as c
+from gpushare.contract.allocation import parse_allocation
+from gpushare.contract.names import ANN_ALLOCATION, ENV_VISIBLE_DEVICES, RESOURCE_COUNT, RESOURCE_MEM
+from gpushare.contract.units import GIB
 from gpushare.inventory import SimulatedBackend
 from gpushare.kube.objects import get_pod
 from gpushare.sandbox.kubelet import KubeletEmulator
@@ -35,17 +37,17 @@ class Cluster:
         for name, spec in nodes.items():
             core.create_node({"metadata": {"name": name}})
             backend = SimulatedBackend(name, spec)
-            advertiser = Advertiser(api, name, backend, c.GIB, interval=3600)
+            advertiser = Advertiser(api, name, backend, GIB, interval=3600)
             advertiser.start()
             self.stops.append(advertiser.stop)
             assert advertiser.published.wait(5)
             kubelet = KubeletEmulator(tmp / name)
             kubelet.start()
             self.stops.append(kubelet.stop)
-            settings = NodeSettings(name, str(kubeconfig), f"sim:{spec}", tmp / name, c.GIB, frozenset())
+            settings = NodeSettings(name, str(kubeconfig), f"sim:{spec}", tmp / name, GIB, frozenset())
             plugin = start_device_plugin(settings, backend, api)
             self.stops.insert(0, plugin.stop)
-            assert kubelet.wait_for(lambda k: k.registered(c.RESOURCE_MEM) and k.registered(c.RESOURCE_COUNT), 10)
+            assert kubelet.wait_for(lambda k: k.registered(RESOURCE_MEM) and k.registered(RESOURCE_COUNT), 10)
             self.kubelets[name] = kubelet
         extender = start_extender(api, 0, "fgd", host="127.0.0.1")
         self.stops.insert(0, extender.stop)
@@ -83,7 +85,7 @@ def cluster(
 
 
 def cards_of(bound: dict) -> dict[str, list[str]]:
-    allocation = c.parse_allocation(bound["metadata"]["annotations"][c.ANN_ALLOCATION])
+    allocation = parse_allocation(bound["metadata"]["annotations"][ANN_ALLOCATION])
     return {name: [s.uuid for s in slices] for name, slices in allocation.items()}
 
 
@@ -101,7 +103,7 @@ def test_each_container_runs_on_the_cards_the_scheduler_chose(cluster: Cluster) 
         chosen = cards_of(bound)
         assert set(envs) == set(chosen)
         for name, uuids in chosen.items():
-            assert envs[name][c.ENV_VISIBLE_DEVICES].split(",") == uuids, (pod["metadata"]["name"], name)
+            assert envs[name][ENV_VISIBLE_DEVICES].split(",") == uuids, (pod["metadata"]["name"], name)
 
 
 def test_four_two_card_sharing_pods_fit_a_three_card_node_beside_a_whole_card_pod(
@@ -110,16 +112,16 @@ def test_four_two_card_sharing_pods_fit_a_three_card_node_beside_a_whole_card_po
     cl = Cluster(kube_api, core_v1, kubeconfig, tmp_path, nodes={"gpu-c": "3xA100-80GB:81920"})
     try:
         _, envs = cl.run(gpu_pod("whole", [container("main", 0, 1)]))
-        whole = envs["main"][c.ENV_VISIBLE_DEVICES]
+        whole = envs["main"][ENV_VISIBLE_DEVICES]
         for i in range(4):
             bound, envs = cl.run(gpu_pod(f"pair-{i}", [container("main", 8, 2)]))
-            cards = envs["main"][c.ENV_VISIBLE_DEVICES].split(",")
+            cards = envs["main"][ENV_VISIBLE_DEVICES].split(",")
             assert cards == cards_of(bound)["main"]
             assert len(set(cards)) == 2 and whole not in cards, (i, cards, whole)
         # kubelet counts what kube-scheduler counts: five pods hold 9 of the node's gpu-count replicas
         kubelet = cl.kubelets["gpu-c"]
-        assert kubelet.capacity(c.RESOURCE_COUNT) == 240
-        assert sum(len(ids) for ids in kubelet.allocations(c.RESOURCE_COUNT).values()) == 9
+        assert kubelet.capacity(RESOURCE_COUNT) == 240
+        assert sum(len(ids) for ids in kubelet.allocations(RESOURCE_COUNT).values()) == 9
         # a whole-card pod needs an empty card: the shared ones are not, and the whole one is taken
         refused = cl.schedule(gpu_pod("another-whole", [container("main", 0, 1)]))
         assert refused.node is None

@@ -14,7 +14,9 @@ from kubernetes import client
 from podfactory import container, gpu_pod
 from test_extender import Cluster
 
-from gpushare import contract as c
+from gpushare.contract.aliyun import parse_assume_time
+from gpushare.contract.errors import ContractError
+from gpushare.contract.names import ANN_ALLOCATION, ENV_MEM_PREFIX, RESOURCE_MEM
 from gpushare.kube import transport
 from gpushare.sandbox import apiserver as standin
 from gpushare.usage import pod_allocation
@@ -39,7 +41,7 @@ def test_a_sprayed_filter_body_does_not_change_what_bind_places(cluster: Cluster
     sent before the pod changes; then the pod changes and is bound."""
     pod = cluster.pod(gpu_pod("big", [container("main", 40)]))
     forged = json.loads(json.dumps(pod))
-    forged["spec"]["containers"][0]["resources"]["limits"][c.RESOURCE_MEM] = "1"
+    forged["spec"]["containers"][0]["resources"]["limits"][RESOURCE_MEM] = "1"
     for ahead in range(1, 6):
         forged["metadata"]["resourceVersion"] = str(int(pod["metadata"]["resourceVersion"]) + ahead)
         cluster.filter(forged)
@@ -53,18 +55,18 @@ def test_a_sprayed_filter_body_does_not_change_what_bind_places(cluster: Cluster
 
 def test_a_bad_request_names_the_pod_once(cluster: Cluster) -> None:
     pod = cluster.pod(gpu_pod("bad", [container("main")]))
-    pod["spec"]["containers"][0]["resources"]["limits"][c.RESOURCE_MEM] = "lots"
+    pod["spec"]["containers"][0]["resources"]["limits"][RESOURCE_MEM] = "lots"
     reason = cluster.filter(pod)["FailedAndUnresolvableNodes"]["n1"]
     assert reason.count("default/bad") == 1, reason
 
 
 def test_untrusted_strings_are_quoted_and_cut() -> None:
-    with pytest.raises(c.ContractError) as huge:
-        c.parse_assume_time("9x" * 2500, "default/p")
+    with pytest.raises(ContractError) as huge:
+        parse_assume_time("9x" * 2500, "default/p")
     assert len(str(huge.value)) < 200 and "5000 characters" in str(huge.value)
     forged = json.dumps({"main\nERROR forged line": [{"index": 0, "uuid": "GPU-0", "units": 1}]})
-    pod = gpu_pod("p", [container("main", 1)], extra_annotations={c.ANN_ALLOCATION: forged})
-    with pytest.raises(c.ContractError) as named:
+    pod = gpu_pod("p", [container("main", 1)], extra_annotations={ANN_ALLOCATION: forged})
+    with pytest.raises(ContractError) as named:
         pod_allocation(pod, ())
     assert "\n" not in str(named.value) and "forged line" in str(named.value)
 
@@ -85,7 +87,7 @@ def test_bind_refuses_a_node_outside_the_pods_node_selector(cluster: Cluster) ->
     reply = cluster.bind(pod, "n2")
     assert "nodeSelector" in reply["Error"] and "'pool'='training'" in reply["Error"]
     assert cluster.core.read_namespaced_pod("picky", "default").spec.node_name is None
-    assert c.ANN_ALLOCATION not in annotations(cluster, "picky")
+    assert ANN_ALLOCATION not in annotations(cluster, "picky")
     cluster.core.patch_node("n2", {"metadata": {"labels": {"pool": "training"}}})
     assert cluster.bind(pod, "n2")["Error"] == ""
 
@@ -116,7 +118,7 @@ def test_a_forbidden_node_patch_takes_the_assignment_back(cluster: Cluster, monk
     reply = cluster.bind(pod, "n1")
     assert "403" in reply["Error"] and "taken back" in reply["Error"]
     left = annotations(cluster, "p")
-    assert not [k for k in left if k.startswith(("gpushare.io/", c.ENV_MEM_PREFIX))], left
+    assert not [k for k in left if k.startswith(("gpushare.io/", ENV_MEM_PREFIX))], left
     assert cluster.extender.cache.assumed_on("n1") == []
 
 
@@ -147,4 +149,4 @@ def test_a_bind_whose_answers_are_lost_in_an_api_pause_still_succeeds(
     assert reply["Error"] == "", reply
     assert delayed == ["binding"]
     got = cluster.core.read_namespaced_pod("p", "default")
-    assert got.spec.node_name == "n1" and c.ANN_ALLOCATION in got.metadata.annotations
+    assert got.spec.node_name == "n1" and ANN_ALLOCATION in got.metadata.annotations

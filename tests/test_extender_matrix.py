@@ -16,9 +16,12 @@ from extender.cache import ClusterCache
 from extender.engine import PlacementEngine
 from extender.matrix import CostMemo, NodeMatrix
 from extender.wire import NodeNames
-from gpushare import contract as c
 from gpushare import placement
 from gpushare.cards import Card
+from gpushare.contract.allocation import CardSlice
+from gpushare.contract.inventory import format_inventory
+from gpushare.contract.names import NODE_ANN_INVENTORY
+from gpushare.contract.units import GIB
 
 SHAPES = [
     placement.Shape(1),
@@ -33,7 +36,7 @@ _versions = itertools.count(1)
 
 
 def node_obj(name: str, cards: list[Card] | None) -> dict:
-    annotations = {c.NODE_ANN_INVENTORY: c.format_inventory(cards, c.GIB)} if cards is not None else {}
+    annotations = {NODE_ANN_INVENTORY: format_inventory(cards, GIB)} if cards is not None else {}
     return {"metadata": {"name": name, "resourceVersion": str(next(_versions)), "annotations": annotations}}
 
 
@@ -47,7 +50,7 @@ def random_cards(rng: random.Random, name: str) -> list[Card]:
 
 def bound_pod(name: str, node: str, card: Card, units: int) -> dict:
     pod = gpu_pod(
-        name, [container("main", units)], node=node, allocation={"main": (c.CardSlice(card.index, card.uuid, units),)}
+        name, [container("main", units)], node=node, allocation={"main": (CardSlice(card.index, card.uuid, units),)}
     )
     pod["metadata"].update(uid=f"uid-{name}", resourceVersion=str(next(_versions)))
     return pod

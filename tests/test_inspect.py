@@ -8,8 +8,11 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from gpushare import contract as c
 from gpushare.cli import main
+from gpushare.contract.allocation import CardSlice, format_allocation
+from gpushare.contract.inventory import format_inventory
+from gpushare.contract.names import ANN_ALLOCATION, ANN_MEM_IDX, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
+from gpushare.contract.units import GIB, MemoryUnit
 from gpushare.inspection.model import build_cluster
 from gpushare.inspection.render import render_details, render_summary
 from gpushare.inventory import simulated_cards
@@ -19,11 +22,11 @@ BIG = list(simulated_cards("big", "1xA100-80GB:81920,1xT4:15360"))
 BIG[1] = BIG[1].with_health(False)
 # node "small": two 16 GiB cards counted in 512 MiB units (32 each)
 SMALL = simulated_cards("small", "2xV100-16GB:16384")
-HALF_GIB = c.MemoryUnit(512)
+HALF_GIB = MemoryUnit(512)
 
 
-def node(name: str, ip: str, cards: Any = None, unit: c.MemoryUnit = c.GIB, capacity: dict | None = None) -> dict:
-    annotations = {c.NODE_ANN_INVENTORY: c.format_inventory(cards, unit)} if cards is not None else {}
+def node(name: str, ip: str, cards: Any = None, unit: MemoryUnit = GIB, capacity: dict | None = None) -> dict:
+    annotations = {NODE_ANN_INVENTORY: format_inventory(cards, unit)} if cards is not None else {}
     return {
         "metadata": {"name": name, "annotations": annotations},
         "status": {
@@ -51,15 +54,15 @@ def pod(
 
 
 def mem(units: int, count: int | None = None) -> dict[str, str]:
-    return {c.RESOURCE_MEM: str(units), **({c.RESOURCE_COUNT: str(count)} if count else {})}
+    return {RESOURCE_MEM: str(units), **({RESOURCE_COUNT: str(count)} if count else {})}
 
 
 def placed(**containers: list[tuple[Any, int]]) -> dict[str, str]:
     allocation = {
-        name: tuple(c.CardSlice(card.index, card.uuid, units) for card, units in slices)
+        name: tuple(CardSlice(card.index, card.uuid, units) for card, units in slices)
         for name, slices in containers.items()
     }
-    return {c.ANN_ALLOCATION: c.format_allocation(allocation)}
+    return {ANN_ALLOCATION: format_allocation(allocation)}
 
 
 def cluster_objects() -> tuple[list[dict], list[dict]]:
@@ -71,7 +74,7 @@ def cluster_objects() -> tuple[list[dict], list[dict]]:
     pods = [
         pod("shared-a", "big", {"main": mem(8)}, placed(main=[(BIG[0], 8)])),
         # placed by the original extender, which names the card by its /dev/nvidia minor
-        pod("shared-b", "big", {"main": mem(4)}, {c.ANN_MEM_IDX: str(BIG[1].minor)}),
+        pod("shared-b", "big", {"main": mem(4)}, {ANN_MEM_IDX: str(BIG[1].minor)}),
         pod(
             "two-containers",
             "big",
@@ -81,7 +84,7 @@ def cluster_objects() -> tuple[list[dict], list[dict]]:
         pod("waiting", "big", {"main": mem(5)}),  # bound, no card recorded
         pod("done", "big", {"main": mem(70)}, placed(main=[(BIG[0], 70)]), phase="Succeeded"),
         pod("two-cards", "small", {"main": mem(20, 2)}, placed(main=[(SMALL[0], 10), (SMALL[1], 10)])),
-        pod("broken", "small", {"main": mem(4)}, {c.ANN_ALLOCATION: "{not json"}),
+        pod("broken", "small", {"main": mem(4)}, {ANN_ALLOCATION: "{not json"}),
         pod("unscheduled", None, {"main": mem(500)}),
         pod("web", "cpu-only", {"main": {}}),
     ]
@@ -146,8 +149,8 @@ def test_same_unit_everywhere_keeps_the_cluster_total_in_that_unit() -> None:
 
 
 def test_node_without_inventory_falls_back_to_capacity_and_says_so() -> None:
-    legacy = node("legacy", "10.0.0.9", capacity={c.RESOURCE_MEM: "30", c.RESOURCE_COUNT: "2"})
-    pods = [pod("old", "legacy", {"main": mem(12)}, {c.ANN_MEM_IDX: "1"})]
+    legacy = node("legacy", "10.0.0.9", capacity={RESOURCE_MEM: "30", RESOURCE_COUNT: "2"})
+    pods = [pod("old", "legacy", {"main": mem(12)}, {ANN_MEM_IDX: "1"})]
     text = render_summary(build_cluster([legacy], pods))
     assert rows(text)["legacy"] == ["legacy", "10.0.0.9", "GiB", "0/15", "12/15", "12/30 (40%)"]
     assert "note: node legacy: no gpushare.io/inventory annotation: 2 equal card(s) of 15 GiB inferred from" in text
@@ -155,7 +158,7 @@ def test_node_without_inventory_falls_back_to_capacity_and_says_so() -> None:
 
 def test_gpu_count_replicas_are_not_taken_for_cards() -> None:
     # our plugin lists one gpu-count replica per unit: without the inventory, cards can't be counted
-    ours = node("ours", "10.0.0.8", capacity={c.RESOURCE_MEM: "30", c.RESOURCE_COUNT: "30"})
+    ours = node("ours", "10.0.0.8", capacity={RESOURCE_MEM: "30", RESOURCE_COUNT: "30"})
     text = render_summary(build_cluster([ours], []))
     assert rows(text)["ours"] == ["ours", "10.0.0.8", "GiB", "0/0 (0%)"]
     assert "warning: node ours: node ours has no gpushare.io/inventory annotation; its aliyun.com/gpu-count=30" in text

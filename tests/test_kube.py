@@ -14,7 +14,7 @@ from conftest import wait_until
 from kubernetes import client
 from kubernetes.config import kube_config
 
-from gpushare import contract as c
+from gpushare.contract.names import ANN_ALLOCATION
 from gpushare.kube import errors, events, objects, retry, transport, watch
 from gpushare.sandbox import apiserver as standin
 from gpushare.sandbox import store
@@ -103,10 +103,10 @@ def test_binding_sets_its_annotations_on_the_pod_in_the_same_write(
     kube_api: client.ApiClient, core_v1: client.CoreV1Api
 ) -> None:
     uid = core_v1.create_namespaced_pod("default", pod("a")).metadata.uid
-    objects.bind_pod(kube_api, "default", "a", uid, "n1", {c.ANN_ALLOCATION: "x"})
+    objects.bind_pod(kube_api, "default", "a", uid, "n1", {ANN_ALLOCATION: "x"})
     bound = objects.get_pod(kube_api, "default", "a")
     assert bound["spec"]["nodeName"] == "n1"
-    assert bound["metadata"]["annotations"][c.ANN_ALLOCATION] == "x"
+    assert bound["metadata"]["annotations"][ANN_ALLOCATION] == "x"
 
 
 def test_list_pods_by_label(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:

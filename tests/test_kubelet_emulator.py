@@ -14,7 +14,7 @@ import grpc
 import pytest
 from podfactory import container, gpu_pod
 
-from gpushare import contract as c
+from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 from gpushare.sandbox.cluster import devices_listed
@@ -51,7 +51,7 @@ class ScriptedPlugin(pb_grpc.DevicePluginServicer):
         self.server.add_insecure_port(f"unix://{directory / endpoint}")
         self.server.start()
 
-    def register(self, resource: str = c.RESOURCE_MEM, version: str = "v1beta1", endpoint: str | None = None) -> None:
+    def register(self, resource: str = RESOURCE_MEM, version: str = "v1beta1", endpoint: str | None = None) -> None:
         with grpc.insecure_channel(f"unix://{self.dir / KUBELET_SOCKET}") as channel:
             pb_grpc.RegistrationStub(channel).Register(
                 pb.RegisterRequest(version=version, endpoint=endpoint or self.endpoint, resource_name=resource),
@@ -106,7 +106,7 @@ def plugin_with(directory: Path, count: int, **kwargs: object) -> ScriptedPlugin
 def plugin(directory: Path, kubelet: KubeletEmulator) -> Iterator[ScriptedPlugin]:
     scripted = plugin_with(directory, 6)
     scripted.register()
-    assert kubelet.wait_registered(c.RESOURCE_MEM, 5)
+    assert kubelet.wait_registered(RESOURCE_MEM, 5)
     yield scripted
     scripted.lists.put(None)
     scripted.server.stop(grace=0)
@@ -115,11 +115,11 @@ def plugin(directory: Path, kubelet: KubeletEmulator) -> Iterator[ScriptedPlugin
 @pytest.mark.parametrize(
     ("version", "resource", "endpoint", "reason"),
     [
-        ("v1alpha", c.RESOURCE_MEM, ENDPOINT, "unsupported device plugin API version 'v1alpha'"),
+        ("v1alpha", RESOURCE_MEM, ENDPOINT, "unsupported device plugin API version 'v1alpha'"),
         ("v1beta1", "gpu-mem", ENDPOINT, "not an extended resource name"),
         ("v1beta1", "kubernetes.io/gpu", ENDPOINT, "reserved kubernetes.io domain"),
         ("v1beta1", "storage.kubernetes.io/gpu", ENDPOINT, "reserved kubernetes.io domain"),
-        ("v1beta1", c.RESOURCE_MEM, "/tmp/x.sock", "must be a socket file name"),
+        ("v1beta1", RESOURCE_MEM, "/tmp/x.sock", "must be a socket file name"),
     ],
 )
 def test_registrations_kubelet_would_reject_are_rejected(
@@ -139,21 +139,21 @@ def test_registrations_kubelet_would_reject_are_rejected(
 def test_a_registration_whose_endpoint_is_not_served_fails(directory: Path, kubelet: KubeletEmulator) -> None:
     with grpc.insecure_channel(f"unix://{directory / KUBELET_SOCKET}") as channel, pytest.raises(grpc.RpcError) as err:
         pb_grpc.RegistrationStub(channel).Register(
-            pb.RegisterRequest(version="v1beta1", endpoint="nobody.sock", resource_name=c.RESOURCE_MEM), timeout=10
+            pb.RegisterRequest(version="v1beta1", endpoint="nobody.sock", resource_name=RESOURCE_MEM), timeout=10
         )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "nobody.sock" in err.value.details()
-    assert not kubelet.registered(c.RESOURCE_MEM)
+    assert not kubelet.registered(RESOURCE_MEM)
 
 
 def test_each_device_list_replaces_the_last_and_allocatable_counts_healthy_devices(
     kubelet: KubeletEmulator, plugin: ScriptedPlugin
 ) -> None:
-    assert kubelet.capacity(c.RESOURCE_MEM) == 6 and kubelet.allocatable(c.RESOURCE_MEM) == 6
+    assert kubelet.capacity(RESOURCE_MEM) == 6 and kubelet.allocatable(RESOURCE_MEM) == 6
     plugin.lists.put([pb.Device(ID="d0", health="Healthy"), pb.Device(ID="d1", health="Unhealthy")])
-    assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) == 2, 5)
-    assert kubelet.allocatable(c.RESOURCE_MEM) == 1
-    assert kubelet.devices(c.RESOURCE_MEM) == {"d0": "Healthy", "d1": "Unhealthy"}
-    assert kubelet.updates(c.RESOURCE_MEM) == 2
+    assert kubelet.wait_for(lambda k: k.capacity(RESOURCE_MEM) == 2, 5)
+    assert kubelet.allocatable(RESOURCE_MEM) == 1
+    assert kubelet.devices(RESOURCE_MEM) == {"d0": "Healthy", "d1": "Unhealthy"}
+    assert kubelet.updates(RESOURCE_MEM) == 2
 
 
 def test_admission_calls_allocate_once_per_container_with_one_request_init_first(
@@ -183,9 +183,9 @@ def test_one_containers_resources_are_allocated_in_either_order_as_kubelet_range
     plugins = [plugin_with(directory, 16, endpoint="mem.sock", calls=calls),
                plugin_with(directory, 16, endpoint="count.sock", calls=calls)]  # fmt: skip
     try:
-        plugins[0].register(c.RESOURCE_MEM)
-        plugins[1].register(c.RESOURCE_COUNT)
-        assert emulator.wait_registered(c.RESOURCE_COUNT, 5)
+        plugins[0].register(RESOURCE_MEM)
+        plugins[1].register(RESOURCE_COUNT)
+        assert emulator.wait_registered(RESOURCE_COUNT, 5)
         firsts = set()
         for i in range(8):
             calls.clear()
@@ -231,14 +231,14 @@ def test_an_allocate_error_rejects_the_pod_naming_the_error(kubelet: KubeletEmul
 
 def test_a_resource_without_a_plugin_rejects_the_pod(kubelet: KubeletEmulator, plugin: ScriptedPlugin) -> None:
     result = kubelet.admit(gpu_pod("p", [container("main", count=1)], uid="u1"))
-    assert not result.admitted and f"no device plugin registered for {c.RESOURCE_COUNT}" in result.error
+    assert not result.admitted and f"no device plugin registered for {RESOURCE_COUNT}" in result.error
 
 
 def test_a_usable_preferred_allocation_is_followed(directory: Path, kubelet: KubeletEmulator) -> None:
     scripted = plugin_with(directory, 6, preferred=["d4", "d5"])
     try:
         scripted.register()
-        assert kubelet.wait_registered(c.RESOURCE_MEM, 5)
+        assert kubelet.wait_registered(RESOURCE_MEM, 5)
         assert kubelet.admit(gpu_pod("p", [container("main", 2)], uid="u1")).admitted
         assert scripted.preference_requests == 1 and scripted.allocations == [[["d4", "d5"]]]
         # d4 and d5 are taken now: the same preference no longer fits, so kubelet picks by itself
@@ -262,14 +262,14 @@ def test_restart_deletes_every_socket_and_creates_a_new_kubelet_socket(
     (directory / "notes.txt").write_text("not a socket")
     kubelet.restart()
     assert not (directory / ENDPOINT).exists() and (directory / "notes.txt").exists()
-    assert not kubelet.registered(c.RESOURCE_MEM) and kubelet.capacity(c.RESOURCE_MEM) == 0
+    assert not kubelet.registered(RESOURCE_MEM) and kubelet.capacity(RESOURCE_MEM) == 0
     # the checkpoint outlives the restart, as kubelet's does
-    assert kubelet.allocations(c.RESOURCE_MEM) == {("u1", "main"): plugin.allocations[0][0]}
+    assert kubelet.allocations(RESOURCE_MEM) == {("u1", "main"): plugin.allocations[0][0]}
     # the new kubelet.sock takes registrations from a plugin serving again
     again = plugin_with(directory, 3)
     try:
         again.register()
-        assert kubelet.wait_registered(c.RESOURCE_MEM, 5) and kubelet.capacity(c.RESOURCE_MEM) == 3
+        assert kubelet.wait_registered(RESOURCE_MEM, 5) and kubelet.capacity(RESOURCE_MEM) == 3
     finally:
         again.server.stop(grace=0)
 
@@ -281,13 +281,13 @@ def test_the_sandbox_waits_for_both_device_lists_not_just_the_registrations(
     replicas = ScriptedPlugin(directory, [], endpoint="replicas.sock")
     replicas.lists.get_nowait()  # hold the first list back
     try:
-        replicas.register(c.RESOURCE_COUNT)
-        assert kubelet.wait_for(lambda k: k.registered(c.RESOURCE_COUNT), 5)
-        assert kubelet.capacity(c.RESOURCE_MEM) == 6 and kubelet.capacity(c.RESOURCE_COUNT) == 0
+        replicas.register(RESOURCE_COUNT)
+        assert kubelet.wait_for(lambda k: k.registered(RESOURCE_COUNT), 5)
+        assert kubelet.capacity(RESOURCE_MEM) == 6 and kubelet.capacity(RESOURCE_COUNT) == 0
         assert not devices_listed(kubelet)
         replicas.lists.put([pb.Device(ID="r0", health="Healthy")])
         assert kubelet.wait_for(devices_listed, 5)
-        assert kubelet.capacity(c.RESOURCE_COUNT) == 1
+        assert kubelet.capacity(RESOURCE_COUNT) == 1
     finally:
         replicas.lists.put(None)
         replicas.server.stop(grace=0)

@@ -15,9 +15,19 @@ import pytest
 from kubernetes import client
 from podfactory import container, gpu_pod
 
-from gpushare import contract as c
 from gpushare.cards import Card
 from gpushare.cli import kubectl_inspect_main
+from gpushare.contract.errors import ContractError
+from gpushare.contract.inventory import format_inventory
+from gpushare.contract.names import (
+    ANN_FRAMEWORK_ALLOCATION,
+    ANN_MEM_IDX,
+    NODE_ANN_INVENTORY,
+    RESOURCE_COUNT,
+    RESOURCE_MEM,
+)
+from gpushare.contract.request import parse_pod_request
+from gpushare.contract.units import GIB
 from gpushare.inspection.model import build_node
 from gpushare.usage import node_inventory, node_usage
 
@@ -27,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def original_node(core: client.CoreV1Api, name: str, mem: int, count: int, ip: str = "10.0.0.7") -> None:
     """A node that runs the original device plugin: no inventory annotation, only its status."""
     core.create_node({"metadata": {"name": name}})
-    amounts = {c.RESOURCE_MEM: str(mem), c.RESOURCE_COUNT: str(count)}
+    amounts = {RESOURCE_MEM: str(mem), RESOURCE_COUNT: str(count)}
     core.patch_node_status(
         name,
         {"status": {"capacity": amounts, "allocatable": amounts, "addresses": [{"type": "InternalIP", "address": ip}]}},
@@ -38,13 +48,13 @@ def original_inspect_usage(pod: dict[str, Any]) -> dict[int, int]:
     """What the original kubectl-inspect-gpushare counts for a pod: the framework annotation summed
     per card when it is there, else the pod's app-container gpu-mem on its IDX card."""
     ann = pod["metadata"].get("annotations") or {}
-    if c.ANN_FRAMEWORK_ALLOCATION in ann:
+    if ANN_FRAMEWORK_ALLOCATION in ann:
         per_card: dict[int, int] = {}
-        for cards in json.loads(ann[c.ANN_FRAMEWORK_ALLOCATION]).values():
+        for cards in json.loads(ann[ANN_FRAMEWORK_ALLOCATION]).values():
             for number, units in cards.items():
                 per_card[int(number)] = per_card.get(int(number), 0) + units
         return per_card
-    return {int(ann[c.ANN_MEM_IDX]): c.parse_pod_request(pod).app_mem}
+    return {int(ann[ANN_MEM_IDX]): parse_pod_request(pod).app_mem}
 
 
 # --- point 1: nodes that still run the original device plugin --------------------------------------------
@@ -52,15 +62,15 @@ def original_inspect_usage(pod: dict[str, Any]) -> dict[int, int]:
 
 def test_cards_are_inferred_from_allocatable_in_the_original_unit() -> None:
     status = {
-        "capacity": {c.RESOURCE_MEM: "65536", c.RESOURCE_COUNT: "4"},
-        "allocatable": {c.RESOURCE_MEM: "61440", c.RESOURCE_COUNT: "4"},
+        "capacity": {RESOURCE_MEM: "65536", RESOURCE_COUNT: "4"},
+        "allocatable": {RESOURCE_MEM: "61440", RESOURCE_COUNT: "4"},
     }
     inventory = node_inventory({"metadata": {"name": "mib"}, "status": status})
     assert inventory.unit.name == "MiB"  # more than 100 units a card, as the original inspect decides
     assert [inventory.units_of(card) for card in inventory.cards] == [15360] * 4
     assert [card.minor for card in inventory.cards] == [0, 1, 2, 3]
-    ours = {"metadata": {"name": "ours"}, "status": {"capacity": {c.RESOURCE_MEM: "80", c.RESOURCE_COUNT: "80"}}}
-    with pytest.raises(c.ContractError, match="counts replicas, not cards"):
+    ours = {"metadata": {"name": "ours"}, "status": {"capacity": {RESOURCE_MEM: "80", RESOURCE_COUNT: "80"}}}
+    with pytest.raises(ContractError, match="counts replicas, not cards"):
         node_inventory(ours)
 
 
@@ -72,13 +82,13 @@ FRAMEWORK_POD = {
         "name": "fw",
         "namespace": "default",
         "uid": "u-fw",
-        "annotations": {c.ANN_FRAMEWORK_ALLOCATION: json.dumps({"0": {"0": 10}, "1": {"2": 5}}), c.ANN_MEM_IDX: "0"},
+        "annotations": {ANN_FRAMEWORK_ALLOCATION: json.dumps({"0": {"0": 10}, "1": {"2": 5}}), ANN_MEM_IDX: "0"},
     },
     "spec": {
         "nodeName": "n",
         "containers": [
-            {"name": "a", "resources": {"limits": {c.RESOURCE_MEM: "10"}}},
-            {"name": "b", "resources": {"limits": {c.RESOURCE_MEM: "5"}}},
+            {"name": "a", "resources": {"limits": {RESOURCE_MEM: "10"}}},
+            {"name": "b", "resources": {"limits": {RESOURCE_MEM: "5"}}},
         ],
     },
     "status": {"phase": "Running"},
@@ -87,7 +97,7 @@ FRAMEWORK_POD = {
 
 def test_every_component_counts_the_framework_annotation_the_same() -> None:
     annotated = {
-        "metadata": {"name": "n", "annotations": {c.NODE_ANN_INVENTORY: c.format_inventory(THREE, c.GIB)}},
+        "metadata": {"name": "n", "annotations": {NODE_ANN_INVENTORY: format_inventory(THREE, GIB)}},
         "status": {},
     }
     used, _, bad = node_usage([FRAMEWORK_POD], THREE)  # the device plugin's and the CRI shim's count
@@ -108,7 +118,7 @@ def test_kubectl_inspect_gpushare_keeps_the_original_layout(
     original_node(core_v1, "legacy", 32, 2)
     framework = {"0": {"0": 6}, "1": {"0": 4}}  # per card, as the newer original extender writes it
     pod = gpu_pod("fw", [container("a", 6), container("b", 4)], node="legacy", original_index=1)
-    pod["metadata"]["annotations"][c.ANN_FRAMEWORK_ALLOCATION] = json.dumps(framework)
+    pod["metadata"]["annotations"][ANN_FRAMEWORK_ALLOCATION] = json.dumps(framework)
     core_v1.create_namespaced_pod("default", pod)
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     assert kubectl_inspect_main(["--kubeconfig", str(kubeconfig)]) == 0

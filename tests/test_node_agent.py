@@ -13,7 +13,7 @@ from pathlib import Path
 from conftest import wait_until
 from kubernetes import client
 
-from gpushare import contract as c
+from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.kube.objects import get_node
 from gpushare.sandbox.kubelet import KubeletEmulator
 
@@ -51,8 +51,8 @@ def test_node_agent_runs_all_node_components(
         text=True,
     )
     try:
-        assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) == 160 and k.capacity(c.RESOURCE_COUNT) == 160, 30)
-        wait_until(lambda: c.NODE_ANN_INVENTORY in (get_node(kube_api, "n1")["metadata"].get("annotations") or {}), 10)
+        assert kubelet.wait_for(lambda k: k.capacity(RESOURCE_MEM) == 160 and k.capacity(RESOURCE_COUNT) == 160, 30)
+        wait_until(lambda: NODE_ANN_INVENTORY in (get_node(kube_api, "n1")["metadata"].get("annotations") or {}), 10)
         wait_until(shim_socket.exists, 10, "the CRI shim socket")
         assert (shim_socket.stat().st_mode & 0o777) == 0o600
         proc.send_signal(signal.SIGTERM)

@@ -15,7 +15,8 @@ from podfactory import container, gpu_pod
 from deviceplugin import plugin as plugin_module
 from deviceplugin.plugin import SOCKETS, DevicePlugin
 from deviceplugin.wiring import start_device_plugin
-from gpushare import contract as c
+from gpushare.contract.names import ENV_VISIBLE_DEVICES, RESOURCE_COUNT, RESOURCE_MEM
+from gpushare.contract.units import GIB
 from gpushare.inventory import InventoryError, SimulatedBackend
 from gpushare.kube.retry import Backoff
 from gpushare.node import components
@@ -28,7 +29,7 @@ SPEC = "2xA100-80GB:81920"
 
 
 def settings(directory: Path) -> NodeSettings:
-    return NodeSettings("n1", None, f"sim:{SPEC}", directory, c.GIB, frozenset())
+    return NodeSettings("n1", None, f"sim:{SPEC}", directory, GIB, frozenset())
 
 
 def test_kubelet_wiping_the_directory_between_bind_and_chmod_leads_to_a_new_registration(
@@ -46,10 +47,10 @@ def test_kubelet_wiping_the_directory_between_bind_and_chmod_leads_to_a_new_regi
     monkeypatch.setattr(plugin_module, "_restrict", kubelet_starts_in_between)
     running = start_device_plugin(settings(directory), SimulatedBackend("n1", SPEC), kube_api)
     try:
-        assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) == 160 and k.capacity(c.RESOURCE_COUNT) > 0, 5), (
+        assert kubelet.wait_for(lambda k: k.capacity(RESOURCE_MEM) == 160 and k.capacity(RESOURCE_COUNT) > 0, 5), (
             "the plugin never registered after kubelet emptied its directory"
         )
-        assert wiped == [directory / SOCKETS[c.RESOURCE_MEM]]
+        assert wiped == [directory / SOCKETS[RESOURCE_MEM]]
         assert running.plugin.wait_registered(5) and running.alive()
         assert all((directory / name).stat().st_mode & 0o777 == 0o600 for name in SOCKETS.values())
     finally:
@@ -116,14 +117,14 @@ def test_a_component_that_dies_is_restarted_and_readyz_is_false_until_it_is_back
         assert readyz(server.port) == 503
         wait_until(lambda: readyz(server.port) == 200, 5, "the device plugin to be restarted")
         assert supervisor.restarts("device-plugin") == 1
-        assert kubelet.wait_for(lambda k: k.capacity(c.RESOURCE_MEM) == 160, 5)
+        assert kubelet.wait_for(lambda k: k.capacity(RESOURCE_MEM) == 160, 5)
         a1 = backend.cards()[1]
         core_v1.create_namespaced_pod("default", gpu_pod("after", [container("main", 4)], original_index=a1.minor))
         admission = kubelet.admit(
             core_v1.api_client.sanitize_for_serialization(core_v1.read_namespaced_pod("after", "default"))
         )
         assert admission.admitted, admission.error
-        assert admission.containers["main"].envs[c.ENV_VISIBLE_DEVICES] == a1.uuid
+        assert admission.containers["main"].envs[ENV_VISIBLE_DEVICES] == a1.uuid
         # the dead instances no longer hear of health changes: one subscriber per live component
         assert len(backend._subscribers._callbacks) == 2
     finally:

@@ -23,7 +23,9 @@ from advertiser.agent import Advertiser
 from deviceplugin.devices import card_of_device, device_id
 from deviceplugin.plugin import SOCKETS
 from deviceplugin.wiring import RunningPlugin, start_device_plugin
-from gpushare import contract as c
+from gpushare.contract.inventory import NodeInventory, parse_inventory
+from gpushare.contract.names import NODE_ANN_INVENTORY, NODE_LABEL_MODEL, RESOURCE_COUNT, RESOURCE_MEM
+from gpushare.contract.units import GIB
 from gpushare.inventory import HealthEvent, InventoryError, NvmlBackend, _single_node, parse_ignored_xids
 from gpushare.kube.objects import get_node
 from gpushare.pb import deviceplugin_pb2 as pb
@@ -42,9 +44,9 @@ def short_dir() -> Iterator[Path]:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def published_inventory(api: client.ApiClient, node: str) -> c.NodeInventory | None:
-    text = (get_node(api, node)["metadata"].get("annotations") or {}).get(c.NODE_ANN_INVENTORY)
-    return c.parse_inventory(text, node) if text else None
+def published_inventory(api: client.ApiClient, node: str) -> NodeInventory | None:
+    text = (get_node(api, node)["metadata"].get("annotations") or {}).get(NODE_ANN_INVENTORY)
+    return parse_inventory(text, node) if text else None
 
 
 def annotated_health(api: client.ApiClient, node: str, index: int) -> bool | None:
@@ -60,7 +62,7 @@ def test_dgx_a100_inventory_is_what_nvml_describes(tmp_path, monkeypatch, kube_a
     with nvml_backend("dgx-a100", tmp_path, monkeypatch, **FAST) as (backend, _):
         cards = backend.cards()
         core_v1.create_node({"metadata": {"name": "dgx"}})
-        Advertiser(kube_api, "dgx", backend, c.GIB).publish_once()
+        Advertiser(kube_api, "dgx", backend, GIB).publish_once()
     assert [(card.index, card.uuid, card.model, card.memory_mib, card.minor) for card in cards] == [
         (i, d["uuid"], d["name"], int(d["memory-mib"]), int(d["minor"])) for i, d in enumerate(described)
     ]
@@ -75,7 +77,7 @@ def test_dgx_a100_inventory_is_what_nvml_describes(tmp_path, monkeypatch, kube_a
     assert inventory is not None and inventory.cards == tuple(cards)
     assert [inventory.units_of(card) for card in cards] == [80] * 8
     labels = core_v1.read_node("dgx").metadata.labels
-    assert labels[c.NODE_LABEL_MODEL] == "NVIDIA-A100-SXM4-80GB"
+    assert labels[NODE_LABEL_MODEL] == "NVIDIA-A100-SXM4-80GB"
 
 
 def test_mixed_node_t4_has_no_nvlink_and_only_bridged_a100s_are_peers(tmp_path, monkeypatch) -> None:
@@ -177,9 +179,9 @@ class NvmlNode:
         self.backend, self.fake, self.dir = backend, fake, directory
         self.kubelet = KubeletEmulator(directory)
         self.kubelet.start()
-        settings = NodeSettings("n1", None, "nvml", directory, c.GIB, frozenset())
+        settings = NodeSettings("n1", None, "nvml", directory, GIB, frozenset())
         self.running: RunningPlugin = start_device_plugin(settings, backend, api)
-        assert self.kubelet.wait_registered(c.RESOURCE_MEM, 10) and self.kubelet.wait_registered(c.RESOURCE_COUNT, 10)
+        assert self.kubelet.wait_registered(RESOURCE_MEM, 10) and self.kubelet.wait_registered(RESOURCE_COUNT, 10)
         assert self.running.cache.wait_synced(10)
 
     def stub(self, resource: str) -> pb_grpc.DevicePluginStub:
@@ -188,7 +190,7 @@ class NvmlNode:
     def preferred(self, cards: list[str], size: int) -> set[str]:
         """The cards GetPreferredAllocation picks when kubelet offers three gpu-count replicas of each."""
         available = [device_id(uuid, n) for uuid in cards for n in range(3)]
-        reply = self.stub(c.RESOURCE_COUNT).GetPreferredAllocation(
+        reply = self.stub(RESOURCE_COUNT).GetPreferredAllocation(
             pb.PreferredAllocationRequest(
                 container_requests=[
                     pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=size)
@@ -201,7 +203,7 @@ class NvmlNode:
         return set(chosen)
 
     def health(self, uuid: str) -> str:
-        return card_health(self.kubelet.devices(c.RESOURCE_COUNT)).get(uuid, "absent")
+        return card_health(self.kubelet.devices(RESOURCE_COUNT)).get(uuid, "absent")
 
     def stop(self) -> None:
         self.running.stop()
@@ -219,9 +221,9 @@ def dgx(tmp_path, monkeypatch, kube_api, core_v1, short_dir) -> Iterator[NvmlNod
 
 def test_list_and_watch_lists_every_dgx_card_with_its_numa_node(dgx: NvmlNode) -> None:
     cards = dgx.backend.cards()
-    assert card_health(dgx.kubelet.devices(c.RESOURCE_COUNT)) == {card.uuid: "Healthy" for card in cards}
-    assert dgx.kubelet.capacity(c.RESOURCE_MEM) == dgx.kubelet.capacity(c.RESOURCE_COUNT) == 8 * 80
-    first = next(iter(dgx.stub(c.RESOURCE_COUNT).ListAndWatch(pb.Empty(), timeout=10)))
+    assert card_health(dgx.kubelet.devices(RESOURCE_COUNT)) == {card.uuid: "Healthy" for card in cards}
+    assert dgx.kubelet.capacity(RESOURCE_MEM) == dgx.kubelet.capacity(RESOURCE_COUNT) == 8 * 80
+    first = next(iter(dgx.stub(RESOURCE_COUNT).ListAndWatch(pb.Empty(), timeout=10)))
     numa = {(card_of_device(d.ID), n.ID) for d in first.devices for n in d.topology.nodes}
     assert numa == {(card.uuid, card.numa_node) for card in cards}
 
@@ -253,7 +255,7 @@ def test_preferred_allocation_on_the_mixed_node_follows_the_nvlink_bridge(
 
 def test_xids_reach_kubelet_and_the_card_recovers(dgx: NvmlNode, kube_api) -> None:
     fake = dgx.fake
-    advertiser = Advertiser(kube_api, "n1", dgx.backend, c.GIB)
+    advertiser = Advertiser(kube_api, "n1", dgx.backend, GIB)
     advertiser.start()
     seen: list[HealthEvent] = []
     dgx.backend.subscribe(seen.append)
@@ -266,13 +268,13 @@ def test_xids_reach_kubelet_and_the_card_recovers(dgx: NvmlNode, kube_api) -> No
         # events are handled in order: by the time card 1 flips, card 0's XIDs have been judged
         # both resources' device lists carry the flip (they are separate streams)
         assert dgx.kubelet.wait_for(
-            lambda k: dgx.health(cards[1].uuid) == "Unhealthy" and k.allocatable(c.RESOURCE_MEM) == 7 * 80, 10
+            lambda k: dgx.health(cards[1].uuid) == "Unhealthy" and k.allocatable(RESOURCE_MEM) == 7 * 80, 10
         )
-        assert dgx.health(cards[0].uuid) == "Healthy" and dgx.kubelet.allocatable(c.RESOURCE_COUNT) == 7 * 80
+        assert dgx.health(cards[0].uuid) == "Healthy" and dgx.kubelet.allocatable(RESOURCE_COUNT) == 7 * 80
         wait_until(lambda: annotated_health(kube_api, "n1", 1) is False, 10, "card 1 unhealthy in the annotation")
         # back, after the recovery time without a further fault
         assert dgx.kubelet.wait_for(
-            lambda k: dgx.health(cards[1].uuid) == "Healthy" and k.allocatable(c.RESOURCE_MEM) == 8 * 80, 10
+            lambda k: dgx.health(cards[1].uuid) == "Healthy" and k.allocatable(RESOURCE_MEM) == 8 * 80, 10
         )
         assert time.monotonic() - failed >= 1.0
         wait_until(lambda: annotated_health(kube_api, "n1", 1), 10, "card 1 healthy again in the annotation")
@@ -322,14 +324,14 @@ def test_node_agent_runs_on_the_fake_library(tmp_path, kubeconfig, kube_api, cor
     try:
         # both resources register on their own streams: wait for both device lists
         assert kubelet.wait_for(
-            lambda k: k.capacity(c.RESOURCE_COUNT) == k.capacity(c.RESOURCE_MEM) == 40 + 40 + 15 + 40, 30
+            lambda k: k.capacity(RESOURCE_COUNT) == k.capacity(RESOURCE_MEM) == 40 + 40 + 15 + 40, 30
         ), "the agent did not register both resources"
         described = [d["uuid"] for d in described_cards("mixed")]
-        assert set(card_health(kubelet.devices(c.RESOURCE_COUNT))) == set(described)
+        assert set(card_health(kubelet.devices(RESOURCE_COUNT))) == set(described)
         inventory = wait_until(lambda: published_inventory(kube_api, "n1"), 10, "the inventory annotation")
         assert [card.uuid for card in inventory.cards] == described
         fake.xid(described[2], 79)
-        assert kubelet.wait_for(lambda k: card_health(k.devices(c.RESOURCE_COUNT))[described[2]] == "Unhealthy", 10)
+        assert kubelet.wait_for(lambda k: card_health(k.devices(RESOURCE_COUNT))[described[2]] == "Unhealthy", 10)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, proc.stderr.read()
     finally:

@@ -17,8 +17,11 @@ from extender.cache import ClusterCache, host_request
 from extender.engine import PlacementEngine
 from extender.verbs import host_prioritize_result, prioritize_result
 from extender.wire import Raw
-from gpushare import contract as c
 from gpushare.cards import Card
+from gpushare.contract.allocation import CardSlice
+from gpushare.contract.inventory import format_inventory
+from gpushare.contract.names import NODE_ANN_INVENTORY
+from gpushare.contract.units import GIB
 from gpushare.placement import FgdFit, Shape, batch_costs, node_order
 from gpushare.simulate.product import HOST_WEIGHT, kube_default_scores
 from gpushare.simulate.replay import ClusterState
@@ -81,7 +84,7 @@ def test_one_node_and_many_nodes_give_the_same_costs() -> None:
 
 
 def node(name: str, cpu: str, memory: str, cards: list[Card] | None = None) -> dict:
-    annotations = {c.NODE_ANN_INVENTORY: c.format_inventory(cards, c.GIB)} if cards else {}
+    annotations = {NODE_ANN_INVENTORY: format_inventory(cards, GIB)} if cards else {}
     return {
         "metadata": {"name": name, "resourceVersion": str(next(_versions)), "annotations": annotations},
         "status": {"allocatable": {"cpu": cpu, "memory": memory}},
@@ -124,7 +127,7 @@ def gpu_cluster() -> ClusterCache:
                 f"g{i}",
                 [container("main", 16)],
                 node="busy",
-                allocation={"main": (c.CardSlice(card.index, "GPU-busy-" + str(i), 16),)},
+                allocation={"main": (CardSlice(card.index, "GPU-busy-" + str(i), 16),)},
             )
         )
     cache.nodes.apply(node("cpu-only", "32", "64Gi"))

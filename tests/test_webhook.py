@@ -13,7 +13,14 @@ import pytest
 from podfactory import container, gpu_pod, slices
 from tlscerts import make_certs
 
-from gpushare import contract as c
+from gpushare.contract.names import (
+    ANN_ALLOCATION,
+    ANN_ASSIGNED_CONTAINERS,
+    ANN_MEM_ASSUME_TIME,
+    ANN_MEM_IDX,
+    ANN_POLICY,
+    protected_annotation,
+)
 from gpushare.inventory import simulated_cards
 from gpushare.tlshttp import server_context
 from webhook.review import DEFAULT_TRUSTED, review
@@ -49,8 +56,8 @@ def plain(**annotations: str) -> dict[str, Any]:
 
 def test_a_pod_created_with_a_forged_allocation_is_rejected() -> None:
     verdict = review(admission("CREATE", TENANT, bound()))
-    assert not verdict.allowed and c.ANN_ALLOCATION in verdict.message and TENANT in verdict.message
-    forged_original = plain(**{c.ANN_MEM_IDX: "0"})
+    assert not verdict.allowed and ANN_ALLOCATION in verdict.message and TENANT in verdict.message
+    forged_original = plain(**{ANN_MEM_IDX: "0"})
     assert not review(admission("CREATE", TENANT, forged_original)).allowed
 
 
@@ -58,7 +65,7 @@ def test_a_running_pod_may_not_move_its_own_allocation() -> None:
     verdict = review(admission("UPDATE", TENANT, bound(A1), bound(A0)))
     assert not verdict.allowed and "change annotations on pod default/train" in verdict.message
     stripped = bound(A0)
-    del stripped["metadata"]["annotations"][c.ANN_ALLOCATION]
+    del stripped["metadata"]["annotations"][ANN_ALLOCATION]
     assert not review(admission("UPDATE", TENANT, stripped, bound(A0))).allowed
 
 
@@ -68,7 +75,7 @@ def test_gpushare_may_write_and_tenants_may_touch_everything_else() -> None:
     relabelled = bound(A0)
     relabelled["metadata"]["annotations"]["team"] = "a"
     assert review(admission("UPDATE", TENANT, relabelled, bound(A0))).allowed
-    assert review(admission("CREATE", TENANT, plain(**{c.ANN_POLICY: "spread", "team": "a"}))).allowed
+    assert review(admission("CREATE", TENANT, plain(**{ANN_POLICY: "spread", "team": "a"}))).allowed
 
 
 def test_served_over_https_as_an_admission_review(tmp_path: Path) -> None:
@@ -90,6 +97,6 @@ def test_served_over_https_as_an_admission_review(tmp_path: Path) -> None:
         server.stop()
 
 
-@pytest.mark.parametrize("key", [c.ANN_ALLOCATION, c.ANN_ASSIGNED_CONTAINERS, c.ANN_MEM_ASSUME_TIME, c.ANN_MEM_IDX])
+@pytest.mark.parametrize("key", [ANN_ALLOCATION, ANN_ASSIGNED_CONTAINERS, ANN_MEM_ASSUME_TIME, ANN_MEM_IDX])
 def test_every_key_the_components_trust_is_protected(key: str) -> None:
-    assert c.protected_annotation(key) and not c.protected_annotation(c.ANN_POLICY)
+    assert protected_annotation(key) and not protected_annotation(ANN_POLICY)

@@ -7,7 +7,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.contract import annotations_of, pod_key, protected_annotation, quoted
+from gpushare.contract.errors import quoted
+from gpushare.contract.names import protected_annotation
+from gpushare.contract.request import annotations_of, pod_key
 
 #: the service accounts of deploy/rbac.yaml
 DEFAULT_TRUSTED = (

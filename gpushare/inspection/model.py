@@ -14,17 +14,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.contract import (
-    GIB,
-    NODE_ANN_INVENTORY,
-    RESOURCE_MEM,
-    ContractError,
-    MemoryUnit,
-    annotations_of,
-    parse_pod_request,
-    pod_key,
-    requests_gpu,
-)
+from gpushare.contract.errors import ContractError
+from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_MEM
+from gpushare.contract.request import annotations_of, parse_pod_request, pod_key, requests_gpu
+from gpushare.contract.units import GIB, MemoryUnit
 from gpushare.usage import MIB, holds_resources, node_inventory, node_usage
 
 

@@ -3,7 +3,7 @@ and the original ``kubectl-inspect-gpushare``'s columns and totals lines, for sc
 
 from __future__ import annotations
 
-from gpushare.contract import MemoryUnit
+from gpushare.contract.units import MemoryUnit
 from gpushare.inspection.model import CardView, ClusterView, NodeView
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpushare.sandbox.cluster import run as run_sandbox
+    """On a real Kubernetes when it can run here (and ``--standin`` is off), else on the stand-ins."""
+    from gpushare.sandbox.cluster import DEFAULT_NODES, parse_node
 
-    return run_sandbox(
-        args.node, args.policy, not args.no_containers, args.keep_running, args.standin, nvml_fake=args.nvml_fake
-    )
+    # with fake-NVML nodes and no --node, the fake-NVML nodes run alone
+    specs = [parse_node(n) for n in args.node or (() if args.nvml_fake else DEFAULT_NODES)]
+    if not args.standin:
+        from gpushare.sandbox.realcluster import realcluster_available
+        from gpushare.sandbox.realsandbox import run_real
+
+        reason = "--no-containers asks for no containers" if args.no_containers else realcluster_available()
+        if reason is None:
+            return run_real(specs, args.policy, args.keep_running, nvml_fake=args.nvml_fake)
+        print(f"gpushare sandbox: using the API stand-in and kubelet emulator: {reason}", file=sys.stderr)
+    from gpushare.sandbox.standin import run_standin
+
+    return run_standin(specs, args.policy, not args.no_containers, args.keep_running, nvml_fake=args.nvml_fake)

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from gpushare.contract import (
+from gpushare.contract.names import (
     CRI_LABEL_CONTAINER_NAME,
     CRI_LABEL_POD_NAME,
     CRI_LABEL_POD_NAMESPACE,

@@ -30,7 +30,9 @@ from typing import Any
 
 import grpc
 
-from gpushare.contract import RESOURCE_COUNT, RESOURCE_MEM, ContractError, parse_pod_request, pod_key
+from gpushare.contract.errors import ContractError
+from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM
+from gpushare.contract.request import parse_pod_request, pod_key
 from gpushare.kube.watch import WatchCache, node_pod_cache
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc

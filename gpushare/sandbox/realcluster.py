@@ -33,7 +33,14 @@ from typing import Any
 import grpc
 import yaml
 
-from gpushare import contract as c
+from gpushare.contract.inventory import NodeInventory, parse_inventory
+from gpushare.contract.names import (
+    CRI_LABEL_CONTAINER_NAME,
+    CRI_LABEL_POD_NAME,
+    CRI_LABEL_POD_NAMESPACE,
+    NODE_ANN_INVENTORY,
+    RESOURCE_MEM,
+)
 from gpushare.pb import cri_pb2, cri_pb2_grpc
 from gpushare.sandbox.certs import Certs, make_certs
 from gpushare.sandbox.containerd import (
@@ -225,7 +232,7 @@ def render_loopback_conflist() -> str:
 def as_host_network(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """A pod manifest as it must run here: the only network is the host's (CNI has just loopback) and
     deletion needs no grace period; quantities become strings as the API serves them."""
-    from gpushare.sandbox.cluster import with_string_quantities
+    from gpushare.sandbox.examples import with_string_quantities
 
     body = with_string_quantities(manifest)
     spec = body.setdefault("spec", {})
@@ -674,9 +681,9 @@ class RealCluster:
             ready = next((cond for cond in status.conditions or [] if cond.type == "Ready"), None)
             if ready is None or ready.status != "True" or ready.last_heartbeat_time.timestamp() < reported_after:
                 return False
-            return int((status.allocatable or {}).get(c.RESOURCE_MEM, "0")) > 0 and node.agent_ready()
+            return int((status.allocatable or {}).get(RESOURCE_MEM, "0")) > 0 and node.agent_ready()
 
-        wait_for(ready, timeout, f"node {node.name} to be Ready with {c.RESOURCE_MEM} (logs in {self.workdir})", 0.2)
+        wait_for(ready, timeout, f"node {node.name} to be Ready with {RESOURCE_MEM} (logs in {self.workdir})", 0.2)
         taints = core.read_node(node.name).spec.taints or []
         kept = [t.to_dict() for t in taints if t.key != NOT_READY_TAINT]
         if len(kept) != len(taints):
@@ -765,9 +772,9 @@ class RealCluster:
         with grpc.insecure_channel(ctrd.address) as channel:
             stub = cri_pb2_grpc.RuntimeServiceStub(channel)
             selector = {
-                c.CRI_LABEL_POD_NAME: pod,
-                c.CRI_LABEL_POD_NAMESPACE: namespace,
-                c.CRI_LABEL_CONTAINER_NAME: container,
+                CRI_LABEL_POD_NAME: pod,
+                CRI_LABEL_POD_NAMESPACE: namespace,
+                CRI_LABEL_CONTAINER_NAME: container,
             }
             found = stub.ListContainers(
                 cri_pb2.ListContainersRequest(
@@ -786,12 +793,12 @@ class RealCluster:
             raise ClusterError(f"env in {namespace}/{pod}/{container} exited {reply.exit_code}: {reply.stderr!r}")
         return dict(line.split("=", 1) for line in reply.stdout.decode().splitlines() if "=" in line)
 
-    def node_inventory(self, name: str) -> c.NodeInventory:
+    def node_inventory(self, name: str) -> NodeInventory:
         """The cards node ``name``'s advertiser published."""
         from kubernetes import client
 
         annotations = client.CoreV1Api(self.api).read_node(name).metadata.annotations or {}
-        return c.parse_inventory(annotations.get(c.NODE_ANN_INVENTORY, ""), name)
+        return parse_inventory(annotations.get(NODE_ANN_INVENTORY, ""), name)
 
     def all_pids(self) -> list[int]:
         """Every process this cluster runs now, containerd's shims and the containers included."""

@@ -16,17 +16,8 @@ from gpushare.inspection.model import build_cluster
 from gpushare.inspection.render import render_details
 from gpushare.kube.objects import get_pod, list_nodes, list_pods
 from gpushare.placement import DEFAULT_POLICY
-from gpushare.sandbox.cluster import (
-    EXAMPLES,
-    NodeSpec,
-    PodOutcome,
-    Progress,
-    cards_of,
-    load_examples,
-    log_to,
-    report,
-    stay_up,
-)
+from gpushare.sandbox.cluster import NodeSpec
+from gpushare.sandbox.examples import EXAMPLES, load_examples
 from gpushare.sandbox.realcluster import (
     KUBE_VERSION,
     NVML_PREFIX,
@@ -35,6 +26,7 @@ from gpushare.sandbox.realcluster import (
     as_host_network,
     wait_for,
 )
+from gpushare.sandbox.report import PodOutcome, Progress, cards_of, log_to, report, stay_up
 
 #: how long an example pod may take to reach a final answer (Running, Failed or Unschedulable)
 SETTLE_SECONDS = 60.0

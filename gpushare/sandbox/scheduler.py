@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.contract import pod_key
+from gpushare.contract.request import pod_key
 
 log = logging.getLogger(__name__)
 

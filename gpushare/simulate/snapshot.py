@@ -17,7 +17,10 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
-from gpushare.contract import NODE_ANN_INVENTORY, ContractError, parse_inventory, parse_pod_request, requests_gpu
+from gpushare.contract.errors import ContractError
+from gpushare.contract.inventory import parse_inventory
+from gpushare.contract.names import NODE_ANN_INVENTORY
+from gpushare.contract.request import parse_pod_request, requests_gpu
 from gpushare.kube.objects import list_nodes, list_pods
 from gpushare.simulate.trace import MILLI_PER_CARD, NODE_COLUMNS, POD_COLUMNS
 from gpushare.usage import holds_resources

@@ -19,7 +19,10 @@ import pytest
 from conftest import wait_until
 from kubernetes import client
 
-from gpushare import contract as c
+from gpushare.contract.allocation import CardSlice
+from gpushare.contract.env import assigned_env
+from gpushare.contract.names import RESOURCE_MEM
+from gpushare.contract.request import parse_pod_request
 from gpushare.kube.objects import get_pod
 from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available
 from gpushare.usage import pod_allocation
@@ -85,7 +88,7 @@ def core(cluster: RealCluster) -> client.CoreV1Api:
 
 def pod_manifest(
     name: str,
-    limits: Sequence[Mapping[str, int]] = ({c.RESOURCE_MEM: 4},),
+    limits: Sequence[Mapping[str, int]] = ({RESOURCE_MEM: 4},),
     *,
     node: str | None = None,
     scheduler: str | None = None,
@@ -174,7 +177,7 @@ class Pods:
         pod = self.get(name)
         return self.cluster.container_env(pod["spec"]["nodeName"], "default", name, container)
 
-    def allocation(self, name: str) -> dict[str, tuple[c.CardSlice, ...]]:
+    def allocation(self, name: str) -> dict[str, tuple[CardSlice, ...]]:
         """The cards the scheduler wrote for each container, named by UUID through the node's inventory."""
         pod = self.get(name)
         allocation = pod_allocation(pod, self.cluster.node_inventory(pod["spec"]["nodeName"]).cards)
@@ -198,9 +201,9 @@ def assert_sees_assigned_cards(pods: Pods, name: str) -> None:
     allocation = pods.allocation(name)
     inventory = pods.cluster.node_inventory(pod["spec"]["nodeName"])
     units = {card.uuid: inventory.units_of(card) for card in inventory.cards}
-    pod_mem = c.parse_pod_request(pod).effective_mem
+    pod_mem = parse_pod_request(pod).effective_mem
     for container, slices in allocation.items():
         env = pods.env(name, container)
-        expected = c.assigned_env(slices, pod_mem, units)
+        expected = assigned_env(slices, pod_mem, units)
         seen = {k: env.get(k) for k in expected}
         assert seen == expected, f"pod {name} container {container}: env {seen} != assigned {expected}"

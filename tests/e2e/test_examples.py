@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
-from gpushare import contract as c
-from gpushare.sandbox.cluster import load_examples
+from gpushare.contract.names import ENV_MEM_PREFIX, ENV_VISIBLE_DEVICES, RESOURCE_MEM, VISIBLE_DEVICES_VOID
+from gpushare.sandbox.examples import load_examples
 from gpushare.sandbox.realcluster import RealCluster, as_host_network
 
 from .conftest import API_POLL, NODES, Pods, assert_sees_assigned_cards, wait_until
@@ -37,7 +37,7 @@ def test_example_runs_with_the_cards_the_scheduler_wrote(examples: Pods, name: s
 def test_two_card_example_sees_two_distinct_cards(examples: Pods) -> None:
     examples.wait_running("two-cards")
     (slices,) = examples.allocation("two-cards").values()
-    uuids = examples.env("two-cards")[c.ENV_VISIBLE_DEVICES].split(",")
+    uuids = examples.env("two-cards")[ENV_VISIBLE_DEVICES].split(",")
     assert len(set(uuids)) == 2 and set(uuids) == {s.uuid for s in slices}
 
 
@@ -49,11 +49,11 @@ def test_too_big_stays_pending_and_says_why(examples: Pods, core: client.CoreV1A
         return None
 
     message = wait_until(unschedulable, 30, "too-big to be marked Unschedulable", API_POLL)
-    assert f"0/{len(NODES)} nodes are available" in message and c.RESOURCE_MEM in message, message
+    assert f"0/{len(NODES)} nodes are available" in message and RESOURCE_MEM in message, message
     events = core.list_namespaced_event(
         "default", field_selector="involvedObject.name=too-big,reason=FailedScheduling"
     ).items
-    assert events and c.RESOURCE_MEM in events[0].message
+    assert events and RESOURCE_MEM in events[0].message
     assert examples.phase("too-big") == "Pending"
     assert not (examples.get("too-big")["spec"].get("nodeName"))
 
@@ -61,5 +61,5 @@ def test_too_big_stays_pending_and_says_why(examples: Pods, core: client.CoreV1A
 def test_the_pod_without_a_gpu_request_sees_void(examples: Pods) -> None:
     examples.wait_running("no-gpu-all-devices")
     env = examples.env("no-gpu-all-devices")
-    assert env[c.ENV_VISIBLE_DEVICES] == c.VISIBLE_DEVICES_VOID
-    assert not [k for k in env if k.startswith(c.ENV_MEM_PREFIX)]
+    assert env[ENV_VISIBLE_DEVICES] == VISIBLE_DEVICES_VOID
+    assert not [k for k in env if k.startswith(ENV_MEM_PREFIX)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kubernetes import client
 
-from gpushare import contract as c
+from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.sandbox.realcluster import RealCluster
 
 from .conftest import API_POLL, NVML_NODE, NVML_RECOVERY, Pods, assert_sees_assigned_cards, pod_manifest, wait_until
@@ -32,12 +32,12 @@ def test_inventory_and_kubelet_resources_match_the_machine(cluster: RealCluster,
     assert {card.model for card in inventory.cards} == {"NVIDIA A100-SXM4-80GB"}
     assert [inventory.units_of(card) for card in inventory.cards] == [CARD_GIB] * CARDS
     # one gpu-count device per memory unit of each card (--count-replicas 0)
-    for resource in (c.RESOURCE_MEM, c.RESOURCE_COUNT):
+    for resource in (RESOURCE_MEM, RESOURCE_COUNT):
         assert offered(core, resource) == (CARDS * CARD_GIB, CARDS * CARD_GIB), resource
 
 
 def test_a_gpu_pod_runs_on_the_nvml_node_with_its_card(pods: Pods) -> None:
-    name = pods.create(pod_manifest(pods.name("nvml"), ({c.RESOURCE_MEM: 20},), node=NVML_NODE))
+    name = pods.create(pod_manifest(pods.name("nvml"), ({RESOURCE_MEM: 20},), node=NVML_NODE))
     pods.wait_running(name)
     assert_sees_assigned_cards(pods, name)
     (slices,) = pods.allocation(name).values()
@@ -50,17 +50,17 @@ def test_a_critical_xid_takes_the_card_off_kubelet_until_it_recovers(
     fake = cluster.nodes[NVML_NODE].fake_nvml
     assert fake is not None
     full = CARDS * CARD_GIB
-    wait_until(lambda: offered(core, c.RESOURCE_MEM)[1] == full, 30, "every card allocatable", API_POLL)
+    wait_until(lambda: offered(core, RESOURCE_MEM)[1] == full, 30, "every card allocatable", API_POLL)
     fake.xid(machine_uuids(cluster)[3], 79)
     # kubelet keeps the unhealthy devices in capacity and drops them from allocatable
     wait_until(
-        lambda: offered(core, c.RESOURCE_MEM) == (full, full - CARD_GIB),
+        lambda: offered(core, RESOURCE_MEM) == (full, full - CARD_GIB),
         30,
         "kubelet to report one card fewer allocatable after XID 79",
         API_POLL,
     )
     wait_until(
-        lambda: offered(core, c.RESOURCE_MEM)[1] == full,
+        lambda: offered(core, RESOURCE_MEM)[1] == full,
         NVML_RECOVERY + 30,
         f"the card to come back once it stayed quiet for {NVML_RECOVERY:g}s",
         API_POLL,

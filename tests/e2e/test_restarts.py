@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kubernetes import client
 
-from gpushare import contract as c
+from gpushare.contract.names import RESOURCE_MEM
 from gpushare.sandbox.realcluster import RealCluster
 
 from .conftest import Pods, assert_sees_assigned_cards, pod_manifest
@@ -29,7 +29,7 @@ def test_after_a_kubelet_restart_the_plugin_registers_again_and_new_pods_run(
 def test_after_a_node_agent_restart_running_pods_are_untouched_and_new_pods_run(
     cluster: RealCluster, pods: Pods
 ) -> None:
-    running = pods.create(pod_manifest(pods.name("pre-agent"), ({c.RESOURCE_MEM: 3}, {c.RESOURCE_MEM: 2}),
+    running = pods.create(pod_manifest(pods.name("pre-agent"), ({RESOURCE_MEM: 3}, {RESOURCE_MEM: 2}),
                                        node="node-b"))  # fmt: skip
     pods.wait_running(running)
     env_before = {ctr: pods.env(running, ctr) for ctr in ("main", "c1")}

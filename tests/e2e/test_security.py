@@ -20,7 +20,16 @@ import pytest
 import yaml
 from kubernetes import client
 
-from gpushare import contract as c
+from gpushare.contract.allocation import CardSlice, format_allocation, parse_allocation
+from gpushare.contract.names import (
+    ANN_ALLOCATION,
+    ANN_MEM_ASSUME_TIME,
+    ANN_MEM_IDX,
+    ENV_MEM_CONTAINER,
+    ENV_VISIBLE_DEVICES,
+    RESOURCE_MEM,
+    VISIBLE_DEVICES_VOID,
+)
 from gpushare.inspection.model import build_cluster
 from gpushare.kube.objects import list_nodes, list_pods
 from gpushare.kube.transport import load_api
@@ -44,22 +53,22 @@ def test_a_pod_without_a_gpu_request_gets_no_card_from_forged_annotations(pods: 
     card = inventory.cards[0]
     units = inventory.units_of(card)
     if forgery == "allocation":
-        forged = {c.ANN_ALLOCATION: c.format_allocation({"main": (c.CardSlice(card.index, card.uuid, units),)})}
+        forged = {ANN_ALLOCATION: format_allocation({"main": (CardSlice(card.index, card.uuid, units),)})}
     else:
-        forged = {c.ANN_MEM_IDX: str(card.index)}
+        forged = {ANN_MEM_IDX: str(card.index)}
     # created by the cluster admin where no webhook looks: the node's own checks must hold
     manifest = pod_manifest(pods.name("forged"), ({},), node="node-b", annotations=forged)
     if forgery != "allocation":
-        manifest["spec"]["containers"][0]["env"] = [{"name": c.ENV_MEM_CONTAINER, "value": str(units)}]
+        manifest["spec"]["containers"][0]["env"] = [{"name": ENV_MEM_CONTAINER, "value": str(units)}]
     forger = pods.create(manifest)
     pods.wait_running(forger)
-    assert pods.env(forger)[c.ENV_VISIBLE_DEVICES] == c.VISIBLE_DEVICES_VOID
+    assert pods.env(forger)[ENV_VISIBLE_DEVICES] == VISIBLE_DEVICES_VOID
 
     # the whole card is still free for a pod that asks for it: nothing counted the forger
-    legit = pods.create(pod_manifest(pods.name("whole-card"), ({c.RESOURCE_MEM: units},), node="node-b"))
+    legit = pods.create(pod_manifest(pods.name("whole-card"), ({RESOURCE_MEM: units},), node="node-b"))
     pods.wait_running(legit)
     assert_sees_assigned_cards(pods, legit)
-    assert pods.env(legit)[c.ENV_VISIBLE_DEVICES] == card.uuid
+    assert pods.env(legit)[ENV_VISIBLE_DEVICES] == card.uuid
     (view,) = [n for n in build_cluster(list_nodes(pods.cluster.api), list_pods(pods.cluster.api)).nodes
                if n.name == "node-b"]  # fmt: skip
     assert next(v for v in view.cards if v.index == card.index).allocated == units
@@ -148,7 +157,7 @@ def webhook(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.Api
 
 def webhook_answers(tenant: client.CoreV1Api) -> bool:
     """Whether the API server has picked up the webhook's configuration: a dry run of a forged pod is denied."""
-    forged = pod_manifest("probe", annotations={c.ANN_MEM_IDX: "0"}, namespace=GUARDED)
+    forged = pod_manifest("probe", annotations={ANN_MEM_IDX: "0"}, namespace=GUARDED)
     try:
         tenant.create_namespaced_pod(GUARDED, forged, dry_run="All")
     except client.ApiException as exc:
@@ -167,11 +176,11 @@ def denial(call: Any) -> str:
 
 def test_a_tenant_cant_create_a_pod_carrying_an_allocation(webhook: client.ApiClient, cluster: RealCluster) -> None:
     card = cluster.node_inventory("node-a").cards[0]
-    forged = c.format_allocation({"main": (c.CardSlice(card.index, card.uuid, 4),)})
-    manifest = pod_manifest("forged-create", annotations={c.ANN_ALLOCATION: forged}, namespace=GUARDED)
+    forged = format_allocation({"main": (CardSlice(card.index, card.uuid, 4),)})
+    manifest = pod_manifest("forged-create", annotations={ANN_ALLOCATION: forged}, namespace=GUARDED)
     message = denial(lambda: client.CoreV1Api(webhook).create_namespaced_pod(GUARDED, manifest))
     assert "denied the request" in message, message
-    assert f"may not create pod {GUARDED}/forged-create" in message and c.ANN_ALLOCATION in message, message
+    assert f"may not create pod {GUARDED}/forged-create" in message and ANN_ALLOCATION in message, message
     assert not client.CoreV1Api(cluster.api).list_namespaced_pod(GUARDED).items
 
 
@@ -179,7 +188,7 @@ def test_a_tenant_cant_rewrite_a_running_pods_allocation_but_the_extender_can(
     webhook: client.ApiClient, cluster: RealCluster, core: client.CoreV1Api
 ) -> None:
     tenant = client.CoreV1Api(webhook)
-    manifest = pod_manifest("guarded-gpu", ({c.RESOURCE_MEM: 4},), node="node-a", namespace=GUARDED)
+    manifest = pod_manifest("guarded-gpu", ({RESOURCE_MEM: 4},), node="node-a", namespace=GUARDED)
     # no protected annotation: the webhook lets it in, then the extender binds and annotates it
     tenant.create_namespaced_pod(GUARDED, manifest)
 
@@ -188,29 +197,29 @@ def test_a_tenant_cant_rewrite_a_running_pods_allocation_but_the_extender_can(
         return pod if pod.status.phase == "Running" else None
 
     pod = wait_until(running, 60, "the tenant's GPU pod to run", API_POLL)
-    allocation = c.parse_allocation(pod.metadata.annotations[c.ANN_ALLOCATION], "guarded-gpu")
+    allocation = parse_allocation(pod.metadata.annotations[ANN_ALLOCATION], "guarded-gpu")
     (slices,) = allocation.values()
     other = next(card for card in cluster.node_inventory("node-a").cards if card.uuid != slices[0].uuid)
-    claim = c.format_allocation({"main": (c.CardSlice(other.index, other.uuid, slices[0].units),)})
+    claim = format_allocation({"main": (CardSlice(other.index, other.uuid, slices[0].units),)})
 
     def tenant_patch() -> None:
-        tenant.patch_namespaced_pod("guarded-gpu", GUARDED, {"metadata": {"annotations": {c.ANN_ALLOCATION: claim}}})
+        tenant.patch_namespaced_pod("guarded-gpu", GUARDED, {"metadata": {"annotations": {ANN_ALLOCATION: claim}}})
 
     message = denial(tenant_patch)
     assert f"may not change annotations on pod {GUARDED}/guarded-gpu" in message, message
     assert (
-        core.read_namespaced_pod("guarded-gpu", GUARDED).metadata.annotations[c.ANN_ALLOCATION]
-        == (pod.metadata.annotations[c.ANN_ALLOCATION])
+        core.read_namespaced_pod("guarded-gpu", GUARDED).metadata.annotations[ANN_ALLOCATION]
+        == (pod.metadata.annotations[ANN_ALLOCATION])
     )
     # the extender's service account writes the same annotations through the same webhook
     extender = load_api(str(cluster.kubeconfig_of("gpushare-extender")))
     try:
         client.CoreV1Api(extender).patch_namespaced_pod(
-            "guarded-gpu", GUARDED, {"metadata": {"annotations": {c.ANN_MEM_ASSUME_TIME: "1"}}}
+            "guarded-gpu", GUARDED, {"metadata": {"annotations": {ANN_MEM_ASSUME_TIME: "1"}}}
         )
     finally:
         extender.close()
-    assert core.read_namespaced_pod("guarded-gpu", GUARDED).metadata.annotations[c.ANN_MEM_ASSUME_TIME] == "1"
+    assert core.read_namespaced_pod("guarded-gpu", GUARDED).metadata.annotations[ANN_MEM_ASSUME_TIME] == "1"
 
 
 # --- 6: kube-scheduler to extender over TLS with a client certificate -----------------------------------
@@ -225,7 +234,7 @@ def test_kube_scheduler_reaches_the_extender_with_the_shipped_tls_config(cluster
             assert extender["enableHTTPS"] is True and extender["urlPrefix"].startswith("https://")
             assert extender["tlsConfig"]["serverName"] == shipped["serverName"]
             assert set(extender["tlsConfig"]) == set(shipped)
-    name = pods.create(pod_manifest(pods.name("over-tls"), ({c.RESOURCE_MEM: 2},), node="node-a"))
+    name = pods.create(pod_manifest(pods.name("over-tls"), ({RESOURCE_MEM: 2},), node="node-a"))
     pods.wait_running(name)
     assert_sees_assigned_cards(pods, name)
 
@@ -258,7 +267,7 @@ def test_the_extender_binds_only_gpu_pods_onto_nodes_they_accept(cluster: RealCl
     scheduler = tls_client(cluster.extender_certs, with_cert=True)
     # no scheduler serves "nobody": the pods stay pending until someone binds them
     no_gpu = pods.create(pod_manifest(pods.name("no-gpu"), ({},), scheduler="nobody"))
-    pinned = pods.create(pod_manifest(pods.name("pinned"), ({c.RESOURCE_MEM: 2},), node="node-b", scheduler="nobody"))
+    pinned = pods.create(pod_manifest(pods.name("pinned"), ({RESOURCE_MEM: 2},), node="node-b", scheduler="nobody"))
     refused = bind(cluster, scheduler, pods.get(no_gpu), "node-a")
     assert no_gpu in refused.get("Error", "") and "requests no gpushare resource" in refused["Error"], refused
     refused = bind(cluster, scheduler, pods.get(pinned), "node-a")
@@ -266,4 +275,4 @@ def test_the_extender_binds_only_gpu_pods_onto_nodes_they_accept(cluster: RealCl
     for name in (no_gpu, pinned):
         pod = pods.get(name)
         assert not pod["spec"].get("nodeName"), f"{name} was bound"
-        assert c.ANN_ALLOCATION not in (pod["metadata"].get("annotations") or {}), f"{name} was annotated"
+        assert ANN_ALLOCATION not in (pod["metadata"].get("annotations") or {}), f"{name} was annotated"

@@ -5,7 +5,20 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from gpushare import contract as c
+from gpushare.contract.aliyun import format_assume_time
+from gpushare.contract.names import (
+    ANN_MEM_ASSIGNED,
+    ANN_MEM_ASSUME_TIME,
+    ANN_MEM_DEV,
+    ANN_MEM_IDX,
+    ANN_MEM_POD,
+    ANN_POLICY,
+    ENV_MEM_CONTAINER,
+    ENV_MEM_IDX,
+    ENV_VISIBLE_DEVICES,
+    RESOURCE_COUNT,
+    RESOURCE_MEM,
+)
 from gpushare.usage import holds_resources
 
 from .conftest import API_POLL, SECOND_SCHEDULER, Pods, assert_sees_assigned_cards, pod_manifest, wait_until
@@ -14,20 +27,20 @@ from .conftest import API_POLL, SECOND_SCHEDULER, Pods, assert_sees_assigned_car
 def test_two_equal_requests_each_see_their_own_card(pods: Pods) -> None:
     # spread puts them on different cards of one node, so a swap would show in the env
     names = [
-        pods.create(pod_manifest(pods.name("equal"), ({c.RESOURCE_MEM: 20},), node="node-b",
-                                 annotations={c.ANN_POLICY: "spread"}))
+        pods.create(pod_manifest(pods.name("equal"), ({RESOURCE_MEM: 20},), node="node-b",
+                                 annotations={ANN_POLICY: "spread"}))
         for _ in range(2)
     ]  # fmt: skip
     for name in names:
         pods.wait_running(name)
         assert_sees_assigned_cards(pods, name)
-    cards = [pods.env(name)[c.ENV_VISIBLE_DEVICES] for name in names]
+    cards = [pods.env(name)[ENV_VISIBLE_DEVICES] for name in names]
     assert cards[0] != cards[1], "spread should have used two cards"
 
 
 def test_four_two_card_sharing_pods_run_on_a_three_card_node(pods: Pods) -> None:
     names = [
-        pods.create(pod_manifest(pods.name("pair"), ({c.RESOURCE_MEM: 8, c.RESOURCE_COUNT: 2},), node="node-a"))
+        pods.create(pod_manifest(pods.name("pair"), ({RESOURCE_MEM: 8, RESOURCE_COUNT: 2},), node="node-a"))
         for _ in range(4)
     ]
     for name in names:
@@ -41,7 +54,7 @@ def test_two_extender_replicas_binding_at_once_never_overcommit(pods: Pods) -> N
     # node-b holds 40 + 24 + 24 GiB: eight 10 GiB pods fit (4 + 2 + 2), ten are asked for at once,
     # half through each kube-scheduler and its own extender replica
     names = [
-        pods.create(pod_manifest(pods.name("race"), ({c.RESOURCE_MEM: 10},), node="node-b",
+        pods.create(pod_manifest(pods.name("race"), ({RESOURCE_MEM: 10},), node="node-b",
                                  scheduler=SECOND_SCHEDULER if i % 2 else None))
         for i in range(10)
     ]  # fmt: skip
@@ -74,13 +87,13 @@ def test_a_pod_with_only_the_original_alibaba_annotations_runs_on_its_card(pods:
     card = inventory.cards[1]
     manifest = pod_manifest(
         pods.name("alibaba"),
-        ({c.RESOURCE_MEM: 6},),
+        ({RESOURCE_MEM: 6},),
         annotations={
-            c.ANN_MEM_IDX: str(card.index),
-            c.ANN_MEM_POD: "6",
-            c.ANN_MEM_DEV: str(inventory.units_of(card)),
-            c.ANN_MEM_ASSIGNED: "false",
-            c.ANN_MEM_ASSUME_TIME: c.format_assume_time(1_700_000_000_000_000_000),
+            ANN_MEM_IDX: str(card.index),
+            ANN_MEM_POD: "6",
+            ANN_MEM_DEV: str(inventory.units_of(card)),
+            ANN_MEM_ASSIGNED: "false",
+            ANN_MEM_ASSUME_TIME: format_assume_time(1_700_000_000_000_000_000),
         },
     )
     manifest["spec"].pop("nodeSelector", None)
@@ -88,6 +101,6 @@ def test_a_pod_with_only_the_original_alibaba_annotations_runs_on_its_card(pods:
     name = pods.create(manifest)
     pods.wait_running(name)
     env = pods.env(name)
-    assert env[c.ENV_VISIBLE_DEVICES] == card.uuid
-    assert env[c.ENV_MEM_IDX] == str(card.index)
-    assert env[c.ENV_MEM_CONTAINER] == "6"
+    assert env[ENV_VISIBLE_DEVICES] == card.uuid
+    assert env[ENV_MEM_IDX] == str(card.index)
+    assert env[ENV_MEM_CONTAINER] == "6"

@@ -1,0 +1,43 @@
+"""The contract's errors, and how a message repeats a value it can't trust."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class ContractError(ValueError):
+    """A value that violates the contract. The message names the object and field at fault."""
+
+
+class RequestError(ContractError):
+    """A pod's GPU request can't be satisfied as written (e.g. gpu-mem not divisible by gpu-count)."""
+
+
+class AnnotationError(ContractError):
+    """A malformed gpushare annotation."""
+
+
+#: how many characters of an untrusted string (an annotation value, a container name) a message repeats
+QUOTE_LIMIT = 80
+
+
+def quoted(value: Any, limit: int = QUOTE_LIMIT) -> str:
+    """``value`` for a log line, Event or error: as Python's repr, which quotes strings and escapes
+    newlines and other unprintable characters (so they can't start a forged log line), and cut to
+    ``limit`` characters, so a huge annotation isn't echoed whole."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(value) if isinstance(value, str) else len(text)} characters)"
+
+
+def json_object(text: str, where: str, expected: str) -> dict[str, Any]:
+    """Parse an annotation that must hold a JSON object; errors name the object and annotation."""
+    try:
+        raw = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise AnnotationError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise AnnotationError(f"{where}: expected {expected}")
+    return raw

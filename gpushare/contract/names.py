@@ -1,0 +1,117 @@
+"""Every wire name gpushare shares with Kubernetes, kubelet, the CRI runtime and the original gpushare:
+resource names, annotation keys, labels, env var names and device paths. No other module spells one.
+
+The original Alibaba keys (``ALIYUN_COM_GPU_MEM_*``) are kept verbatim so that pods, device plugins and
+extenders of the original project interoperate with ours. On top of them we add a per-container
+allocation annotation, which is what makes multi-container and multi-card pods work.
+"""
+
+from __future__ import annotations
+
+# --- resources ------------------------------------------------------------------------------------
+
+RESOURCE_MEM = "aliyun.com/gpu-mem"
+RESOURCE_COUNT = "aliyun.com/gpu-count"
+RESOURCES = (RESOURCE_MEM, RESOURCE_COUNT)
+#: Kubernetes' own resources, read for the host-aware placement policy
+RESOURCE_CPU = "cpu"
+RESOURCE_MEMORY = "memory"
+
+# --- pod annotations (original gpushare keys) -----------------------------------------------------
+
+ANN_MEM_IDX = "ALIYUN_COM_GPU_MEM_IDX"
+ANN_MEM_POD = "ALIYUN_COM_GPU_MEM_POD"
+ANN_MEM_DEV = "ALIYUN_COM_GPU_MEM_DEV"
+ANN_MEM_ASSIGNED = "ALIYUN_COM_GPU_MEM_ASSIGNED"
+ANN_MEM_ASSUME_TIME = "ALIYUN_COM_GPU_MEM_ASSUME_TIME"
+#: written by the newer variant of the original extender: {"<containerIndex>": {"<gpuIndex>": <gpuMem>}}
+ANN_FRAMEWORK_ALLOCATION = "scheduler.framework.gpushare.allocation"
+
+# --- pod annotations (ours) -----------------------------------------------------------------------
+
+#: JSON: container name -> [{"index": i, "uuid": "GPU-...", "units": n}, ...]
+ANN_ALLOCATION = "gpushare.io/allocation"
+#: annotations whose presence shows that a scheduler (ours or the original) chose the pod's cards
+PLACEMENT_ANNOTATIONS = (ANN_ALLOCATION, ANN_FRAMEWORK_ALLOCATION, ANN_MEM_IDX)
+#: JSON: container name -> [gpushare resources the device plugin has already served to it]
+ANN_ASSIGNED_CONTAINERS = "gpushare.io/assigned-containers"
+#: per-pod placement policy override
+ANN_POLICY = "gpushare.io/policy"
+#: pod annotations only gpushare's extender and node agent may write (admission webhook and policy)
+PROTECTED_ANNOTATION_PREFIXES = ("gpushare.io/", "ALIYUN_COM_GPU_MEM_")
+#: protected by prefix, but the pod's owner chooses it
+TENANT_ANNOTATIONS = frozenset({ANN_POLICY})
+
+
+def protected_annotation(key: str) -> bool:
+    return key == ANN_FRAMEWORK_ALLOCATION or (
+        key.startswith(PROTECTED_ANNOTATION_PREFIXES) and key not in TENANT_ANNOTATIONS
+    )
+
+
+# --- the original extender's fenced cards, and the original plugin's isolation switch --------------
+
+#: ConfigMap in kube-system named ``unhealthy-gpu-<node>``; its key ``gpus`` lists fenced card numbers
+FENCE_CONFIGMAP_NAMESPACE = "kube-system"
+FENCE_CONFIGMAP_PREFIX = "unhealthy-gpu-"
+FENCE_CONFIGMAP_KEY = "gpus"
+#: node label; "true" makes the device plugin add ENV_CGPU_DISABLE to every GPU container
+NODE_LABEL_CGPU_DISABLE = "cgpu.disable.isolation"
+ENV_CGPU_DISABLE = "CGPU_DISABLE"
+
+
+def fence_configmap_name(node: str) -> str:
+    return f"{FENCE_CONFIGMAP_PREFIX}{node}"
+
+
+# --- container annotations, from the device plugin to the CRI shim --------------------------------
+
+CTR_ANN_POD_UID = "gpushare.io/pod-uid"
+CTR_ANN_POD = "gpushare.io/pod"
+CTR_ANN_CONTAINER = "gpushare.io/container"
+CTR_ANN_CARDS = "gpushare.io/cards"
+
+# --- node annotation and label (advertiser) -------------------------------------------------------
+
+NODE_ANN_INVENTORY = "gpushare.io/inventory"
+#: bumped by every extender bind: the compare-and-swap on the node that orders binds across replicas
+NODE_ANN_BIND_SEQUENCE = "gpushare.io/bind-sequence"
+#: written by the extender's bind with its compare-and-swap on the node: binds whose binding may not
+#: have been created yet, each with what it holds per card, so another replica counts them meanwhile
+NODE_ANN_PENDING_BINDS = "gpushare.io/pending-binds"
+NODE_LABEL_MODEL = "gpushare.io/gpu-model"
+
+# --- labels kubelet puts on CRI sandboxes and containers ------------------------------------------
+
+CRI_LABEL_POD_NAME = "io.kubernetes.pod.name"
+CRI_LABEL_POD_NAMESPACE = "io.kubernetes.pod.namespace"
+CRI_LABEL_POD_UID = "io.kubernetes.pod.uid"
+CRI_LABEL_CONTAINER_NAME = "io.kubernetes.container.name"
+
+# --- container env --------------------------------------------------------------------------------
+
+ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+ENV_MEM_IDX = "ALIYUN_COM_GPU_MEM_IDX"
+ENV_MEM_POD = "ALIYUN_COM_GPU_MEM_POD"
+ENV_MEM_CONTAINER = "ALIYUN_COM_GPU_MEM_CONTAINER"
+ENV_MEM_DEV = "ALIYUN_COM_GPU_MEM_DEV"
+ENV_MEM_PREFIX = "ALIYUN_COM_GPU_MEM_"
+#: what a container that must not see any GPU gets in NVIDIA_VISIBLE_DEVICES
+VISIBLE_DEVICES_VOID = "void"
+
+# --- process env ----------------------------------------------------------------------------------
+
+ENV_NODE_NAME = "NODE_NAME"
+
+# --- device files ---------------------------------------------------------------------------------
+
+DEV_CONTROL_FILES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+CDI_KIND = "nvidia.com/gpu"
+
+
+def device_file(minor: int) -> str:
+    return f"/dev/nvidia{minor}"
+
+
+def cdi_device_name(uuid: str) -> str:
+    return f"{CDI_KIND}={uuid}"

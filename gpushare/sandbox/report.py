@@ -1,0 +1,111 @@
+"""What ``gpushare sandbox`` prints, on the stand-ins and on a real Kubernetes alike: a line per start-up
+step, then each example pod's fate, the per-card allocation and every GPU container's env."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpushare.cards import Card
+from gpushare.contract.names import ENV_MEM_CONTAINER, ENV_MEM_DEV, ENV_MEM_IDX, ENV_MEM_POD, ENV_VISIBLE_DEVICES
+from gpushare.inspection.render import render_table
+
+GPU_ENV = (ENV_VISIBLE_DEVICES, ENV_MEM_IDX, ENV_MEM_POD, ENV_MEM_CONTAINER, ENV_MEM_DEV)
+
+
+class Progress:
+    """One line per start-up step on stderr, with its duration."""
+
+    def __init__(self, total: int, stream: Any = sys.stderr) -> None:
+        self._total = total
+        self._done = 0
+        self._stream = stream
+
+    @contextlib.contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        self._done += 1
+        prefix = f"[{self._done}/{self._total}] {what}"
+        self._stream.write(f"{prefix} ...")
+        self._stream.flush()
+        began = time.monotonic()
+        try:
+            yield
+        except BaseException:
+            self._stream.write(" failed\n")
+            raise
+        self._stream.write(f" done ({time.monotonic() - began:.1f}s)\n")
+        self._stream.flush()
+
+
+@dataclass
+class PodOutcome:
+    name: str
+    node: str = ""
+    state: str = "Pending"
+    reason: str = ""
+    cards: str = ""
+    #: container -> its GPU env, and where it was read from
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
+    env_source: str = ""
+
+
+def cards_of(pod: Mapping[str, Any], cards: Iterable[Card]) -> str:
+    """The pod's cards per container, for the report."""
+    from gpushare.usage import pod_allocation
+
+    allocation = pod_allocation(pod, list(cards)) or {}
+    return "; ".join(
+        f"{name}: " + ",".join(f"card {s.index} ({s.units} GiB)" for s in slices)
+        for name, slices in sorted(allocation.items())
+    )
+
+
+def log_to(path: Path) -> None:
+    """Component logs go to a file; the terminal keeps the progress lines, warnings and the report."""
+    root = logging.getLogger()
+    for handler in root.handlers:
+        handler.setLevel(logging.ERROR)
+    file_handler = logging.FileHandler(path)
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(file_handler)
+
+
+def render_pods(outcomes: Sequence[PodOutcome]) -> str:
+    rows = [["POD", "NODE", "CARDS", "STATE", "REASON"]]
+    rows += [[o.name, o.node or "-", o.cards or "-", o.state, o.reason or "-"] for o in outcomes]
+    return render_table(rows)
+
+
+def render_env(outcomes: Sequence[PodOutcome]) -> str:
+    rows = [["POD", "CONTAINER", *GPU_ENV]]
+    for o in outcomes:
+        for container, env in sorted(o.env.items()):
+            rows.append([o.name, container, *(_short(env.get(k, "-")) for k in GPU_ENV)])
+    return render_table(rows)
+
+
+def _short(value: str) -> str:
+    """Card UUIDs are long; the first block is enough to tell them apart in a table."""
+    return ",".join(v[:12] if v.startswith("GPU-") else v for v in value.split(","))
+
+
+def report(outcomes: Sequence[PodOutcome], policy: str, started: float, inspect: str, note: str, out: Any) -> None:
+    print(f"\nPods (policy {policy}; {time.monotonic() - started:.1f}s from start)\n", file=out)
+    print(render_pods(outcomes), file=out)
+    print("\nPer-card allocation (gpushare inspect -d)\n", file=out)
+    print(inspect, file=out)
+    print(f"\nGPU environment of each container ({note})\n", file=out)
+    print(render_env(outcomes), file=out)
+
+
+def stay_up(hints: str, out: Any) -> None:
+    print(f"\nRunning. Try: {hints}\nCtrl-C to stop.", file=out, flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            time.sleep(3600)
