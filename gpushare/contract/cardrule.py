@@ -65,10 +65,13 @@ def format_requirement(value: bool) -> str:
 def parse_card_rule(pod: Mapping[str, Any]) -> CardRule:
     """The pod's :class:`CardRule` from its annotations (no annotation: any card); raises
     AnnotationError naming the pod and the annotation at fault."""
-    annotations = annotations_of(pod)
-    if not any(key in annotations for key in CARD_RULE_ANNOTATIONS):
+    return card_rule_of(annotations_of(pod), pod_key(pod))
+
+
+def card_rule_of(annotations: Mapping[str, str], key: str) -> CardRule:
+    """:func:`parse_card_rule` from the annotations of the pod ``key`` (namespace/name)."""
+    if not any(name in annotations for name in CARD_RULE_ANNOTATIONS):
         return ANY_CARD
-    key = pod_key(pod)
 
     def read(name: str, parse: Any, default: Any) -> Any:
         text = annotations.get(name)

@@ -272,7 +272,8 @@ def _explain(node: _Node, demands: Sequence[Demand], unit: str) -> NoFit:
     if not any(node.capacity):
         return NoFit(f"no healthy card ({len(node.cards)} unhealthy)")
     if not any(c and ok for c, ok in zip(node.capacity, node.allowed, strict=True)):
-        return NoFit(f"no healthy {node.rule.label()} card ({node.ignored()[2:]})")
+        kind = "healthy " if any(node.allowed) else ""
+        return NoFit(f"no {kind}{node.rule.label()} card on the node ({node.ignored()[2:]})")
     for demand in _order(demands):
         reason = _alone(node, demand, unit)
         if reason is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -148,6 +149,18 @@ class CardRule:
         words = [" or ".join(sorted(self.models))] if self.models else []
         words += [f"non-{m}" for m in sorted(self.avoid)]
         return " ".join(words)
+
+    def violation(self, cards: Sequence[CardCapacity]) -> str | None:
+        """Why one pod holding ``cards`` breaks this rule, or None when it doesn't."""
+        for card in cards:
+            if not self.accepts(card.model):
+                model = card.model or "unknown-model"
+                return f"card {card.index} ({card.uuid}) is a {model} card; the pod takes only {self.label()} cards"
+        for i, a in enumerate(cards):
+            for b in cards[i + 1 :]:
+                if not self.joinable(a, b):
+                    return f"cards {a.index} and {b.index} are not {self.requirement()}, as the pod requires"
+        return None
 
     def requirement(self) -> str:
         """How messages name the topology requirement: ``pairwise NVLink-connected, on one NUMA node``."""
