@@ -253,44 +253,33 @@ def test_preferred_allocation_on_the_dgx_keeps_a_group_on_one_numa_node(dgx: Nvm
     assert pair == {uuids[4], uuids[5]}
 
 
-def test_preferred_allocation_on_the_mixed_node_follows_the_nvlink_bridge(
-    tmp_path, monkeypatch, kube_api, core_v1, short_dir
-) -> None:
+@pytest.fixture
+def mixed(tmp_path, monkeypatch, kube_api, core_v1, short_dir) -> Iterator[NvmlNode]:
     core_v1.create_node({"metadata": {"name": "n1"}})
     with nvml_backend("mixed", tmp_path, monkeypatch, **FAST) as (backend, fake):
         node = NvmlNode(backend, fake, kube_api, short_dir)
-        try:
-            a0, a1, t4, a3 = (card.uuid for card in backend.cards())
-            assert node.preferred([a0, t4, a3, a1], 2) == {a0, a1}  # the bridged pair, across from NUMA 1
-            assert node.preferred([a1, t4, a3], 2) == {t4, a3}  # no bridge left: one NUMA node
-        finally:
-            node.stop()
+        yield node
+        node.stop()
 
 
-def test_preferred_allocation_keeps_the_matched_pods_card_rule(
-    tmp_path, monkeypatch, kube_api, core_v1, short_dir
-) -> None:
-    core_v1.create_node({"metadata": {"name": "n1"}})
-    with nvml_backend("mixed", tmp_path, monkeypatch, **FAST) as (backend, fake):
-        node = NvmlNode(backend, fake, kube_api, short_dir)
-        try:
-            a0, a1, t4, a3 = (card.uuid for card in backend.cards())
-            offer = [a1, t4, a3]
-            assert node.preferred(offer, 2) == {t4, a3}  # no pod to match: one NUMA node
-            # a placed pod whose cards the plugin must pick itself (none recorded), A100s only
-            marked = {ANN_MEM_ASSUME_TIME: "1", ANN_GPU_MODEL: "A100"}
-            core_v1.create_namespaced_pod(
-                "default", gpu_pod("picky", [container("main", 0, 2)], extra_annotations=marked)
-            )
-            wait_until(lambda: node.preferred(offer, 2) == {a1, a3}, what="the A100 pair for the A100-only pod")
-            # NVLink required too: no bridged pair is offered, so no set at all rather than a wrong one
-            core_v1.patch_namespaced_pod(
-                "picky", "default", {"metadata": {"annotations": {ANN_REQUIRE_NVLINK: "true"}}}
-            )
-            wait_until(lambda: node.offered(offer, 2) == [], what="no set for the NVLink pod")
-            assert {card_of_device(d) for d in node.offered([a0, t4, a3, a1], 2)} == {a0, a1}
-        finally:
-            node.stop()
+def test_preferred_allocation_on_the_mixed_node_follows_the_nvlink_bridge(mixed: NvmlNode) -> None:
+    a0, a1, t4, a3 = (card.uuid for card in mixed.backend.cards())
+    assert mixed.preferred([a0, t4, a3, a1], 2) == {a0, a1}  # the bridged pair, across from NUMA 1
+    assert mixed.preferred([a1, t4, a3], 2) == {t4, a3}  # no bridge left: one NUMA node
+
+
+def test_preferred_allocation_keeps_the_matched_pods_card_rule(mixed: NvmlNode, core_v1) -> None:
+    a0, a1, t4, a3 = (card.uuid for card in mixed.backend.cards())
+    offer = [a1, t4, a3]
+    assert mixed.preferred(offer, 2) == {t4, a3}  # no pod to match: one NUMA node
+    # a placed pod whose cards the plugin must pick itself (none recorded), A100s only
+    marked = {ANN_MEM_ASSUME_TIME: "1", ANN_GPU_MODEL: "A100"}
+    core_v1.create_namespaced_pod("default", gpu_pod("picky", [container("main", 0, 2)], extra_annotations=marked))
+    wait_until(lambda: mixed.preferred(offer, 2) == {a1, a3}, what="the A100 pair for the A100-only pod")
+    # NVLink required too: no bridged pair is offered, so no set at all rather than a wrong one
+    core_v1.patch_namespaced_pod("picky", "default", {"metadata": {"annotations": {ANN_REQUIRE_NVLINK: "true"}}})
+    wait_until(lambda: mixed.offered(offer, 2) == [], what="no set for the NVLink pod")
+    assert {card_of_device(d) for d in mixed.offered([a0, t4, a3, a1], 2)} == {a0, a1}
 
 
 def test_xids_reach_kubelet_and_the_card_recovers(dgx: NvmlNode, kube_api) -> None:
