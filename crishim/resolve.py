@@ -17,6 +17,7 @@ from gpushare.assignment import Claim, Holdings, Refusal, check_assignment
 from gpushare.cards import Card
 from gpushare.contract.aliyun import parse_card_index
 from gpushare.contract.allocation import CardSlice, parse_allocation
+from gpushare.contract.cardrule import card_rule_of, parse_card_rule
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import (
     ANN_ALLOCATION,
@@ -38,6 +39,7 @@ from gpushare.contract.units import MemoryUnit
 from gpushare.kube.errors import KubeError, KubeNotFound
 from gpushare.kube.objects import get_pod
 from gpushare.pb import cri_pb2
+from gpushare.placement.model import ANY_CARD, CardRule
 from gpushare.usage import card_by_minor, node_usage, pod_allocation
 
 log = logging.getLogger(__name__)
@@ -62,9 +64,10 @@ class Target:
     def __str__(self) -> str:
         return f"pod {self.pod_key} container {self.container}"
 
-    def claim(self, slices: tuple[CardSlice, ...]) -> Claim:
-        """This container's claim on ``slices``, for :func:`gpushare.assignment.check_assignment`."""
-        return Claim(self.pod_key, self.uid, self.container, slices)
+    def claim(self, slices: tuple[CardSlice, ...], rule: CardRule = ANY_CARD) -> Claim:
+        """This container's claim on ``slices`` under the pod's card ``rule``, for
+        :func:`gpushare.assignment.check_assignment`."""
+        return Claim(self.pod_key, self.uid, self.container, slices, rule=rule)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,12 @@ class Resolution:
     pod_mem: int = 0
     source: str = SOURCE_ANNOTATIONS
     refusal: Refusal | None = None
+    #: what the pod's annotations ask of its cards
+    rule: CardRule = ANY_CARD
+
+    @property
+    def claim(self) -> Claim:
+        return self.target.claim(self.slices, self.rule)
 
 
 def refuse(target: Target, reason: str, why: str) -> Resolution:
@@ -177,12 +186,17 @@ def from_annotations(
     known = {c.uuid for c in cards}
     if any(s.uuid not in known for s in slices):
         return None
+    try:
+        rule = card_rule_of(annotations, target.pod_key)
+    except ContractError:
+        return None
     return Resolution(
         target=target,
         wants_gpu=True,
         slices=slices,
         pod_mem=plugin.pod_mem if plugin.pod_mem is not None else sum(s.units for s in slices),
         source=SOURCE_ANNOTATIONS,
+        rule=rule,
     )
 
 
@@ -203,6 +217,7 @@ def from_pod(target: Target, pod: Mapping[str, Any], cards: Sequence[Card]) -> R
         if not container.wants_gpu:
             return Resolution(target=target, wants_gpu=False, source=SOURCE_API)
         allocation = pod_allocation(pod, cards)
+        rule = parse_card_rule(pod)
     except ContractError as exc:
         return refuse(target, "bad-annotation", str(exc))
     if not allocation or target.container not in allocation:
@@ -213,6 +228,7 @@ def from_pod(target: Target, pod: Mapping[str, Any], cards: Sequence[Card]) -> R
         slices=allocation[target.container],
         pod_mem=request.effective_mem,
         source=SOURCE_API,
+        rule=rule,
     )
 
 
@@ -270,9 +286,7 @@ class Resolver:
                 "checked for over-commit",
             )
         used, counted, _ = node_usage(pods, cards)
-        refusal = check_assignment(
-            found.target.claim(found.slices), cards, self._unit, Holdings(used, counted), require_healthy=False
-        )
+        refusal = check_assignment(found.claim, cards, self._unit, Holdings(used, counted), require_healthy=False)
         return found if refusal is None else replace(found, refusal=refusal)
 
 

@@ -118,7 +118,7 @@ def rewrite(
     if not resolution.wants_gpu:
         return _no_gpu(config, resolution, options)
     target, slices = resolution.target, resolution.slices
-    refusal = check_assignment(target.claim(slices), cards, unit, None, require_healthy=False)
+    refusal = check_assignment(resolution.claim, cards, unit, None, require_healthy=False)
     if refusal is not None:  # the resolver checked against the node's pods; this guards the lookups below
         return Outcome(refusal=refusal)
 

@@ -29,6 +29,7 @@ from gpushare.kube.errors import KubeError, KubeUnavailable
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import get_node, list_pods, patch_pod
 from gpushare.kube.watch import WatchCache
+from gpushare.placement.model import ANY_CARD, CardRule
 from gpushare.settings import DEFAULT_REREAD, Reread
 from gpushare.usage import node_usage
 
@@ -198,12 +199,13 @@ class Allocator:
         publish_card_usage(self._node, cards, decision.usage, self._unit)
         return decision
 
-    def preferred(self, resource: str, size: int) -> tuple[str, ...]:
+    def preferred(self, resource: str, size: int) -> tuple[tuple[str, ...], CardRule]:
+        """See :func:`preferred_cards`."""
         with self._lock:
             try:
                 pods = self.pods()
             except Unavailable:
-                return ()
+                return (), ANY_CARD
             return preferred_cards(pods, self._node, resource, size, self._cards())
 
     def publish_usage(self) -> None:

@@ -17,6 +17,7 @@ from gpushare.assignment import Claim, Holdings, Refusal, check_assignment, desc
 from gpushare.cards import Card
 from gpushare.contract.aliyun import format_bool, parse_bool
 from gpushare.contract.allocation import CardSlice, format_assigned_containers, validate_allocation
+from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.env import assigned_env
 from gpushare.contract.errors import AnnotationError, ContractError
 from gpushare.contract.names import (
@@ -34,6 +35,7 @@ from gpushare.contract.names import (
     RESOURCE_COUNT,
 )
 from gpushare.contract.units import MemoryUnit
+from gpushare.placement.model import ANY_CARD, CardRule
 from gpushare.usage import node_usage, pod_allocation
 
 
@@ -76,6 +78,7 @@ def decide(
                 f"pod {key} has none of {ANN_ALLOCATION}, {ANN_FRAMEWORK_ALLOCATION} or {ANN_MEM_IDX}: no card assigned"
             )
         validate_allocation(match.request, allocation)
+        rule = parse_card_rule(match.pod)
     except ContractError as exc:
         raise Refusal(
             "bad-annotation", f"pod {key} container {name}: {exc}", invalid_input=True, pod=match.pod
@@ -83,7 +86,7 @@ def decide(
     slices = allocation[name]
     meta = match.pod.get("metadata") or {}
     usage, counted, _ = node_usage(pods, cards)
-    claim = Claim(key, meta.get("uid", ""), name, slices, exclusive=match.container.exclusive)
+    claim = Claim(key, meta.get("uid", ""), name, slices, exclusive=match.container.exclusive, rule=rule)
     refusal = check_assignment(claim, cards, unit, Holdings(usage, counted))
     if refusal is not None:
         raise refusal.about(match.pod)
@@ -133,13 +136,17 @@ def booked_cards_note(resource: str, device_ids: Sequence[str], slices: Sequence
 
 def preferred_cards(
     pods: Sequence[Mapping[str, Any]], node: str, resource: str, size: int, cards: Sequence[Card]
-) -> tuple[str, ...]:
-    """The card UUIDs the scheduler chose for the container the next Allocate would match, if any."""
+) -> tuple[tuple[str, ...], CardRule]:
+    """The card UUIDs the scheduler chose for the container the next Allocate would match, if any, and
+    what that pod's annotations ask of its cards (any card when there is no such pod)."""
     try:
         match = match_container(pods, node, resource, size)
-        allocation = pod_allocation(match.pod, cards) if match else None
+        if match is None:
+            return (), ANY_CARD
+        rule = parse_card_rule(match.pod)
+        allocation = pod_allocation(match.pod, cards)
     except ContractError:
-        return ()
-    if match is None or allocation is None or match.container.name not in allocation:
-        return ()
-    return tuple(s.uuid for s in allocation[match.container.name])
+        return (), ANY_CARD
+    if allocation is None or match.container.name not in allocation:
+        return (), rule
+    return tuple(s.uuid for s in allocation[match.container.name]), rule

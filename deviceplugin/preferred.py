@@ -19,16 +19,28 @@ from gpushare.contract.names import RESOURCE_MEM
 BINPACK = placement.POLICIES["binpack"]
 
 
-def _topology_order(available: Sequence[str], cards: Sequence[Card], size: int) -> list[str]:
-    """Pick ``size`` free cards with the scheduler's own rule for multi-card demands (NVLink, then NUMA)."""
+def _topology_order(
+    available: Sequence[str], cards: Sequence[Card], size: int, rule: placement.CardRule, joined: Sequence[str]
+) -> list[str]:
+    """Pick ``size`` free cards with the scheduler's own rule for multi-card demands (NVLink, then NUMA),
+    within what the pod's ``rule`` allows beside the cards ``joined`` already offered; [] when none do."""
     free = set(available)
     pool = [
-        placement.CardCapacity(c.index, c.uuid, capacity=1, used=0, numa=c.numa_node, nvlink=frozenset(c.nvlink_peers))
+        placement.CardCapacity(
+            c.index,
+            c.uuid,
+            capacity=1,
+            used=0 if c.uuid in free else 1,
+            numa=c.numa_node,
+            nvlink=frozenset(c.nvlink_peers),
+            model=c.model,
+        )
         for c in cards
-        if c.uuid in free
+        if c.uuid in free or c.uuid in joined
     ]
+    demand = placement.Demand("preferred", 0, size, exclusive=True)
     try:
-        (chosen,) = placement.place(pool, [placement.Demand("preferred", 0, size, exclusive=True)], BINPACK)
+        (chosen,) = placement.place(pool, [demand], BINPACK, rule=rule, joined=joined)
     except placement.NoFit:
         return []
     return [uuid for _, uuid, _ in chosen.cards]
@@ -41,10 +53,19 @@ def preferred_ids(
     size: int,
     chosen: Sequence[str],
     cards: Sequence[Card],
+    rule: placement.CardRule = placement.ANY_CARD,
 ) -> list[str]:
-    """``size`` device IDs from ``available`` (``must_include`` kept), as close to ``chosen`` as possible."""
+    """``size`` device IDs from ``available`` (``must_include`` kept), as close to ``chosen`` as possible.
+
+    Where the plugin picks cards itself, ``rule`` (the matched pod's card rule) is kept: no card of a
+    refused model, and with NVLink or one NUMA node required no set that breaks it. Then it may offer
+    fewer than ``size`` IDs, and kubelet completes the set on its own.
+    """
     picked = list(dict.fromkeys(must_include))[:size]
     rest = [d for d in available if d not in picked]
+    models = {c.uuid: c.model for c in cards}
+    if rule.picks_models:
+        rest = [d for d in rest if rule.accepts(models.get(card_of_device(d), ""))]
     if resource == RESOURCE_MEM:
         rank = {uuid: i for i, uuid in enumerate(chosen)}
         rest.sort(key=lambda d: (rank.get(card_of_device(d), len(rank)), d))
@@ -58,7 +79,10 @@ def preferred_ids(
     wanted = [u for u in chosen if u in replica][:need]
     if len(wanted) < need:
         others = [u for u in replica if u not in wanted]
-        wanted += _topology_order(others, cards, need - len(wanted))
+        wanted += _topology_order(others, cards, need - len(wanted), rule, [*taken, *wanted])
     ids = picked + [replica[u] for u in wanted]
-    # fewer distinct free cards than asked (kubelet's books disagree with ours): any replicas will do
-    return ids + [d for d in rest if d not in ids][: size - len(ids)]
+    # fewer distinct free cards than asked (kubelet's books disagree with ours): any replicas will do,
+    # but under a topology rule only more replicas of the cards offered
+    offered = {card_of_device(d) for d in ids}
+    fill = [d for d in rest if d not in ids and (not rule.topology or card_of_device(d) in offered)]
+    return ids + fill[: size - len(ids)]

@@ -88,7 +88,7 @@ class ResourceService(pb_grpc.DevicePluginServicer):
     ) -> pb.PreferredAllocationResponse:
         responses = []
         for req in request.container_requests:
-            chosen = self._allocator.preferred(self.resource, req.allocation_size)
+            chosen, rule = self._allocator.preferred(self.resource, req.allocation_size)
             ids = preferred_ids(
                 self.resource,
                 list(req.available_deviceIDs),
@@ -96,6 +96,7 @@ class ResourceService(pb_grpc.DevicePluginServicer):
                 req.allocation_size,
                 chosen,
                 self._state.cards(),
+                rule,
             )
             responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
         return pb.PreferredAllocationResponse(container_responses=responses)

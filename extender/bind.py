@@ -34,6 +34,7 @@ from extender.metrics import BIND_FAILURES
 from gpushare import placement
 from gpushare.contract.aliyun import format_assume_time, format_bool, format_framework_allocation
 from gpushare.contract.allocation import Allocation, CardSlice, format_allocation
+from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError, quoted
 from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import (
@@ -208,7 +209,7 @@ class Binder:
                 cards = placement_cards(inventory, others, in_flight, self._cache.fenced(node))
                 try:
                     order = podfit.InitOrder.of(demands, podfit.init_names(pod))
-                    assignments = order.place(cards, policy, inventory.unit.name)
+                    assignments = order.place(cards, policy, inventory.unit.name, parse_card_rule(pod))
                 except placement.NoFit as nofit:
                     BIND_FAILURES.labels(reason="no-fit").inc()
                     raise BindError(f"bind {where}: {nofit.reason}") from None

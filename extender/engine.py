@@ -31,7 +31,7 @@ WORKLOAD_DRIFT = 20
 #: policies built from the workload the cache has observed
 LEARNED = ("fgd", "fgdfit")
 
-BatchKey = tuple[str, placement.Shape, tuple[int, int]]
+BatchKey = tuple[str, placement.Shape, tuple[int, int], placement.CardRule]
 
 
 class PlacementEngine:
@@ -44,8 +44,10 @@ class PlacementEngine:
         self.default_policy = default_policy
         self.matrix = NodeMatrix(cache)
         self._lock = threading.Lock()
-        self._fits: dict[tuple[str, int, tuple[placement.Shape, ...]], placement.NoFit | None] = {}
-        self._costs: dict[tuple[str, int, tuple[placement.Shape, ...], placement.Policy], float] = {}
+        self._fits: dict[tuple[str, int, tuple[placement.Shape, ...], placement.CardRule], placement.NoFit | None] = {}
+        self._costs: dict[
+            tuple[str, int, tuple[placement.Shape, ...], placement.Policy, placement.CardRule], float
+        ] = {}
         self._batch_costs: dict[BatchKey, tuple[placement.Policy, CostMemo]] = {}
         self._learned: dict[str, placement.Policy] = {name: placement.POLICIES[name] for name in LEARNED}
         #: the cache's shapes_version and number of observed demands the fgd workload was built from
@@ -102,7 +104,7 @@ class PlacementEngine:
             policies, built = self._build_fgd()
             with self._lock:
                 keys = [key for key in self._batch_costs if key[0] in LEARNED]
-            memos = {key: self.matrix.memo(policies[key[0]], key[1], key[2]) for key in keys}
+            memos = {key: self.matrix.memo(policies[key[0]], key[1], key[2], key[3]) for key in keys}
             with self._lock:
                 self._learned, self._fgd_built = policies, built
                 for key, memo in memos.items():
@@ -114,17 +116,21 @@ class PlacementEngine:
                 self._fgd_rebuilding = False
 
     def fit(
-        self, view: CachedNode, demands: Sequence[placement.Demand], init: frozenset[str] = frozenset()
+        self,
+        view: CachedNode,
+        demands: Sequence[placement.Demand],
+        init: frozenset[str] = frozenset(),
+        rule: placement.CardRule = placement.ANY_CARD,
     ) -> placement.NoFit | None:
         if view.inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(demands)):
             return placement.NoFit(f"node {view.name} {refusal}")
         if podfit.has_init(demands, init):
-            return podfit.InitOrder.of(demands, init).fit(view.cards, view.inventory.unit.name)
-        key = (view.name, view.generation, placement.shape_key(list(demands)))
+            return podfit.InitOrder.of(demands, init).fit(view.cards, view.inventory.unit.name, rule)
+        key = (view.name, view.generation, placement.shape_key(list(demands)), rule)
         try:
             return self._fits[key]
         except KeyError:
-            result = placement.check_fit(view.cards, demands, unit=view.inventory.unit.name)
+            result = placement.check_fit(view.cards, demands, unit=view.inventory.unit.name, rule=rule)
             _remember(self._fits, key, result)
             return result
 
@@ -134,32 +140,40 @@ class PlacementEngine:
         demands: Sequence[placement.Demand],
         policy: placement.Policy,
         init: frozenset[str] = frozenset(),
+        rule: placement.CardRule = placement.ANY_CARD,
     ) -> float:
         if podfit.has_init(demands, init):
-            return podfit.InitOrder.of(demands, init).cost(view.cards, policy, view.inventory.unit.name)
-        key = (view.name, view.generation, placement.shape_key(list(demands)), policy)
+            return podfit.InitOrder.of(demands, init).cost(view.cards, policy, view.inventory.unit.name, rule)
+        key = (view.name, view.generation, placement.shape_key(list(demands)), policy, rule)
         try:
             return self._costs[key]
         except KeyError:
-            cost = placement.node_cost(view.cards, demands, policy, unit=view.inventory.unit.name)
+            cost = placement.node_cost(view.cards, demands, policy, unit=view.inventory.unit.name, rule=rule)
             _remember(self._costs, key, cost)
             return cost
 
     def batch_costs(
-        self, names: NodeNames, shape: placement.Shape, name: str, request: tuple[int, int] = (0, 0)
+        self,
+        names: NodeNames,
+        shape: placement.Shape,
+        name: str,
+        request: tuple[int, int] = (0, 0),
+        rule: placement.CardRule = placement.ANY_CARD,
     ) -> np.ndarray:
         """Per node of ``names``: the cost of one demand of ``shape`` under the policy called ``name`` as
-        it is now, for a pod requesting ``request`` (CPU milli, memory bytes; ``inf`` where it can't go)."""
+        it is now, for a pod requesting ``request`` (CPU milli, memory bytes) whose ``rule`` picks card
+        models (``inf`` where it can't go). A rule's topology is not looked at: one card has none, and
+        multi-card pods that require one are rated per node."""
         with self._lock:
             policy = self._policy(name)
-            key = (name, shape, request if policy.uses_host else (0, 0))
+            key = (name, shape, request if policy.uses_host else (0, 0), rule.without_topology())
             held = self._batch_costs.get(key)
             if held is None or held[0] is not policy:
                 if len(self._batch_costs) >= BATCH_MEMO_LIMIT:
                     self._batch_costs.clear()
                 held = (policy, CostMemo())
                 self._batch_costs[key] = held
-        return self.matrix.costs(names, held[1], policy, shape, key[2])
+        return self.matrix.costs(names, held[1], policy, shape, key[2], key[3])
 
 
 def _remember(memo: dict, key: Any, value: Any) -> None:

@@ -1,8 +1,9 @@
 """The cache's nodes as numpy rows, so filter and prioritize over thousands of nodes are array maths.
 
 Each known node owns one row: its cards' capacity and free units (0 for unhealthy or absent cards,
-and for every card of a node the extender can't place on), its free CPU and memory, a fixed rank for
-ties, and the generation they were read at.
+and for every card of a node the extender can't place on), their models (as numbers into a list of
+the models seen, so a pod's :class:`~gpushare.placement.CardRule` becomes a per-card mask by one
+lookup), its free CPU and memory, a fixed rank for ties, and the generation they were read at.
 Rows are refreshed lazily: the cache reports which nodes changed, and the next query re-reads only
 those. A query works on every row at once, then picks the rows of the nodes it was asked about; the
 row numbers of the last few lists of names asked about are kept, since kube-scheduler asks about the
@@ -29,10 +30,15 @@ LOOKUPS_KEPT = 8
 _UNUSABLE = UNKNOWN
 
 
-def fits(capacity: np.ndarray, free: np.ndarray, shape: placement.Shape) -> np.ndarray:
-    """Per row: whether one demand of ``shape`` fits on its cards (the same test as check_fit)."""
+def fits(
+    capacity: np.ndarray, free: np.ndarray, shape: placement.Shape, allowed: np.ndarray | None = None
+) -> np.ndarray:
+    """Per row: whether one demand of ``shape`` fits on its cards (the same test as check_fit), on the
+    cards ``allowed`` only when given."""
     need = capacity if shape.exclusive else shape.units
     able = (capacity > 0) & (free >= need)
+    if allowed is not None:
+        able &= allowed
     return able.sum(axis=1) >= shape.cards
 
 
@@ -52,14 +58,21 @@ class CostMemo(RowMemo):
         policy: placement.Policy,
         shape: placement.Shape,
         request: tuple[int, int] = (0, 0),
+        allowed: np.ndarray | None = None,
     ) -> np.ndarray:
         """Per row: the policy's cost of the demand (``inf`` where it doesn't fit); ``host`` holds per row
-        free CPU, free memory and the fixed rank. The result is the memo's own array: read it before the
-        memo is asked again."""
+        free CPU, free memory and the fixed rank; ``allowed`` the cards the pod's rule accepts (None:
+        all). The result is the memo's own array: read it before the memo is asked again."""
         return self.values(
             generation,
             lambda stale: placement.batch_costs(
-                policy, capacity[stale], free[stale], shape, tuple(h[stale] for h in host), request
+                policy,
+                capacity[stale],
+                free[stale],
+                shape,
+                tuple(h[stale] for h in host),
+                request,
+                None if allowed is None else allowed[stale],
             ),
         )
 
@@ -71,6 +84,9 @@ class NodeMatrix:
         self._row: dict[str, int] = {}
         self._capacity = np.zeros((0, _INITIAL_WIDTH), dtype=np.int64)
         self._free = np.zeros((0, _INITIAL_WIDTH), dtype=np.int64)
+        self._model = np.zeros((0, _INITIAL_WIDTH), dtype=np.intp)
+        #: the card models seen, numbered by first sight ("" for absent cards)
+        self._models: dict[str, int] = {"": 0}
         self._cpu = np.zeros(0, dtype=np.int64)
         self._memory = np.zeros(0, dtype=np.int64)
         self._order = np.zeros(0)
@@ -90,13 +106,24 @@ class NodeMatrix:
         with self._lock:
             self._refresh()
 
-    def fits(self, names: NodeNames, shape: placement.Shape) -> np.ndarray:
-        """Per name: whether one demand of ``shape`` fits on the node (False for a node the extender
-        doesn't know or can't place on)."""
+    def fits(
+        self, names: NodeNames, shape: placement.Shape, rule: placement.CardRule = placement.ANY_CARD
+    ) -> np.ndarray:
+        """Per name: whether one demand of ``shape`` fits on the node's cards that ``rule`` accepts (False
+        for a node the extender doesn't know or can't place on)."""
         with self._lock:
             self._refresh()
             rows = len(self._row)
-            return _pick(fits(self._capacity[:rows], self._free[:rows], shape), self._lookup(names), False)
+            fit = fits(self._capacity[:rows], self._free[:rows], shape, self._allowed(rule, rows))
+            return _pick(fit, self._lookup(names), False)
+
+    def _allowed(self, rule: placement.CardRule, rows: int) -> np.ndarray | None:
+        """Per (row, card): whether ``rule`` accepts the card's model; None when it accepts every model.
+        Under the lock."""
+        if not rule.picks_models:
+            return None
+        accepted = np.fromiter((rule.accepts(m) for m in self._models), dtype=bool, count=len(self._models))
+        return accepted[self._model[:rows]]
 
     def costs(
         self,
@@ -105,20 +132,34 @@ class NodeMatrix:
         policy: placement.Policy,
         shape: placement.Shape,
         request: tuple[int, int] = (0, 0),
+        rule: placement.CardRule = placement.ANY_CARD,
     ) -> np.ndarray:
-        """Per name: the policy's cost of one demand of ``shape`` on the node for a pod requesting
-        ``request`` (CPU milli, memory bytes), kept in ``memo`` (``inf`` where it doesn't fit, or the
-        node is unknown or unusable)."""
+        """Per name: the policy's cost of one demand of ``shape`` on the node's cards that ``rule``
+        accepts, for a pod requesting ``request`` (CPU milli, memory bytes), kept in ``memo`` (``inf``
+        where it doesn't fit, or the node is unknown or unusable). A memo serves one rule."""
         with self._lock:
             self._refresh()
             rows = len(self._row)
             host = (self._cpu[:rows], self._memory[:rows], self._order[:rows])
             cost = memo.costs(
-                self._capacity[:rows], self._free[:rows], self._generation[:rows], host, policy, shape, request
+                self._capacity[:rows],
+                self._free[:rows],
+                self._generation[:rows],
+                host,
+                policy,
+                shape,
+                request,
+                self._allowed(rule, rows),
             )
             return _pick(cost, self._lookup(names), np.inf)
 
-    def memo(self, policy: placement.Policy, shape: placement.Shape, request: tuple[int, int] = (0, 0)) -> CostMemo:
+    def memo(
+        self,
+        policy: placement.Policy,
+        shape: placement.Shape,
+        request: tuple[int, int] = (0, 0),
+        rule: placement.CardRule = placement.ANY_CARD,
+    ) -> CostMemo:
         """A memo of ``policy``'s costs of ``shape`` on every node, computed on a copy of the rows so that
         queries go on meanwhile; rows that change in between are computed again when next asked."""
         with self._lock:
@@ -127,8 +168,9 @@ class NodeMatrix:
             capacity, free = self._capacity[:rows].copy(), self._free[:rows].copy()
             host = (self._cpu[:rows].copy(), self._memory[:rows].copy(), self._order[:rows].copy())
             generation = self._generation[:rows].copy()
+            allowed = self._allowed(rule, rows)
         memo = CostMemo()
-        memo.costs(capacity, free, generation, host, policy, shape, request)
+        memo.costs(capacity, free, generation, host, policy, shape, request, allowed)
         return memo
 
     def card_units(self) -> int:
@@ -163,6 +205,7 @@ class NodeMatrix:
             view = self._cache.view(name)
             self._capacity[row] = 0
             self._free[row] = 0
+            self._model[row] = 0
             self._cpu[row], self._memory[row] = self._cache.host_free(name)
             if view is None:
                 self._generation[row] = _UNUSABLE
@@ -172,6 +215,7 @@ class NodeMatrix:
             for pos, card in enumerate(view.cards):
                 self._capacity[row, pos] = card.capacity if card.healthy else 0
                 self._free[row, pos] = card.free
+                self._model[row, pos] = self._models.setdefault(card.model, len(self._models))
             self._generation[row] = view.generation
 
     def _add_row(self, name: str) -> int:
@@ -185,6 +229,7 @@ class NodeMatrix:
             pad = np.zeros((grow, self._capacity.shape[1]), dtype=np.int64)
             self._capacity = np.concatenate([self._capacity, pad])
             self._free = np.concatenate([self._free, pad])
+            self._model = np.concatenate([self._model, pad.astype(np.intp)])
         self._order[row] = placement.node_order([name])[0]
         self._row[name] = row
         self._lookups.clear()  # a remembered lookup may have missed this name
@@ -194,6 +239,7 @@ class NodeMatrix:
         extra = ((0, 0), (0, width - self._capacity.shape[1]))
         self._capacity = np.pad(self._capacity, extra)
         self._free = np.pad(self._free, extra)
+        self._model = np.pad(self._model, extra)
 
 
 def _pick(per_row: np.ndarray, index: np.ndarray, missing: bool | float) -> np.ndarray:

@@ -38,26 +38,39 @@ class InitOrder:
         apps = tuple(d for d in demands if d.container not in init)
         return cls(((apps,) if apps else ()) + tuple((d,) for d in demands if d.container in init))
 
-    def fit(self, cards: Sequence[placement.CardCapacity], unit: str) -> placement.NoFit | None:
+    def fit(
+        self, cards: Sequence[placement.CardCapacity], unit: str, rule: placement.CardRule = placement.ANY_CARD
+    ) -> placement.NoFit | None:
         for group in self.groups:
-            nofit = placement.check_fit(cards, group, unit=unit)
+            nofit = placement.check_fit(cards, group, unit=unit, rule=rule)
             if nofit is not None:
                 return nofit
         return None
 
-    def cost(self, cards: Sequence[placement.CardCapacity], policy: placement.Policy, unit: str) -> float:
+    def cost(
+        self,
+        cards: Sequence[placement.CardCapacity],
+        policy: placement.Policy,
+        unit: str,
+        rule: placement.CardRule = placement.ANY_CARD,
+    ) -> float:
         """The policy's cost of what the pod keeps: its app containers (its init containers when it has
         no GPU app container); raises NoFit when any part doesn't fit."""
-        nofit = self.fit(cards, unit)
+        nofit = self.fit(cards, unit, rule)
         if nofit is not None:
             raise nofit
-        return placement.node_cost(cards, self.groups[0], policy, unit=unit)
+        return placement.node_cost(cards, self.groups[0], policy, unit=unit, rule=rule)
 
     def place(
-        self, cards: Sequence[placement.CardCapacity], policy: placement.Policy, unit: str
+        self,
+        cards: Sequence[placement.CardCapacity],
+        policy: placement.Policy,
+        unit: str,
+        rule: placement.CardRule = placement.ANY_CARD,
     ) -> tuple[placement.Assignment, ...]:
-        """Assignments for every demand; raises NoFit."""
-        return tuple(a for group in self.groups for a in placement.place(cards, group, policy, unit=unit))
+        """Assignments for every demand; raises NoFit. The rule binds each group on its own: the app
+        containers' cards together, and each init container's."""
+        return tuple(a for group in self.groups for a in placement.place(cards, group, policy, unit=unit, rule=rule))
 
 
 def original_plugin_refusal(demands: Sequence[placement.Demand]) -> str | None:

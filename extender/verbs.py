@@ -15,6 +15,7 @@ from extender.cache import CachedNode, ClusterCache, demands_of, host_request, p
 from extender.engine import PlacementEngine
 from extender.wire import NodeNames, Raw, candidate_names, check_victims, request_pod
 from gpushare import placement
+from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
 from gpushare.contract.request import pod_key
 
@@ -29,18 +30,21 @@ def filter_result(engine: PlacementEngine, body: Any) -> dict[str, Any]:
     try:
         demands = demands_of(pod)
         init = podfit.init_names(pod)
+        rule = parse_card_rule(pod) if demands else placement.ANY_CARD
     except (ContractError, ValueError) as exc:
         reason = str(exc)  # names the pod already
         return _filter_reply(NodeNames.of([]), nodes_mode, body, {}, dict.fromkeys(names.names, reason))
     if not demands:
         return _filter_reply(names, nodes_mode, body, {}, {})
-    if len(demands) == 1 and podfit.original_plugin_refusal(demands) is None:
+    if rule.topology and (len(demands) > 1 or demands[0].cards > 1):
+        passing, others = [], names.names  # the node matrix knows no topology: each node is asked
+    elif len(demands) == 1 and podfit.original_plugin_refusal(demands) is None:
         # one shared single-card container: the node matrix answers, on every kind of node
-        fit = engine.matrix.fits(names, demands[0].shape)
+        fit = engine.matrix.fits(names, demands[0].shape, rule)
         passing = list(compress(names.names, fit.tolist()))
         others = [names.names[i] for i in np.flatnonzero(~fit).tolist()]
     elif len(demands) == 1:
-        fit = engine.matrix.fits(names, demands[0].shape)
+        fit = engine.matrix.fits(names, demands[0].shape, rule)
         passing = [n for n in compress(names.names, fit.tolist()) if not _inferred(engine.cache, n)]
         kept = set(passing)
         others = [n for n in names.names if n not in kept]
@@ -53,7 +57,7 @@ def filter_result(engine: PlacementEngine, body: Any) -> dict[str, Any]:
         if view is None:
             unresolvable[name] = f"node {name} {engine.cache.problem(name)}"
             continue
-        nofit = engine.fit(view, demands, init)
+        nofit = engine.fit(view, demands, init, rule)
         if nofit is None:
             passing.append(name)
         else:
@@ -100,10 +104,14 @@ def prioritize_result(engine: PlacementEngine, body: Any) -> Raw | list[dict[str
     pod, names, demands, policy_name, policy = _prioritize_args(engine, body)
     if not demands or policy is None:
         return names.priorities(np.zeros(len(names), dtype=np.int64))
-    if len(demands) == 1:
-        costs = engine.batch_costs(names, demands[0].shape, policy_name, host_request(pod))
+    try:
+        rule = parse_card_rule(pod)
+    except ContractError:
+        return names.priorities(np.zeros(len(names), dtype=np.int64))
+    if len(demands) == 1 and not (rule.topology and demands[0].cards > 1):
+        costs = engine.batch_costs(names, demands[0].shape, policy_name, host_request(pod), rule)
     else:
-        costs = _node_costs(engine, names.names, demands, policy, podfit.init_names(pod))
+        costs = _node_costs(engine, names.names, demands, policy, podfit.init_names(pod), rule)
     return names.priorities(placement.batch_scores(costs))
 
 
@@ -129,15 +137,17 @@ def _node_costs(
     demands: Sequence[placement.Demand],
     policy: placement.Policy,
     init: frozenset[str],
+    rule: placement.CardRule,
 ) -> np.ndarray:
-    """Per node, one at a time: for pods with several GPU containers (``inf`` where the pod can't go)."""
+    """Per node, one at a time: for pods with several GPU containers, or whose cards must be NVLink
+    peers or share a NUMA node (``inf`` where the pod can't go)."""
     costs = np.full(len(names), np.inf)
     for i, node in enumerate(names):
         view = engine.cache.view(node)
         if view is None:
             continue
         try:
-            costs[i] = engine.cost(view, demands, policy, init)
+            costs[i] = engine.cost(view, demands, policy, init, rule)
         except placement.NoFit:
             continue
     return costs
@@ -157,7 +167,12 @@ def _pdb_violations(body: Mapping[str, Any], name: str) -> int:
 
 
 def _needed_victims(
-    cache: ClusterCache, view: CachedNode, victims: list[str], demands: Sequence[placement.Demand], init: frozenset[str]
+    cache: ClusterCache,
+    view: CachedNode,
+    victims: list[str],
+    demands: Sequence[placement.Demand],
+    init: frozenset[str],
+    rule: placement.CardRule,
 ) -> list[str] | None:
     """The fewest of ``victims`` whose eviction lets the preemptor fit on the node (the later victims
     are tried for removal first), or None when evicting them all is not enough."""
@@ -169,7 +184,7 @@ def _needed_victims(
     def fits_without(evicted: set[str]) -> bool:
         remaining = [p for p in pods if (p.get("metadata") or {}).get("uid") not in evicted]
         cards = placement_cards(view.inventory, remaining, extra, fenced)
-        return not demands or order.fit(cards, view.inventory.unit.name) is None
+        return not demands or order.fit(cards, view.inventory.unit.name, rule) is None
 
     needed = set(victims)
     if not fits_without(needed):
@@ -188,13 +203,16 @@ def preempt_result(engine: PlacementEngine, body: Any) -> dict[str, Any]:
     try:
         demands = demands_of(pod)
         init = podfit.init_names(pod)
+        rule = parse_card_rule(pod)
     except (ContractError, ValueError):
         return {"NodeNameToMetaVictims": {}}
     names = sorted(set(body.get("NodeNameToMetaVictims") or {}) | set(body.get("NodeNameToVictims") or {}))
     result: dict[str, Any] = {}
     for name in names:
         view = engine.cache.view(name)
-        needed = None if view is None else _needed_victims(engine.cache, view, _victim_uids(body, name), demands, init)
+        needed = (
+            None if view is None else _needed_victims(engine.cache, view, _victim_uids(body, name), demands, init, rule)
+        )
         if needed is not None:
             result[name] = {"Pods": [{"UID": uid} for uid in needed], "NumPDBViolations": _pdb_violations(body, name)}
     return {"NodeNameToMetaVictims": result}

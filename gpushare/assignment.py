@@ -15,6 +15,7 @@ from typing import Any
 from gpushare.cards import Card
 from gpushare.contract.allocation import CardSlice
 from gpushare.contract.units import MemoryUnit
+from gpushare.placement.model import ANY_CARD, CardCapacity, CardRule
 from gpushare.usage import PodCards
 
 
@@ -53,6 +54,8 @@ class Claim:
     slices: tuple[CardSlice, ...]
     #: the container asked for whole cards (gpu-count alone), so each slice must be a whole card
     exclusive: bool = False
+    #: what the pod's annotations ask of its cards (model, NVLink, NUMA)
+    rule: CardRule = ANY_CARD
 
     def __str__(self) -> str:
         return f"pod {self.pod} container {self.container}"
@@ -84,7 +87,9 @@ def check_assignment(
     *,
     require_healthy: bool = True,
 ) -> Refusal | None:
-    """Why ``claim`` can't be honoured on a node with ``cards``, or None when it can.
+    """Why ``claim`` can't be honoured on a node with ``cards``, or None when it can. Besides the cards
+    existing (healthy, and whole where asked whole), their models and topology must meet the claim's
+    card rule (among the container's own cards: other containers' cards are checked with theirs).
 
     ``holdings``: what the node's live pods hold; when the claim's pod isn't among them yet, its
     slices are added on top. None skips the over-commit check (the caller has no view of the node's
@@ -111,6 +116,15 @@ def check_assignment(
                 f"{unit.units_of(card.memory_mib)} unit(s)",
                 invalid_input=True,
             )
+    assigned = [by_uuid[s.uuid] for s in claim.slices]
+    violation = claim.rule.violation(
+        [
+            CardCapacity(c.index, c.uuid, 0, 0, numa=c.numa_node, nvlink=frozenset(c.nvlink_peers), model=c.model)
+            for c in assigned
+        ]
+    )
+    if violation is not None:
+        return Refusal("card-rule", f"{claim}: {violation}")
     if holdings is None:
         return None
     pending = not holdings.holds(claim)

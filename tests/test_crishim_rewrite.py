@@ -26,6 +26,7 @@ from gpushare.contract.allocation import CardSlice, format_allocation
 from gpushare.contract.env import assigned_env
 from gpushare.contract.names import (
     ANN_ALLOCATION,
+    ANN_GPU_MODEL,
     ANN_MEM_IDX,
     CDI_KIND,
     CRI_LABEL_CONTAINER_NAME,
@@ -398,3 +399,22 @@ def test_guard_refuses_with_failed_precondition() -> None:
     assert isinstance(verdict, Refuse)
     assert verdict.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "pod default/train container worker" in verdict.message
+
+
+def test_a_card_of_a_model_the_pod_refuses_is_refused() -> None:
+    mine = {"worker": (slice_of(T4, 10),)}
+    pod = pod_dict("train", "uid-train", mine, mem=10)
+    pod["metadata"]["annotations"][ANN_GPU_MODEL] = "A100"
+    pods = FakePods([pod])
+    sandbox_annotations = {**allocation_of(**mine), ANN_GPU_MODEL: "A100"}
+    request = request_for(POD, sandbox_annotations, plugin_config(POD, [slice_of(T4, 10)], pod_mem=10))
+    found = Resolver(GIB, pods).resolve(request, CARDS)
+    assert found.refusal is not None and found.refusal.reason == "card-rule"
+    assert found.refusal.message == (
+        f"pod default/train container worker: card 2 ({T4.uuid}) is a T4 card; the pod takes only A100 cards"
+    )
+    outcome = rewrite(request.config, found, CARDS, GIB, RewriteOptions())
+    assert outcome.refusal is found.refusal
+    # read from the API when the sandbox's copy of the annotation can't be read: the same refusal
+    request = request_for(POD, {**allocation_of(**mine), ANN_GPU_MODEL: "|"}, request.config)
+    assert Resolver(GIB, pods).resolve(request, CARDS).refusal.reason == "card-rule"

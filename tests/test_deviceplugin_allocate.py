@@ -16,9 +16,11 @@ from gpushare.contract.allocation import CardSlice, format_assigned_containers, 
 from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_ASSIGNED_CONTAINERS,
+    ANN_GPU_MODEL,
     ANN_MEM_ASSIGNED,
     ANN_MEM_ASSUME_TIME,
     ANN_MEM_IDX,
+    ANN_REQUIRE_NVLINK,
     CTR_ANN_CARDS,
     CTR_ANN_CONTAINER,
     CTR_ANN_POD,
@@ -33,6 +35,7 @@ from gpushare.contract.names import (
 )
 from gpushare.contract.units import GIB, parse_unit
 from gpushare.inventory import simulated_cards
+from gpushare.placement import ANY_CARD, CardRule
 
 CARDS = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
 A0, A1, T4 = CARDS
@@ -204,8 +207,8 @@ def test_no_matching_pod_is_refused_with_the_request_and_node() -> None:
 
 def test_preferred_cards_are_the_scheduler_choice_for_the_container_that_would_match() -> None:
     pod = gpu_pod("pair", [container("main", 40, 2)], allocation={"main": slices([A1, T4], 20)})
-    assert preferred_cards([pod], "n1", RESOURCE_COUNT, 2, CARDS) == (A1.uuid, T4.uuid)
-    assert preferred_cards([pod], "n1", RESOURCE_COUNT, 3, CARDS) == ()
+    assert preferred_cards([pod], "n1", RESOURCE_COUNT, 2, CARDS) == ((A1.uuid, T4.uuid), ANY_CARD)
+    assert preferred_cards([pod], "n1", RESOURCE_COUNT, 3, CARDS) == ((), ANY_CARD)
 
 
 def test_gpu_count_preference_is_one_replica_of_each_scheduler_card_then_nvlink_then_numa() -> None:
@@ -243,3 +246,42 @@ def test_gpu_mem_preference_takes_units_of_the_scheduler_card_first() -> None:
     available = [device_id(card.uuid, n) for card in CARDS for n in range(3)]
     picked = preferred_ids(RESOURCE_MEM, available, [], 3, [T4.uuid], CARDS)
     assert picked == [device_id(T4.uuid, n) for n in range(3)]
+
+
+def test_preferred_pick_keeps_the_matched_pods_card_rule() -> None:
+    # NUMA 0: A100 x2 (NVLinked), NUMA 1: T4 x2 (NVLinked); the pod has no cards chosen yet
+    four = simulated_cards("n1", "2xA100-80GB:81920,2xT4:15360")
+    a0, a1, t0, t1 = (c.uuid for c in four)
+    one_each = [device_id(u, 0) for u in (a1, t0, t1)]
+    anything = preferred_ids(RESOURCE_COUNT, one_each, [], 2, [], four)
+    assert {card_of_device(d) for d in anything} == {t0, t1}
+    a100 = CardRule(models=frozenset({"A100"}))
+    # only one A100 offered: never a T4 beside it, kubelet completes the set itself
+    assert preferred_ids(RESOURCE_COUNT, one_each, [], 2, [], four, a100) == [device_id(a1, 0)]
+    nvlink = CardRule(nvlink=True)
+    mixed = [device_id(u, 0) for u in (a0, t0)]
+    assert preferred_ids(RESOURCE_COUNT, mixed, [], 2, [], four) == mixed  # any two will do
+    assert preferred_ids(RESOURCE_COUNT, mixed, [], 2, [], four, nvlink) == []  # no NVLink pair offered
+    # a card kubelet must include: the rest joins it over NVLink
+    kept = preferred_ids(RESOURCE_COUNT, [device_id(u, 0) for u in (a0, a1, t0)], [device_id(t0, 0)], 2, [], four,
+                         CardRule(same_numa=True))  # fmt: skip
+    assert kept == [device_id(t0, 0)]
+
+
+def test_preferred_cards_carries_the_matched_pods_rule() -> None:
+    pod = gpu_pod("pair", [container("main", 0, 2)], allocation={"main": slices([A0, A1], 80)})
+    pod["metadata"]["annotations"][ANN_REQUIRE_NVLINK] = "true"
+    assert preferred_cards([pod], "n1", RESOURCE_COUNT, 2, CARDS) == ((A0.uuid, A1.uuid), CardRule(nvlink=True))
+
+
+def test_allocate_refuses_a_card_of_a_model_the_pod_refuses() -> None:
+    pod = gpu_pod("a100-only", [container("main", 6)], allocation={"main": slices([T4], 6)})
+    pod["metadata"]["annotations"][ANN_GPU_MODEL] = "A100-80GB"
+    refused = refusal([pod], 6)
+    assert refused.reason == "card-rule" and not refused.invalid_input
+    assert f"card {T4.index} ({T4.uuid}) is a T4 card; the pod takes only A100-80GB cards" in str(refused)
+    pod["metadata"]["annotations"][ANN_GPU_MODEL] = "A100-80GB|T4"
+    assert decide([pod], "n1", RESOURCE_MEM, 6, CARDS, GIB).slices == slices([T4], 6)
+    pod["metadata"]["annotations"][ANN_GPU_MODEL] = "|"
+    bad = refusal([pod], 6)
+    assert bad.invalid_input and f"pod default/a100-only annotation {ANN_GPU_MODEL}: names no card model" in str(bad)

@@ -125,9 +125,14 @@ def test_a_rebuilt_fgd_workload_takes_over_once_its_costs_are_ready(
     release = threading.Event()
     memo = engine.matrix.memo
 
-    def held(policy: placement.Policy, shape: placement.Shape, request: tuple[int, int] = (0, 0)) -> CostMemo:
+    def held(
+        policy: placement.Policy,
+        shape: placement.Shape,
+        request: tuple[int, int] = (0, 0),
+        rule: placement.CardRule = placement.ANY_CARD,
+    ) -> CostMemo:
         release.wait()
-        return memo(policy, shape, request)
+        return memo(policy, shape, request, rule)
 
     monkeypatch.setattr(engine.matrix, "memo", held)
     try:

@@ -17,6 +17,7 @@ import grpc
 import pytest
 from conftest import wait_until
 from kubernetes import client
+from podfactory import container, gpu_pod
 from support.nvml import described_cards, fake_machine, nvml_backend
 
 from advertiser.agent import Advertiser
@@ -24,7 +25,15 @@ from deviceplugin.devices import card_of_device, device_id
 from deviceplugin.plugin import SOCKETS
 from deviceplugin.wiring import RunningPlugin, start_device_plugin
 from gpushare.contract.inventory import NodeInventory, parse_inventory
-from gpushare.contract.names import NODE_ANN_INVENTORY, NODE_LABEL_MODEL, RESOURCE_COUNT, RESOURCE_MEM
+from gpushare.contract.names import (
+    ANN_GPU_MODEL,
+    ANN_MEM_ASSUME_TIME,
+    ANN_REQUIRE_NVLINK,
+    NODE_ANN_INVENTORY,
+    NODE_LABEL_MODEL,
+    RESOURCE_COUNT,
+    RESOURCE_MEM,
+)
 from gpushare.contract.units import GIB
 from gpushare.inventory import HealthEvent, InventoryError, NvmlBackend, _single_node, parse_ignored_xids
 from gpushare.kube.objects import get_node
@@ -187,8 +196,9 @@ class NvmlNode:
     def stub(self, resource: str) -> pb_grpc.DevicePluginStub:
         return pb_grpc.DevicePluginStub(grpc.insecure_channel(f"unix://{self.dir / SOCKETS[resource]}"))
 
-    def preferred(self, cards: list[str], size: int) -> set[str]:
-        """The cards GetPreferredAllocation picks when kubelet offers three gpu-count replicas of each."""
+    def offered(self, cards: list[str], size: int) -> list[str]:
+        """The device IDs GetPreferredAllocation answers when kubelet offers three gpu-count replicas of
+        each card."""
         available = [device_id(uuid, n) for uuid in cards for n in range(3)]
         reply = self.stub(RESOURCE_COUNT).GetPreferredAllocation(
             pb.PreferredAllocationRequest(
@@ -198,7 +208,11 @@ class NvmlNode:
             ),
             timeout=10,
         )
-        chosen = [card_of_device(d) for d in reply.container_responses[0].deviceIDs]
+        return list(reply.container_responses[0].deviceIDs)
+
+    def preferred(self, cards: list[str], size: int) -> set[str]:
+        """The cards GetPreferredAllocation picks when kubelet offers three gpu-count replicas of each."""
+        chosen = [card_of_device(d) for d in self.offered(cards, size)]
         assert len(chosen) == len(set(chosen)) == size, f"not {size} distinct cards: {chosen}"
         return set(chosen)
 
@@ -239,18 +253,33 @@ def test_preferred_allocation_on_the_dgx_keeps_a_group_on_one_numa_node(dgx: Nvm
     assert pair == {uuids[4], uuids[5]}
 
 
-def test_preferred_allocation_on_the_mixed_node_follows_the_nvlink_bridge(
-    tmp_path, monkeypatch, kube_api, core_v1, short_dir
-) -> None:
+@pytest.fixture
+def mixed(tmp_path, monkeypatch, kube_api, core_v1, short_dir) -> Iterator[NvmlNode]:
     core_v1.create_node({"metadata": {"name": "n1"}})
     with nvml_backend("mixed", tmp_path, monkeypatch, **FAST) as (backend, fake):
         node = NvmlNode(backend, fake, kube_api, short_dir)
-        try:
-            a0, a1, t4, a3 = (card.uuid for card in backend.cards())
-            assert node.preferred([a0, t4, a3, a1], 2) == {a0, a1}  # the bridged pair, across from NUMA 1
-            assert node.preferred([a1, t4, a3], 2) == {t4, a3}  # no bridge left: one NUMA node
-        finally:
-            node.stop()
+        yield node
+        node.stop()
+
+
+def test_preferred_allocation_on_the_mixed_node_follows_the_nvlink_bridge(mixed: NvmlNode) -> None:
+    a0, a1, t4, a3 = (card.uuid for card in mixed.backend.cards())
+    assert mixed.preferred([a0, t4, a3, a1], 2) == {a0, a1}  # the bridged pair, across from NUMA 1
+    assert mixed.preferred([a1, t4, a3], 2) == {t4, a3}  # no bridge left: one NUMA node
+
+
+def test_preferred_allocation_keeps_the_matched_pods_card_rule(mixed: NvmlNode, core_v1) -> None:
+    a0, a1, t4, a3 = (card.uuid for card in mixed.backend.cards())
+    offer = [a1, t4, a3]
+    assert mixed.preferred(offer, 2) == {t4, a3}  # no pod to match: one NUMA node
+    # a placed pod whose cards the plugin must pick itself (none recorded), A100s only
+    marked = {ANN_MEM_ASSUME_TIME: "1", ANN_GPU_MODEL: "A100"}
+    core_v1.create_namespaced_pod("default", gpu_pod("picky", [container("main", 0, 2)], extra_annotations=marked))
+    wait_until(lambda: mixed.preferred(offer, 2) == {a1, a3}, what="the A100 pair for the A100-only pod")
+    # NVLink required too: no bridged pair is offered, so no set at all rather than a wrong one
+    core_v1.patch_namespaced_pod("picky", "default", {"metadata": {"annotations": {ANN_REQUIRE_NVLINK: "true"}}})
+    wait_until(lambda: mixed.offered(offer, 2) == [], what="no set for the NVLink pod")
+    assert {card_of_device(d) for d in mixed.offered([a0, t4, a3, a1], 2)} == {a0, a1}
 
 
 def test_xids_reach_kubelet_and_the_card_recovers(dgx: NvmlNode, kube_api) -> None:

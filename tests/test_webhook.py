@@ -16,9 +16,11 @@ from tlscerts import make_certs
 from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_ASSIGNED_CONTAINERS,
+    ANN_GPU_MODEL,
     ANN_MEM_ASSUME_TIME,
     ANN_MEM_IDX,
     ANN_POLICY,
+    ANN_REQUIRE_NVLINK,
     protected_annotation,
 )
 from gpushare.inventory import simulated_cards
@@ -76,6 +78,8 @@ def test_gpushare_may_write_and_tenants_may_touch_everything_else() -> None:
     relabelled["metadata"]["annotations"]["team"] = "a"
     assert review(admission("UPDATE", TENANT, relabelled, bound(A0))).allowed
     assert review(admission("CREATE", TENANT, plain(**{ANN_POLICY: "spread", "team": "a"}))).allowed
+    rule = {ANN_GPU_MODEL: "A100", ANN_REQUIRE_NVLINK: "true"}
+    assert review(admission("CREATE", TENANT, plain(**rule))).allowed
 
 
 def test_served_over_https_as_an_admission_review(tmp_path: Path) -> None:

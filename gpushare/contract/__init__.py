@@ -4,7 +4,8 @@
 other modules parse and format one thing each: :mod:`~gpushare.contract.request` (a pod's GPU request),
 :mod:`~gpushare.contract.allocation` (our allocation annotations), :mod:`~gpushare.contract.aliyun`
 (the original gpushare's formats), :mod:`~gpushare.contract.pending` (the extender's pending binds),
-:mod:`~gpushare.contract.inventory` (the node's inventory annotation), :mod:`~gpushare.contract.env`
+:mod:`~gpushare.contract.inventory` (the node's inventory annotation),
+:mod:`~gpushare.contract.cardrule` (what a pod asks of its cards: model, NVLink, NUMA), :mod:`~gpushare.contract.env`
 (a GPU container's env), :mod:`~gpushare.contract.units` (the memory unit) and
 :mod:`~gpushare.contract.errors` (the errors, and quoting untrusted values in them).
 """

@@ -37,10 +37,20 @@ PLACEMENT_ANNOTATIONS = (ANN_ALLOCATION, ANN_FRAMEWORK_ALLOCATION, ANN_MEM_IDX)
 ANN_ASSIGNED_CONTAINERS = "gpushare.io/assigned-containers"
 #: per-pod placement policy override
 ANN_POLICY = "gpushare.io/policy"
+#: card models the pod accepts, ``|``-separated patterns (see :func:`gpushare.placement.model_matches`)
+ANN_GPU_MODEL = "gpushare.io/gpu-model"
+#: card models the pod must not get, the same way
+ANN_GPU_MODEL_AVOID = "gpushare.io/gpu-model-avoid"
+#: "true": every two distinct cards of the pod must be NVLink peers
+ANN_REQUIRE_NVLINK = "gpushare.io/require-nvlink"
+#: "true": all the pod's cards must sit on one NUMA node
+ANN_REQUIRE_SAME_NUMA = "gpushare.io/require-same-numa"
+#: what a pod asks of its cards, in the order messages name them
+CARD_RULE_ANNOTATIONS = (ANN_GPU_MODEL, ANN_GPU_MODEL_AVOID, ANN_REQUIRE_NVLINK, ANN_REQUIRE_SAME_NUMA)
 #: pod annotations only gpushare's extender and node agent may write (admission webhook and policy)
 PROTECTED_ANNOTATION_PREFIXES = ("gpushare.io/", "ALIYUN_COM_GPU_MEM_")
-#: protected by prefix, but the pod's owner chooses it
-TENANT_ANNOTATIONS = frozenset({ANN_POLICY})
+#: protected by prefix, but the pod's owner chooses them
+TENANT_ANNOTATIONS = frozenset({ANN_POLICY, *CARD_RULE_ANNOTATIONS})
 
 
 def protected_annotation(key: str) -> bool:

@@ -6,7 +6,17 @@ No I/O here; the extender and the trace-replay benchmark both drive these functi
 from gpushare.placement.batch import BatchChoice, batch_costs, batch_place, batch_scores, node_order
 from gpushare.placement.fit import SEARCH_BUDGET, check_fit, node_cost, place
 from gpushare.placement.fragmentation import Workload, fragmentation
-from gpushare.placement.model import Assignment, CardCapacity, Demand, NoFit, Shape, shape_key
+from gpushare.placement.model import (
+    ANY_CARD,
+    Assignment,
+    CardCapacity,
+    CardRule,
+    Demand,
+    NoFit,
+    Shape,
+    model_matches,
+    shape_key,
+)
 from gpushare.placement.policies import (
     DEFAULT_POLICY,
     POLICIES,
@@ -20,6 +30,7 @@ from gpushare.placement.policies import (
 )
 
 __all__ = [
+    "ANY_CARD",
     "DEFAULT_POLICY",
     "POLICIES",
     "SEARCH_BUDGET",
@@ -27,6 +38,7 @@ __all__ = [
     "BatchChoice",
     "Binpack",
     "CardCapacity",
+    "CardRule",
     "Demand",
     "Fgd",
     "FgdFit",
@@ -42,6 +54,7 @@ __all__ = [
     "check_fit",
     "fragmentation",
     "host_fit",
+    "model_matches",
     "node_cost",
     "node_order",
     "place",

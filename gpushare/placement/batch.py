@@ -29,12 +29,20 @@ class BatchChoice:
 
 
 def batch_place(
-    policy: Policy, capacity: np.ndarray, free: np.ndarray, shape: Shape, host: HostFit | None = None
+    policy: Policy,
+    capacity: np.ndarray,
+    free: np.ndarray,
+    shape: Shape,
+    host: HostFit | None = None,
+    allowed: np.ndarray | None = None,
 ) -> BatchChoice:
     """Where ``shape`` would go on each node and at what cost. ``shape.cards == 0`` asks for no GPU
-    (the cost then only reflects what ``host`` says changes)."""
+    (the cost then only reflects what ``host`` says changes). ``allowed``: per (node, card), whether
+    the pod's :class:`~gpushare.placement.model.CardRule` accepts the card's model (None: every card)."""
     nodes = free.shape[0]
     able = (capacity > 0) & (free >= (capacity if shape.exclusive else shape.units))
+    if allowed is not None:
+        able &= allowed
     rows = np.flatnonzero(able.sum(axis=1) >= shape.cards)
     cost = np.full(nodes, np.inf)
     cards = np.zeros((nodes, shape.cards), dtype=np.intp)
@@ -73,15 +81,16 @@ def batch_costs(
     shape: Shape,
     host: tuple[np.ndarray, np.ndarray, np.ndarray],
     request: tuple[int, int],
+    allowed: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per node: the policy's cost of one demand of ``shape`` (``inf`` where it doesn't fit), for a pod
-    requesting ``request`` (CPU, memory); ``host`` is per node (free CPU, free memory, ``node_order``).
-    What the prioritize verb rates nodes with, and the replay too."""
+    requesting ``request`` (CPU, memory); ``host`` is per node (free CPU, free memory, ``node_order``);
+    ``allowed`` as for :func:`batch_place`. What the prioritize verb rates nodes with, and the replay too."""
     workload = getattr(policy, "workload", None)
     fit = None
     if policy.uses_host and workload is not None:
         fit = host_fit(workload, host[0], host[1], request, host[2])
-    return batch_place(policy, capacity, free, shape, fit).cost
+    return batch_place(policy, capacity, free, shape, fit, allowed).cost
 
 
 def batch_scores(costs: np.ndarray) -> np.ndarray:

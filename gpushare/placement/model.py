@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +91,89 @@ def shape_key(demands: tuple[Demand, ...] | list[Demand]) -> tuple[Shape, ...]:
     return tuple(sorted(d.shape for d in demands))
 
 
-def models_allow(acceptable: frozenset[str], model: str) -> bool:
-    """Whether a card of ``model`` suits a pod that accepts the card models ``acceptable`` (empty: any)."""
-    return not acceptable or model in acceptable
+@lru_cache(maxsize=4096)
+def model_words(name: str) -> frozenset[str]:
+    """The words of a card model name: split at spaces and dashes, compared ignoring case."""
+    return frozenset(w for w in re.split(r"[\s-]+", name.casefold()) if w)
+
+
+def model_matches(pattern: str, model: str) -> bool:
+    """Whether ``pattern`` names cards of ``model``: every word of the pattern is a word of the model.
+
+    So ``A100-80GB`` matches ``NVIDIA A100-SXM4-80GB`` and ``NVIDIA A100 80GB PCIe``, ``T4`` matches
+    ``Tesla T4``, ``A100`` every A100, and a model's full name matches itself; ``A10`` is not ``A100``.
+    """
+    words = model_words(pattern)
+    return bool(words) and words <= model_words(model)
+
+
+@dataclass(frozen=True, slots=True)
+class CardRule:
+    """What a pod requires of its cards beyond free memory.
+
+    ``models``: patterns of acceptable card models (empty: any model); ``avoid``: patterns of models
+    it must not get (see :func:`model_matches`). ``nvlink``/``same_numa``: every two distinct cards
+    the pod gets must be NVLink peers / on one (known) NUMA node.
+    """
+
+    models: frozenset[str] = frozenset()
+    avoid: frozenset[str] = frozenset()
+    nvlink: bool = False
+    same_numa: bool = False
+
+    def accepts(self, model: str) -> bool:
+        """Whether a card of ``model`` may be given to the pod."""
+        return _accepts(self.models, self.avoid, model)
+
+    @property
+    def picks_models(self) -> bool:
+        return bool(self.models or self.avoid)
+
+    @property
+    def topology(self) -> bool:
+        return self.nvlink or self.same_numa
+
+    def without_topology(self) -> CardRule:
+        return CardRule(self.models, self.avoid)
+
+    def joinable(self, a: CardCapacity, b: CardCapacity) -> bool:
+        """Whether one pod may hold both cards under this rule."""
+        if a.uuid == b.uuid:
+            return True
+        if self.nvlink and b.uuid not in a.nvlink and a.uuid not in b.nvlink:
+            return False
+        return not self.same_numa or (a.numa is not None and a.numa == b.numa)
+
+    def label(self) -> str:
+        """How messages name the acceptable cards: ``A100-80GB or A100-40GB``, ``non-T4``; empty for any."""
+        words = [" or ".join(sorted(self.models))] if self.models else []
+        words += [f"non-{m}" for m in sorted(self.avoid)]
+        return " ".join(words)
+
+    def violation(self, cards: Sequence[CardCapacity]) -> str | None:
+        """Why one pod holding ``cards`` breaks this rule, or None when it doesn't."""
+        for card in cards:
+            if not self.accepts(card.model):
+                model = card.model or "unknown-model"
+                return f"card {card.index} ({card.uuid}) is a {model} card; the pod takes only {self.label()} cards"
+        for i, a in enumerate(cards):
+            for b in cards[i + 1 :]:
+                if not self.joinable(a, b):
+                    return f"cards {a.index} and {b.index} are not {self.requirement()}, as the pod requires"
+        return None
+
+    def requirement(self) -> str:
+        """How messages name the topology requirement: ``pairwise NVLink-connected, on one NUMA node``."""
+        parts = ["pairwise NVLink-connected"] if self.nvlink else []
+        return ", ".join([*parts, "on one NUMA node"] if self.same_numa else parts)
+
+
+#: the rule of a pod that asks nothing of its cards' model or topology
+ANY_CARD = CardRule()
+
+
+@lru_cache(maxsize=4096)
+def _accepts(models: frozenset[str], avoid: frozenset[str], model: str) -> bool:
+    if models and not any(model_matches(p, model) for p in models):
+        return False
+    return not any(model_matches(p, model) for p in avoid)

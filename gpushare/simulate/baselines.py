@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpushare.placement.memo import RowMemo
-from gpushare.placement.model import models_allow
+from gpushare.placement.model import CardRule
 from gpushare.simulate.replay import Choice, ClusterState, affinity_tag, best_of, first_free, tightest
 from gpushare.simulate.trace import MILLI_PER_CARD, TracePod, parse_models
 
@@ -195,7 +195,9 @@ class Fgd(Scored):
         )
         self._gpu = gpu
         models = [parse_models(spec) for spec in typical.specs]
-        self._model_ok = np.array([[models_allow(ms, m) for ms in models] for m in state.model.tolist()], dtype=bool)
+        self._model_ok = np.array(
+            [[CardRule(ms).accepts(m) for ms in models] for m in state.model.tolist()], dtype=bool
+        )
 
     def fragmentation(self, free: np.ndarray, real: np.ndarray, cpu: np.ndarray, model_ok: np.ndarray) -> np.ndarray:
         """Expected fragmentation of node states: (states, cards) free and real, (states,) CPU left,

@@ -53,7 +53,9 @@ def learned(name: str, pods: Sequence[TracePod]) -> placement.Policy:
 
 def node_cards(state: ClusterState, row: int) -> list[placement.CardCapacity]:
     return [
-        placement.CardCapacity(index=j, uuid=f"{state.names[row]}/{j}", capacity=int(cap), used=int(cap - free))
+        placement.CardCapacity(
+            index=j, uuid=f"{state.names[row]}/{j}", capacity=int(cap), used=int(cap - free), model=state.model[row]
+        )
         for j, (cap, free) in enumerate(zip(state.capacity[row], state.free[row], strict=True))
         if cap > 0
     ]
@@ -77,14 +79,16 @@ class ExtenderChooser:
     def __init__(self, policy: placement.Policy) -> None:
         self.policy = policy
         self.name = policy.name
-        self._memos: dict[tuple[placement.Shape, int, int], RowMemo] = {}
+        self._memos: dict[tuple[placement.Shape, frozenset[str], int, int], RowMemo] = {}
         self._order: np.ndarray | None = None
 
     def _costs(self, state: ClusterState, pod: TracePod, shape: placement.Shape) -> np.ndarray:
         request = (pod.cpu_milli, pod.memory_mib) if self.policy.uses_host else (0, 0)
-        memo = self._memos.get((shape, *request))
+        key = (shape, pod.models, *request)
+        memo = self._memos.get(key)
         if memo is None:
-            memo = self._memos[(shape, *request)] = RowMemo()
+            memo = self._memos[key] = RowMemo()
+        allowed = state.allowed(pod)
         if self._order is None:
             self._order = placement.node_order(state.names)
         order = self._order
@@ -97,6 +101,7 @@ class ExtenderChooser:
                 shape,
                 (state.cpu[stale], state.memory[stale], order[stale]),
                 request,
+                None if allowed is None else allowed[stale],
             ),
         )
 
@@ -111,5 +116,6 @@ class ExtenderChooser:
         best = rows[costs == costs.min()]
         row = int(best[0] if best.size == 1 else rng.choice(best))
         demand = placement.Demand("main", shape.units, shape.cards, shape.exclusive)
-        (assignment,) = placement.place(node_cards(state, row), [demand], self.policy, unit="milli")
+        rule = placement.CardRule(pod.models)
+        (assignment,) = placement.place(node_cards(state, row), [demand], self.policy, unit="milli", rule=rule)
         return row, tuple(index for index, _, _ in assignment.cards)

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from gpushare.placement.model import models_allow
+from gpushare.placement.model import CardRule
 from gpushare.simulate.trace import MILLI_PER_CARD, TraceNode, TracePod
 
 LOAD = 1.3
@@ -84,29 +84,34 @@ class ClusterState:
     def total_milli(self) -> int:
         return int(self.capacity.sum())
 
-    def allowed(self, models: frozenset[str]) -> np.ndarray:
-        """Per node: whether its cards' model is among ``models`` (any model when empty)."""
-        held = self._allowed.get(models)
+    def allowed(self, pod: TracePod) -> np.ndarray | None:
+        """Per (node, card): whether the pod's ``gpu_spec`` accepts the card's model, by the rule the
+        extender applies to ``gpushare.io/gpu-model`` (:class:`CardRule`); None when any model will do."""
+        if not pod.models:
+            return None
+        held = self._allowed.get(pod.models)
         if held is None:
-            distinct = {m: models_allow(models, m) for m in set(self.model.tolist())}
-            held = np.fromiter((distinct[m] for m in self.model), dtype=bool, count=len(self.model))
-            self._allowed[models] = held
+            rule = CardRule(pod.models)
+            distinct = {m: rule.accepts(m) for m in set(self.model.tolist())}
+            per_node = np.fromiter((distinct[m] for m in self.model), dtype=bool, count=len(self.model))
+            held = np.broadcast_to(per_node[:, None], self.capacity.shape)
+            self._allowed[pod.models] = held
         return held
 
     def able(self, pod: TracePod, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
         """Per (node of ``rows``, card): whether one of the pod's cards can go there."""
         capacity = self.capacity[rows]
         need = capacity if pod.gpu_milli >= MILLI_PER_CARD else pod.gpu_milli
-        return (capacity > 0) & (self.free[rows] >= need)
+        able = (capacity > 0) & (self.free[rows] >= need)
+        allowed = self.allowed(pod)
+        return able if allowed is None else able & allowed[rows]
 
     def feasible(self, pod: TracePod) -> np.ndarray:
         """Rows where the pod fits: CPU, memory, card model and GPUs."""
-        ok = (self.cpu >= pod.cpu_milli) & (self.memory >= pod.memory_mib)
+        rows = np.flatnonzero((self.cpu >= pod.cpu_milli) & (self.memory >= pod.memory_mib))
         if pod.num_gpu:
-            ok &= self.allowed(pod.models)
-            rows = np.flatnonzero(ok)
             return rows[self.able(pod, rows).sum(axis=1) >= pod.num_gpu]
-        return np.flatnonzero(ok)
+        return rows
 
     def place(self, row: int, cards: Sequence[int], pod: TracePod) -> None:
         for card in cards:

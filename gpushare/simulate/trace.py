@@ -13,6 +13,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpushare.contract.cardrule import parse_models as models_of
+from gpushare.contract.errors import AnnotationError
+
 MILLI_PER_CARD = 1000
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
@@ -51,8 +54,10 @@ class TracePod:
         return self.num_gpu * self.gpu_milli
 
 
-def parse_models(spec: str) -> frozenset[str]:
-    return frozenset(m for m in spec.split("|") if m)
+def parse_models(spec: str, where: str = "gpu_spec") -> frozenset[str]:
+    """The card models a ``gpu_spec`` accepts, read as the extender reads the pod annotation
+    ``gpushare.io/gpu-model`` (empty: any model); raises AnnotationError."""
+    return models_of(spec, where) if spec.strip("| ") else frozenset()
 
 
 def _rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, Callable[[str], str]]]:
@@ -135,6 +140,10 @@ def load_pods(path: Path) -> list[TracePod]:
         if num_gpu and not milli:
             raise TraceError(f"{path} line {line} column gpu_milli: pod {name} asks for {num_gpu} GPU(s) of 0 milli")
         spec = "|".join(m for m in cell("gpu_spec").split("|") if m) if num_gpu else ""
+        try:
+            models = parse_models(spec, f"{path} line {line} column gpu_spec")
+        except AnnotationError as exc:
+            raise TraceError(str(exc)) from None
         pods.append(
             TracePod(
                 name=name,
@@ -142,7 +151,7 @@ def load_pods(path: Path) -> list[TracePod]:
                 memory_mib=_int(path, line, "memory_mib", cell("memory_mib"), 0),
                 num_gpu=num_gpu,
                 gpu_milli=milli if num_gpu else 0,
-                models=parse_models(spec),
+                models=models,
                 spec=spec,
             )
         )

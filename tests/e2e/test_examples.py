@@ -14,7 +14,7 @@ from gpushare.sandbox.realcluster import RealCluster, as_host_network
 
 from .conftest import API_POLL, NODES, Pods, assert_sees_assigned_cards, wait_until
 
-RUNNING = ("multi-container", "shared-1", "shared-2", "two-cards", "no-gpu-all-devices")
+RUNNING = ("multi-container", "shared-1", "shared-2", "two-cards", "a100-only", "nvlink-pair", "no-gpu-all-devices")
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,19 @@ def test_two_card_example_sees_two_distinct_cards(examples: Pods) -> None:
     (slices,) = examples.allocation("two-cards").values()
     uuids = examples.env("two-cards")[ENV_VISIBLE_DEVICES].split(",")
     assert len(set(uuids)) == 2 and set(uuids) == {s.uuid for s in slices}
+
+
+def test_the_card_rule_examples_get_the_cards_they_ask_for(examples: Pods) -> None:
+    examples.wait_running("a100-only")
+    ((card,),) = examples.allocation("a100-only").values()
+    node = examples.get("a100-only")["spec"]["nodeName"]
+    cards = {c.uuid: c for c in examples.cluster.node_inventory(node).cards}
+    assert cards[card.uuid].model.startswith("A100-")
+    examples.wait_running("nvlink-pair")
+    ((first, second),) = examples.allocation("nvlink-pair").values()
+    node = examples.get("nvlink-pair")["spec"]["nodeName"]
+    cards = {c.uuid: c for c in examples.cluster.node_inventory(node).cards}
+    assert second.uuid in cards[first.uuid].nvlink_peers
 
 
 def test_too_big_stays_pending_and_says_why(examples: Pods, core: client.CoreV1Api) -> None:
