@@ -64,8 +64,7 @@ def original_inspect(cache: ClusterCache, only: str | None = None) -> dict[str, 
         if view is None:
             errors.append(f"node {name} {cache.problem(name)}")
             continue
-        inferred = view.inventory.inferred is not None
-        _, counted, _ = node_usage(cache.pods_on(name), view.inventory.cards, inferred=inferred)
+        _, counted, _ = node_usage(cache.pods_on(name), view.inventory, ledger=cache.ledger(name))
         minors = {c.uuid: c.minor for c in view.inventory.cards}
         devs = [
             {
