@@ -19,6 +19,7 @@ from gpushare.contract.aliyun import parse_card_index
 from gpushare.contract.allocation import CardSlice, parse_allocation
 from gpushare.contract.cardrule import card_rule_of, parse_card_rule
 from gpushare.contract.errors import ContractError
+from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_FRAMEWORK_ALLOCATION,
@@ -34,13 +35,14 @@ from gpushare.contract.names import (
     ENV_MEM_POD,
     ENV_VISIBLE_DEVICES,
 )
+from gpushare.contract.pending import Ledger
 from gpushare.contract.request import parse_pod_request
 from gpushare.contract.units import MemoryUnit
 from gpushare.kube.errors import KubeError, KubeNotFound
-from gpushare.kube.objects import get_pod
+from gpushare.kube.objects import get_node, get_pod
 from gpushare.pb import cri_pb2
 from gpushare.placement.model import ANY_CARD, CardRule
-from gpushare.usage import card_by_minor, node_usage, pod_allocation
+from gpushare.usage import card_by_minor, node_ledger, node_usage, pod_allocation
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +245,9 @@ class PodLookup(Protocol):
         """Every pod bound to this node (as last synced, while the API server is away), or None when
         that list has never been known."""
 
+    def ledger(self) -> Ledger:
+        """The node's ledger (see :mod:`gpushare.usage`): as it is now, else as last read."""
+
 
 class Resolver:
     """Resolve a CreateContainer call's assignment, asking the API only when allowed and needed."""
@@ -285,18 +290,24 @@ class Resolver:
                 "the node's pods have not been listed from the API server yet, so the cards can't be "
                 "checked for over-commit",
             )
-        used, counted, _ = node_usage(pods, cards)
-        refusal = check_assignment(found.claim, cards, self._unit, Holdings(used, counted), require_healthy=False)
+        ledger = self._pods.ledger()
+        used, counted, _ = node_usage(pods, NodeInventory(self._unit, tuple(cards)), ledger=ledger)
+        refusal = check_assignment(
+            found.claim, cards, self._unit, Holdings(used, counted, ledger), require_healthy=False
+        )
         return found if refusal is None else replace(found, refusal=refusal)
 
 
 class CachedPods:
     """A :class:`PodLookup` over the node's watch cache, falling back to a direct GET while the cache
-    hasn't synced or doesn't hold the pod yet (kubelet can be faster than our watch)."""
+    hasn't synced or doesn't hold the pod yet (kubelet can be faster than our watch). The node's ledger
+    is read from the node on each ask, while the cache is connected; else the last one read serves."""
 
-    def __init__(self, api: Any, cache: Any) -> None:
+    def __init__(self, api: Any, cache: Any, node: str) -> None:
         self._api = api
         self._cache = cache
+        self._node = node
+        self._ledger: Ledger = {}
 
     def pod(self, namespace: str, name: str, uid: str) -> Mapping[str, Any] | None:
         cached = self._cache.get(name, namespace) if self._cache.synced else None
@@ -310,6 +321,18 @@ class CachedPods:
 
     def node_pods(self) -> Sequence[Mapping[str, Any]] | None:
         return self._cache.items() if self._cache.synced else None
+
+    def ledger(self) -> Ledger:
+        if not self._cache.connected:
+            return self._ledger
+        try:
+            self._ledger = node_ledger(get_node(self._api, self._node))
+        except KubeError as exc:
+            log.warning("node %s: reading its ledger failed, using the one last read: %s", self._node, exc)
+        except ContractError as exc:
+            log.warning("%s; pods are checked against their annotations alone", exc)
+            self._ledger = {}
+        return self._ledger
 
 
 def _uid_matches(pod: Mapping[str, Any], uid: str) -> bool:

@@ -70,7 +70,7 @@ def start_cri_shim(node: NodeSettings, settings: ShimSettings, backend: GpuBacke
         cache.start()
     events = EventRecorder(api, COMPONENT) if api is not None else None
     guard = CreateContainerGuard(
-        Resolver(node.memory_unit, CachedPods(api, cache) if cache is not None else None),
+        Resolver(node.memory_unit, CachedPods(api, cache, node.node_name) if cache is not None else None),
         backend.cards,
         node.memory_unit,
         settings.options,

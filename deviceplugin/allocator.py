@@ -22,7 +22,10 @@ from deviceplugin.decision import Decision, booked_cards_note, decide, node_env,
 from deviceplugin.metrics import ALLOCATE_FAILURES, ALLOCATE_LATENCY, publish_card_usage
 from gpushare.assignment import Refusal, describe
 from gpushare.cards import Card
+from gpushare.contract.errors import ContractError
+from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import ENV_CGPU_DISABLE
+from gpushare.contract.pending import Ledger
 from gpushare.contract.request import pod_key
 from gpushare.contract.units import MemoryUnit
 from gpushare.kube.errors import KubeError, KubeUnavailable
@@ -31,7 +34,7 @@ from gpushare.kube.objects import get_node, list_pods, patch_pod
 from gpushare.kube.watch import WatchCache
 from gpushare.placement.model import ANY_CARD, CardRule
 from gpushare.settings import DEFAULT_REREAD, Reread
-from gpushare.usage import node_usage
+from gpushare.usage import node_ledger, node_usage
 
 log = logging.getLogger(__name__)
 COMPONENT = "gpushare-device-plugin"
@@ -62,8 +65,9 @@ class Allocator:
         self._reread = reread
         self._lock = threading.Lock()
         self._events = EventRecorder(api, COMPONENT)
-        #: the node's labels as last read (read again on every Allocate)
+        #: the node's labels and ledger as last read (read again on every Allocate)
         self._labels: Mapping[str, str] = {}
+        self._ledger: Ledger = {}
 
     def pods(self) -> list[Mapping[str, Any]]:
         """The node's pods: from the watch cache; a LIST only while the cache has never synced."""
@@ -126,7 +130,7 @@ class Allocator:
         """Decide on the cached pods; on a refusal a stale cache could explain, decide again on pods
         re-read from the API server, a bounded number of times, before refusing."""
         try:
-            return decide(self.pods(), self._node, resource, units, cards, self._unit)
+            return decide(self.pods(), self._node, resource, units, cards, self._unit, self._ledger)
         except Refusal as refusal:
             if refusal.reason not in STALE_CACHE_REASONS or not self._reread.attempts:
                 raise
@@ -136,7 +140,7 @@ class Allocator:
             if wait:
                 time.sleep(wait)
             try:
-                decision = decide(self._fresh_pods(), self._node, resource, units, cards, self._unit)
+                decision = decide(self._fresh_pods(), self._node, resource, units, cards, self._unit, self._ledger)
             except Refusal as refusal:
                 if refusal.reason not in STALE_CACHE_REASONS:
                     raise
@@ -157,18 +161,27 @@ class Allocator:
             pod=last.pod,
         )
 
-    def _node_labels(self) -> Mapping[str, str]:
-        """The node's labels now; the last ones read when the API server can't say."""
+    def _read_node(self) -> None:
+        """The node's labels and ledger now; the last ones read when the API server can't say."""
         try:
-            self._labels = (get_node(self._api, self._node).get("metadata") or {}).get("labels") or {}
+            node = get_node(self._api, self._node)
         except KubeError as exc:
-            log.warning("node %s: reading the node's labels failed, using the last ones read: %s", self._node, exc)
-        return self._labels
+            log.warning(
+                "node %s: reading the node failed, using its labels and ledger as last read: %s", self._node, exc
+            )
+            return
+        self._labels = (node.get("metadata") or {}).get("labels") or {}
+        try:
+            self._ledger = node_ledger(node)
+        except ContractError as exc:
+            log.warning("%s; pods are checked against their annotations alone", exc)
+            self._ledger = {}
 
     def _allocate(self, resource: str, units: int) -> Decision:
         cards = self._cards()
+        self._read_node()
         decision = self._decide(resource, units, cards)
-        if extra := node_env(self._node_labels()):
+        if extra := node_env(self._labels):
             decision = dataclasses.replace(decision, envs={**decision.envs, **extra})
         meta = decision.pod.get("metadata") or {}
         namespace, name = meta.get("namespace", "default"), meta.get("name", "")
@@ -214,5 +227,5 @@ class Allocator:
         except Unavailable:
             return
         cards = self._cards()
-        used, _, _ = node_usage(pods, cards)
+        used, _, _ = node_usage(pods, NodeInventory(self._unit, tuple(cards)), ledger=self._ledger)
         publish_card_usage(self._node, cards, used, self._unit)

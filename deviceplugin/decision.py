@@ -20,6 +20,7 @@ from gpushare.contract.allocation import CardSlice, format_assigned_containers, 
 from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.env import assigned_env
 from gpushare.contract.errors import AnnotationError, ContractError
+from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_ASSIGNED_CONTAINERS,
@@ -34,6 +35,7 @@ from gpushare.contract.names import (
     NODE_LABEL_CGPU_DISABLE,
     RESOURCE_COUNT,
 )
+from gpushare.contract.pending import Ledger
 from gpushare.contract.units import MemoryUnit
 from gpushare.placement.model import ANY_CARD, CardRule
 from gpushare.usage import node_usage, pod_allocation
@@ -55,8 +57,15 @@ class Decision:
 
 
 def decide(
-    pods: Sequence[Mapping[str, Any]], node: str, resource: str, units: int, cards: Sequence[Card], unit: MemoryUnit
+    pods: Sequence[Mapping[str, Any]],
+    node: str,
+    resource: str,
+    units: int,
+    cards: Sequence[Card],
+    unit: MemoryUnit,
+    ledger: Ledger | None = None,
 ) -> Decision:
+    """``ledger``: the node's, as last read (see :mod:`gpushare.usage`)."""
     try:
         match = match_container(pods, node, resource, units)
     except AnnotationError as exc:
@@ -85,9 +94,9 @@ def decide(
         ) from None
     slices = allocation[name]
     meta = match.pod.get("metadata") or {}
-    usage, counted, _ = node_usage(pods, cards)
+    usage, counted, _ = node_usage(pods, NodeInventory(unit, tuple(cards)), ledger=ledger)
     claim = Claim(key, meta.get("uid", ""), name, slices, exclusive=match.container.exclusive, rule=rule)
-    refusal = check_assignment(claim, cards, unit, Holdings(usage, counted))
+    refusal = check_assignment(claim, cards, unit, Holdings(usage, counted, ledger or {}))
     if refusal is not None:
         raise refusal.about(match.pod)
 

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from extender import podfit
@@ -49,12 +49,12 @@ from gpushare.contract.names import (
     NODE_ANN_PENDING_BINDS,
     PLACEMENT_ANNOTATIONS,
 )
-from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
+from gpushare.contract.pending import Ledger, PendingBind, format_pending_binds
 from gpushare.contract.request import annotations_of, parse_pod_request
 from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import bind_pod, get_node, get_pod, list_pods, patch_node
-from gpushare.usage import alibaba_total_per_card, held_units, node_inventory
+from gpushare.usage import alibaba_total_per_card, held_units, holds_resources, node_inventory, node_ledger
 
 log = logging.getLogger(__name__)
 
@@ -203,10 +203,10 @@ class Binder:
                 }
                 assumed = self._cache.assumed_on(node)
                 in_flight = [held for other, held in assumed if other not in placed | {uid}]
-                pending = self._pending(node_obj, node, {(p.get("metadata") or {}).get("uid") for p in others})
+                ledger, unlisted = self._ledger(node_obj, node, others)
                 mine = {other for other, _ in assumed} | {uid}
-                in_flight += [bind.held for other, bind in pending.items() if other not in mine]
-                cards = placement_cards(inventory, others, in_flight, self._cache.fenced(node))
+                in_flight += [bind.held for other, bind in unlisted.items() if other not in mine]
+                cards = placement_cards(inventory, others, in_flight, self._cache.fenced(node), ledger)
                 try:
                     order = podfit.InitOrder.of(demands, podfit.init_names(pod))
                     assignments = order.place(cards, policy, inventory.unit.name, parse_card_rule(pod))
@@ -215,7 +215,7 @@ class Binder:
                     raise BindError(f"bind {where}: {nofit.reason}") from None
                 allocation = allocation_of(assignments)
                 annotations = pod_annotations(pod, allocation, inventory)
-                if self._write(pod, node, node_obj, pending, allocation, annotations, where):
+                if self._write(pod, node, node_obj, ledger, allocation, annotations, where):
                     return
             except ContractError as exc:
                 BIND_FAILURES.labels(reason="bad-annotation").inc()
@@ -231,7 +231,7 @@ class Binder:
         pod: Mapping[str, Any],
         node: str,
         node_obj: Mapping[str, Any],
-        pending: Mapping[str, PendingBind],
+        ledger: Ledger,
         allocation: Allocation,
         annotations: dict[str, str],
         where: str,
@@ -242,7 +242,7 @@ class Binder:
         held = held_units(allocation, parse_pod_request(pod))
         self._cache.assume(uid, node, held)
         sequence = int(annotations_of(node_obj).get(NODE_ANN_BIND_SEQUENCE) or 0) + 1
-        pending = {**pending, uid: PendingBind(f"{namespace}/{name}", held, time.time())}
+        ledger = {**ledger, uid: PendingBind(f"{namespace}/{name}", held, time.time())}
         try:
             patch_node(
                 self._api,
@@ -251,7 +251,7 @@ class Binder:
                     "metadata": {
                         "annotations": {
                             NODE_ANN_BIND_SEQUENCE: str(sequence),
-                            NODE_ANN_PENDING_BINDS: format_pending_binds(pending),
+                            NODE_ANN_PENDING_BINDS: format_pending_binds(ledger),
                         }
                     }
                 },
@@ -282,19 +282,29 @@ class Binder:
         self.events.record(pod, reason="GPUAssigned", message=f"node {node}: {cards}")
         return True
 
-    def _pending(self, node_obj: Mapping[str, Any], node: str, listed: set[str]) -> dict[str, PendingBind]:
-        """The node's pending binds that still count: not among its listed pods, and with their pod still
-        there, not bound elsewhere, and (while unbound) recent enough that its binding may be under way."""
+    def _ledger(
+        self, node_obj: Mapping[str, Any], node: str, listed: Sequence[Mapping[str, Any]]
+    ) -> tuple[dict[str, PendingBind], dict[str, PendingBind]]:
+        """The node's ledger entries that stay, and those of them whose pods ``listed`` (the node's pods
+        but the one being bound) lacks: binds whose binding may still be under way, counted in flight.
+
+        An entry stays while its pod is listed and holds its cards, with no API call. An entry whose pod
+        isn't listed stays while the pod (this uid) is still there, not bound elsewhere, and either bound
+        here or recent enough that its binding may be under way; only these few cost a GET."""
         try:
-            pending = parse_pending_binds(annotations_of(node_obj).get(NODE_ANN_PENDING_BINDS), node)
+            ledger = node_ledger(node_obj)
         except ContractError as exc:
             log.warning("%s; the next bind onto node %s rewrites it", exc, node)
-            return {}
-        counted = {}
-        for uid, bind in pending.items():
-            if uid in listed:
+            return {}, {}
+        uids = {(p.get("metadata") or {}).get("uid"): p for p in listed}
+        kept: dict[str, PendingBind] = {}
+        unlisted: dict[str, PendingBind] = {}
+        for uid, entry in ledger.items():
+            if uid in uids:
+                if holds_resources(uids[uid]):
+                    kept[uid] = entry
                 continue
-            namespace, _, name = bind.pod.partition("/")
+            namespace, _, name = entry.pod.partition("/")
             try:
                 pod = get_pod(self._api, namespace, name)
             except KubeNotFound:
@@ -302,9 +312,9 @@ class Binder:
             where = (pod.get("spec") or {}).get("nodeName")
             if (pod.get("metadata") or {}).get("uid") != uid or where not in (None, "", node):
                 continue
-            if where or time.time() - bind.at < PENDING_SECONDS:
-                counted[uid] = bind
-        return counted
+            if where or time.time() - entry.at < PENDING_SECONDS:
+                kept[uid] = unlisted[uid] = entry
+        return kept, unlisted
 
     def _bound(self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]) -> bool:
         """Whether the pod (this uid) is bound to ``node`` with ``annotations`` (whose assume time is this

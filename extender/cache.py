@@ -29,9 +29,10 @@ from gpushare.contract.names import (
     RESOURCE_CPU,
     RESOURCE_MEMORY,
 )
+from gpushare.contract.pending import Ledger
 from gpushare.contract.request import annotations_of, effective_request, parse_pod_request, pod_key
 from gpushare.kube.watch import WatchCache
-from gpushare.usage import holds_resources, node_inventory, node_usage
+from gpushare.usage import holds_resources, node_inventory, node_ledger, node_usage
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +97,17 @@ def placement_cards(
     pods: Iterable[Mapping[str, Any]],
     extra: Iterable[Mapping[str, int]] = (),
     fenced: frozenset[int] = frozenset(),
+    ledger: Ledger | None = None,
 ) -> tuple[placement.CardCapacity, ...]:
     """The node's cards with the units held by ``pods`` (and ``extra``: units per card UUID of binds in
-    flight) marked used, by the one rule of :mod:`gpushare.usage`. Cards whose minor is in ``fenced``
-    (the original extender's unhealthy-GPU ConfigMap) take no new pods."""
-    used, _, bad = node_usage(pods, inventory.cards, inferred=inventory.inferred is not None)
+    flight) marked used, by the one rule of :mod:`gpushare.usage` over the node's ``ledger``. Cards whose
+    minor is in ``fenced`` (the original extender's unhealthy-GPU ConfigMap) take no new pods."""
+    used, _, bad = node_usage(pods, inventory, ledger=ledger)
     for pod in bad:
-        log.warning("GPU annotations can't be read, their cards are not counted: %s", pod.reason)
+        if pod.counted:
+            log.warning("GPU annotations disagree with what the pod can hold: %s", pod.reason)
+        else:
+            log.warning("GPU annotations can't be read, their cards are not counted: %s", pod.reason)
     for held in extra:
         for uuid, units in held.items():
             used[uuid] = used.get(uuid, 0) + units
@@ -130,6 +135,8 @@ class ClusterCache:
         self._counter = itertools.count(1)
         self._generation: dict[str, int] = {}
         self._inventory: dict[str, NodeInventory | str] = {}
+        #: node -> its ledger (see gpushare.contract.pending), as last seen
+        self._ledgers: dict[str, Ledger] = {}
         self._pods_by_node: dict[str, dict[str, Mapping[str, Any]]] = {}
         self._node_of_pod: dict[str, str] = {}
         self._assumed: dict[str, tuple[str, Mapping[str, int]]] = {}
@@ -193,6 +200,7 @@ class ClusterCache:
         with self._lock:
             if kind == "DELETED":
                 self._inventory.pop(name, None)
+                self._ledgers.pop(name, None)
                 self._allocatable.pop(name, None)
             else:
                 self._allocatable[name] = host_allocatable(node)
@@ -200,6 +208,11 @@ class ClusterCache:
                     self._inventory[name] = node_inventory(node)
                 except ContractError as exc:
                     self._inventory[name] = str(exc)
+                try:
+                    self._ledgers[name] = node_ledger(node)
+                except ContractError as exc:
+                    log.warning("%s; its pods are counted from their annotations until the next bind rewrites it", exc)
+                    self._ledgers[name] = {}
             self._bump(name)
 
     def _on_configmap(self, kind: str, configmap: Mapping[str, Any]) -> None:
@@ -295,10 +308,15 @@ class ClusterCache:
                 return None
             pods = list(self._pods_by_node.get(node, {}).values())
             extra = [alloc for (n, alloc) in self._assumed.values() if n == node]
-            cards = placement_cards(inventory, pods, extra, self._fenced.get(node, frozenset()))
+            cards = placement_cards(inventory, pods, extra, self._fenced.get(node, frozenset()), self.ledger(node))
             view = CachedNode(node, inventory, cards, self._generation.get(node, 0))
             self._views[node] = view
             return view
+
+    def ledger(self, node: str) -> Ledger:
+        """The node's ledger as last seen."""
+        with self._lock:
+            return self._ledgers.get(node, {})
 
     def pods_on(self, node: str) -> list[Mapping[str, Any]]:
         with self._lock:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import ssl
 from typing import TYPE_CHECKING
 
 from gpushare.settings import UsageError
-from gpushare.tlshttp import DEFAULT_LIMITS, Limits, server_context
+from gpushare.tlshttp import DEFAULT_LIMITS, Limits, ServerTLS, TLSFilesError
 
 if TYPE_CHECKING:
     from extender.wiring import Serving
@@ -48,9 +47,9 @@ def serving(args: argparse.Namespace) -> Serving:
     if args.client_ca and not args.tls_cert:
         raise UsageError("--client-ca needs --tls-cert and --tls-key")
     try:
-        tls = server_context(args.tls_cert, args.tls_key, args.client_ca) if args.tls_cert else None
-    except (OSError, ssl.SSLError) as exc:
-        raise UsageError(f"TLS certificate, key or CA can't be loaded: {exc}") from None
+        tls = ServerTLS(args.tls_cert, args.tls_key, args.client_ca) if args.tls_cert else None
+    except TLSFilesError as exc:
+        raise UsageError(str(exc)) from None
     limits = Limits(max_body=args.max_body_bytes, read_timeout=args.read_timeout, workers=args.workers)
     return Serving(args.port, tls, args.host, limits, args.health_port)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +18,7 @@ from extender.verbs import filter_result, host_prioritize_result, preempt_result
 from extender.wire import BadRequest, encode
 from gpushare.contract.errors import quoted
 from gpushare.observability import health_reply
-from gpushare.tlshttp import HttpServer, Limits, Reply, Request
+from gpushare.tlshttp import HttpServer, Limits, Reply, Request, ServerTLS
 from gpushare.usage import node_usage
 
 log = logging.getLogger(__name__)
@@ -64,8 +63,7 @@ def original_inspect(cache: ClusterCache, only: str | None = None) -> dict[str, 
         if view is None:
             errors.append(f"node {name} {cache.problem(name)}")
             continue
-        inferred = view.inventory.inferred is not None
-        _, counted, _ = node_usage(cache.pods_on(name), view.inventory.cards, inferred=inferred)
+        _, counted, _ = node_usage(cache.pods_on(name), view.inventory, ledger=cache.ledger(name))
         minors = {c.uuid: c.minor for c in view.inventory.cards}
         devs = [
             {
@@ -111,7 +109,7 @@ class ExtenderServer:
         binder: Binder,
         ready: Callable[[], bool],
         host: str = "127.0.0.1",
-        tls: ssl.SSLContext | None = None,
+        tls: ServerTLS | None = None,
         limits: Limits | None = None,
     ) -> None:
         if tls is None and not _loopback(host):

@@ -179,11 +179,12 @@ def _needed_victims(
     pods = cache.pods_on(view.name)
     extra = [held for _, held in cache.assumed_on(view.name)]
     fenced = cache.fenced(view.name)
+    ledger = cache.ledger(view.name)
     order = podfit.InitOrder.of(demands, init)
 
     def fits_without(evicted: set[str]) -> bool:
         remaining = [p for p in pods if (p.get("metadata") or {}).get("uid") not in evicted]
-        cards = placement_cards(view.inventory, remaining, extra, fenced)
+        cards = placement_cards(view.inventory, remaining, extra, fenced, ledger)
         return not demands or order.fit(cards, view.inventory.unit.name, rule) is None
 
     needed = set(victims)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import ssl
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,7 @@ from gpushare.kube.transport import load_api
 from gpushare.observability import ObservabilityServer, serve_http
 from gpushare.process import wait_for_termination
 from gpushare.settings import UsageError
-from gpushare.tlshttp import Limits
+from gpushare.tlshttp import Limits, ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ class Serving:
     to kube-scheduler alone; without, plain HTTP on loopback only."""
 
     port: int
-    tls: ssl.SSLContext | None = None
+    tls: ServerTLS | None = None
     host: str | None = None
     limits: Limits | None = None
     #: plain /healthz, /readyz and /metrics for kubelet's probes, which can't show a client certificate

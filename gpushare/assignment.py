@@ -2,21 +2,25 @@
 (in Allocate) and the CRI shim (in CreateContainer) both apply, and the one way either refuses.
 
 Whoever wrote the assignment, nothing here trusts it: every assigned card must be on this node under
-the index the assignment gives, and the units the node's live pods hold on it must fit its capacity.
+the index the assignment gives and within what the extender recorded for the pod in the node's ledger
+(when it has an entry), and the units the node's live pods hold on it must fit its capacity.
 Pure: plain values in, a :class:`Refusal` or None out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpushare.cards import Card
 from gpushare.contract.allocation import CardSlice
+from gpushare.contract.errors import LedgerMismatch
+from gpushare.contract.names import NODE_ANN_PENDING_BINDS
+from gpushare.contract.pending import Ledger
 from gpushare.contract.units import MemoryUnit
 from gpushare.placement.model import ANY_CARD, CardCapacity, CardRule
-from gpushare.usage import PodCards
+from gpushare.usage import PodCards, describe_held
 
 
 class Refusal(Exception):
@@ -64,10 +68,11 @@ class Claim:
 @dataclass(frozen=True, slots=True)
 class Holdings:
     """What the node's live pods hold: units per card UUID and the pods counted (see
-    :func:`gpushare.usage.node_usage`)."""
+    :func:`gpushare.usage.node_usage`), and the node's ledger they were counted with."""
 
     used: Mapping[str, int]
     pods: Sequence[PodCards]
+    ledger: Ledger = field(default_factory=dict)
 
     def holds(self, claim: Claim) -> bool:
         """Whether ``claim``'s pod is among the pods counted (by uid when known, else by name)."""
@@ -127,6 +132,11 @@ def check_assignment(
         return Refusal("card-rule", f"{claim}: {violation}")
     if holdings is None:
         return None
+    recorded = holdings.ledger.get(claim.uid) if claim.uid else None
+    if recorded is not None and (off := [s for s in claim.slices if recorded.held.get(s.uuid, 0) < s.units]):
+        claimed = ", ".join(f"card {s.index} ({s.uuid}) {s.units} unit(s)" for s in off)
+        mismatch = LedgerMismatch(claim.pod, NODE_ANN_PENDING_BINDS, claimed, describe_held(recorded.held, cards))
+        return Refusal("ledger-mismatch", f"{claim}: {mismatch}", invalid_input=True)
     pending = not holdings.holds(claim)
     for s in claim.slices:
         capacity = unit.units_of(by_uuid[s.uuid].memory_mib)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import selectors
 import socket
 import ssl
@@ -75,16 +76,73 @@ class HttpError(Exception):
         self.code = code
 
 
-def server_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
-    """TLS 1.2+ with ``cert``/``key``; with ``client_ca``, only clients holding a certificate it signed
-    get past the handshake."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(cert, key)
-    if client_ca:
-        context.verify_mode = ssl.CERT_REQUIRED
-        context.load_verify_locations(client_ca)
-    return context
+class TLSFilesError(ValueError):
+    """A certificate, key or CA file can't be loaded; the message names the file."""
+
+
+class ServerTLS:
+    """A server's TLS settings, loaded again when its files change.
+
+    Kubernetes updates a mounted Secret by swapping a symlink, so the files change all at once; each new
+    connection stats the files' resolved paths (cheap) and, when any changed, loads them into a new
+    context, which replaces the old one only if it loads. A pair that doesn't load (half written, or a
+    key that doesn't match its certificate) is logged naming the file and the old context keeps serving;
+    it is tried again when the files change again. TLSFilesError when they can't be loaded at start.
+    """
+
+    def __init__(self, cert: str, key: str, client_ca: str | None = None) -> None:
+        self._files = (cert, key, client_ca)
+        self._lock = threading.Lock()
+        self._seen = self._signature()
+        self._context = self._load()
+
+    def _signature(self) -> tuple[tuple[str, int, int, int] | None, ...]:
+        signature = []
+        for path in self._files:
+            if path is None:
+                signature.append(None)
+                continue
+            real = os.path.realpath(path)
+            try:
+                st = os.stat(real)
+            except OSError:
+                signature.append((real, -1, -1, -1))
+                continue
+            signature.append((real, st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(signature)
+
+    def _load(self) -> ssl.SSLContext:
+        """TLS 1.2+ with the certificate and key; with a client CA, only clients holding a certificate it
+        signed get past the handshake. TLSFilesError naming the file when one can't be loaded."""
+        cert, key, client_ca = self._files
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise TLSFilesError(f"TLS certificate {cert} with key {key}: {exc}") from None
+        if client_ca:
+            context.verify_mode = ssl.CERT_REQUIRED
+            try:
+                context.load_verify_locations(client_ca)
+            except (OSError, ssl.SSLError) as exc:
+                raise TLSFilesError(f"TLS client CA {client_ca}: {exc}") from None
+        return context
+
+    def context(self) -> ssl.SSLContext:
+        """The context for a new connection: the files' as they are now, else the last that loaded."""
+        signature = self._signature()
+        with self._lock:
+            if signature == self._seen:
+                return self._context
+            self._seen = signature
+            try:
+                self._context = self._load()
+            except TLSFilesError as exc:
+                log.error("%s; still serving the certificate loaded before", exc)
+            else:
+                log.info("TLS files changed; serving certificate %s from now on", os.path.realpath(self._files[0]))
+            return self._context
 
 
 class _Conn:
@@ -106,7 +164,7 @@ class HttpServer:
         port: int,
         handler: Handler,
         *,
-        tls: ssl.SSLContext | None = None,
+        tls: ServerTLS | None = None,
         limits: Limits = DEFAULT_LIMITS,
         name: str = "http",
     ) -> None:
@@ -179,7 +237,7 @@ class HttpServer:
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._tls is not None:
-            sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            sock = self._tls.context().wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         conn = _Conn(sock, peer)
         with self._lock:
             self._open.add(conn)

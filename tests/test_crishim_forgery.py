@@ -7,6 +7,7 @@ from typing import Any
 
 from test_crishim_rewrite import (
     A0,
+    A1,
     CARDS,
     POD,
     FakePods,
@@ -22,6 +23,7 @@ from test_crishim_rewrite import (
 from crishim.resolve import CachedPods, Resolver, Target
 from crishim.rewrite import RewriteOptions, rewrite
 from gpushare.contract.names import ANN_MEM_IDX, ENV_MEM_CONTAINER, ENV_MEM_IDX, ENV_VISIBLE_DEVICES
+from gpushare.contract.pending import PendingBind
 from gpushare.contract.units import GIB
 
 SIDECAR = Target(POD.namespace, POD.pod, POD.uid, "sidecar")
@@ -87,5 +89,18 @@ def test_while_the_api_server_is_down_over_commit_is_judged_from_the_last_synced
     mine = {"worker": (slice_of(A0, 30),)}
     cache = DisconnectedCache([*others, pod_dict("train", "uid-train", mine, mem=30)])
     request = request_for(POD, allocation_of(**mine), plugin_config(POD, [slice_of(A0, 30)], pod_mem=30))
-    found = Resolver(GIB, CachedPods(None, cache)).resolve(request, CARDS)
+    found = Resolver(GIB, CachedPods(None, cache, "node-a")).resolve(request, CARDS)
     assert found.refusal is not None and found.refusal.reason == "overcommit"
+
+
+def test_the_shim_refuses_a_container_whose_annotation_disagrees_with_the_ledger() -> None:
+    """The pod moved its allocation to card 0 after binding; the extender recorded card 1 on the node."""
+    moved = {"worker": (slice_of(A0, 20),)}
+    pods = FakePods([pod_dict("train", "uid-train", moved)])
+    pods.recorded = {"uid-train": PendingBind("default/train", {A1.uuid: 20}, 0.0)}
+    request = request_for(POD, allocation_of(**moved), plugin_config(POD, [slice_of(A0, 20)]))
+    found = Resolver(GIB, pods).resolve(request, CARDS)
+    assert found.refusal is not None and found.refusal.reason == "ledger-mismatch"
+    assert f"recorded card 1 ({A1.uuid}) 20 unit(s)" in found.refusal.message
+    pods.recorded = {"uid-train": PendingBind("default/train", {A0.uuid: 20}, 0.0)}
+    assert Resolver(GIB, pods).resolve(request, CARDS).refusal is None

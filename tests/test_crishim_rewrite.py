@@ -45,6 +45,7 @@ from gpushare.contract.names import (
     cdi_device_name,
     device_file,
 )
+from gpushare.contract.pending import Ledger
 from gpushare.contract.units import GIB
 from gpushare.inventory import simulated_cards
 from gpushare.kube.errors import KubeUnavailable
@@ -276,6 +277,8 @@ class FakePods:
         self.fail = fail
         self.synced = synced
         self.asked: list[tuple[str, str]] = []
+        #: the node's ledger
+        self.recorded: Ledger = {}
 
     def pod(self, namespace: str, name: str, uid: str) -> Mapping[str, Any] | None:
         self.asked.append((namespace, name))
@@ -285,6 +288,9 @@ class FakePods:
 
     def node_pods(self) -> Sequence[Mapping[str, Any]] | None:
         return self.pods if self.synced else None
+
+    def ledger(self) -> Ledger:
+        return self.recorded
 
 
 def pod_dict(name: str, uid: str, allocation: dict[str, tuple[CardSlice, ...]] | None, mem: int = 20) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from gpushare.contract.names import (
     RESOURCE_COUNT,
     RESOURCE_MEM,
 )
+from gpushare.contract.pending import PendingBind
 from gpushare.contract.units import GIB, parse_unit
 from gpushare.inventory import simulated_cards
 from gpushare.placement import ANY_CARD, CardRule
@@ -285,3 +286,32 @@ def test_allocate_refuses_a_card_of_a_model_the_pod_refuses() -> None:
     pod["metadata"]["annotations"][ANN_GPU_MODEL] = "|"
     bad = refusal([pod], 6)
     assert bad.invalid_input and f"pod default/a100-only annotation {ANN_GPU_MODEL}: names no card model" in str(bad)
+
+
+# --- the node's ledger outranks pod annotations --------------------------------------------------------
+
+
+def test_a_pod_that_moved_its_allocation_still_holds_its_recorded_card() -> None:
+    """A running pod rewrote its allocation from card 0 to card 1: a second whole-card pod bound to card 0
+    is refused there, because the ledger still says card 0 is taken."""
+    mover = gpu_pod("mover", [container("main", 80)], uid="u-mover", allocation={"main": slices([A1], 80)},
+                    phase="Running")  # fmt: skip
+    second = gpu_pod("second", [container("main", 80)], uid="u-second", allocation={"main": slices([A0], 80)})
+    ledger = {"u-mover": PendingBind("default/mover", {A0.uuid: 80}, 0.0)}
+    with pytest.raises(Refusal) as refused:
+        decide([mover, second], "n1", RESOURCE_MEM, 80, CARDS, GIB, ledger)
+    assert refused.value.reason == "overcommit" and "default/mover (80)" in str(refused.value)
+    # without the ledger, the forged annotation would have freed card 0
+    assert decide([mover, second], "n1", RESOURCE_MEM, 80, CARDS, GIB).container == "main"
+
+
+def test_allocate_refuses_a_container_whose_annotation_disagrees_with_the_ledger() -> None:
+    forger = gpu_pod("forger", [container("main", 8)], uid="u-forger", allocation={"main": slices([A1], 8)})
+    ledger = {"u-forger": PendingBind("default/forger", {A0.uuid: 8}, 0.0)}
+    with pytest.raises(Refusal) as refused:
+        decide([forger], "n1", RESOURCE_MEM, 8, CARDS, GIB, ledger)
+    assert refused.value.reason == "ledger-mismatch" and refused.value.invalid_input
+    assert refused.value.pod is forger
+    message = str(refused.value)
+    assert f"claim card 1 ({A1.uuid}) 8 unit(s)" in message and f"recorded card 0 ({A0.uuid}) 8 unit(s)" in message
+    assert message.startswith("pod default/forger container main:")

@@ -19,6 +19,7 @@ from advertiser.agent import Advertiser
 from extender.engine import PlacementEngine
 from extender.wiring import RunningExtender, start_extender
 from gpushare.contract.allocation import parse_allocation
+from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_MEM_ASSIGNED,
@@ -193,7 +194,7 @@ def test_concurrent_bind_storm_never_overcommits(cluster: Cluster) -> None:
     assert all("no single card has 5 GiB free" in r["Error"] for r in results if r["Error"])
     pods_now = cluster.api.sanitize_for_serialization(cluster.core.list_namespaced_pod("default"))["items"]
     cards = cluster.backends["n1"].cards()
-    used, _, bad = node_usage([p for p in pods_now if p["spec"].get("nodeName") == "n1"], cards)
+    used, _, bad = node_usage([p for p in pods_now if p["spec"].get("nodeName") == "n1"], NodeInventory(GIB, cards))
     assert not bad and all(used[card.uuid] <= card.memory_mib // 1024 for card in cards)
 
 

@@ -21,7 +21,7 @@ from tlscerts import Certs, make_certs
 
 from extender.wiring import Serving, start_extender
 from gpushare.settings import UsageError
-from gpushare.tlshttp import Limits, server_context
+from gpushare.tlshttp import Limits, ServerTLS
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def _client_context(certs: Certs, pair: tuple[str, str] | None) -> ssl.SSLContex
 def test_verbs_answer_only_a_client_holding_the_schedulers_certificate(
     cluster: Cluster, certs: Certs, kube_api: client.ApiClient
 ) -> None:
-    tls = server_context(certs.server.cert, certs.server.key, certs.ca)
+    tls = ServerTLS(certs.server.cert, certs.server.key, certs.ca)
     secure = start_extender(kube_api, 0, "binpack", serving=Serving(0, tls=tls, host="127.0.0.1"))
     try:
         pod = cluster.pod(gpu_pod("p", [container("main", 4)]))

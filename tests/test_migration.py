@@ -18,7 +18,7 @@ from podfactory import container, gpu_pod
 from gpushare.cards import Card
 from gpushare.cli import kubectl_inspect_main
 from gpushare.contract.errors import ContractError
-from gpushare.contract.inventory import format_inventory
+from gpushare.contract.inventory import NodeInventory, format_inventory
 from gpushare.contract.names import (
     ANN_FRAMEWORK_ALLOCATION,
     ANN_MEM_IDX,
@@ -100,7 +100,9 @@ def test_every_component_counts_the_framework_annotation_the_same() -> None:
         "metadata": {"name": "n", "annotations": {NODE_ANN_INVENTORY: format_inventory(THREE, GIB)}},
         "status": {},
     }
-    used, _, bad = node_usage([FRAMEWORK_POD], THREE)  # the device plugin's and the CRI shim's count
+    used, _, bad = node_usage(
+        [FRAMEWORK_POD], NodeInventory(GIB, THREE)
+    )  # the device plugin's and the CRI shim's count
     assert bad == [] and used == {"GPU-0": 10, "GPU-1": 0, "GPU-2": 5}
     view = build_node(annotated, [FRAMEWORK_POD])  # inspect's
     assert [card.allocated for card in view.cards] == [10, 0, 5]

@@ -24,7 +24,7 @@ from gpushare.contract.names import (
     protected_annotation,
 )
 from gpushare.inventory import simulated_cards
-from gpushare.tlshttp import server_context
+from gpushare.tlshttp import ServerTLS
 from webhook.review import DEFAULT_TRUSTED, review
 from webhook.server import WebhookServer
 
@@ -84,7 +84,7 @@ def test_gpushare_may_write_and_tenants_may_touch_everything_else() -> None:
 
 def test_served_over_https_as_an_admission_review(tmp_path: Path) -> None:
     certs = make_certs(tmp_path, ("gpushare-webhook.gpushare-system.svc",))
-    server = WebhookServer(0, server_context(certs.server.cert, certs.server.key, None), host="127.0.0.1")
+    server = WebhookServer(0, ServerTLS(certs.server.cert, certs.server.key, None), host="127.0.0.1")
     server.start()
     try:
         conn = http.client.HTTPSConnection(

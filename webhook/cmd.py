@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import ssl
 
 from gpushare.process import wait_for_termination
 from gpushare.settings import UsageError
-from gpushare.tlshttp import server_context
+from gpushare.tlshttp import ServerTLS, TLSFilesError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,9 +33,9 @@ def run(args: argparse.Namespace) -> int:
     from webhook.server import WebhookServer
 
     try:
-        tls = server_context(args.tls_cert, args.tls_key, args.client_ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise UsageError(f"TLS certificate, key or CA can't be loaded: {exc}") from None
+        tls = ServerTLS(args.tls_cert, args.tls_key, args.client_ca)
+    except TLSFilesError as exc:
+        raise UsageError(str(exc)) from None
     server = WebhookServer(args.port, tls, trusted=args.trusted_user or DEFAULT_TRUSTED)
     server.start()
     try:

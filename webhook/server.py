@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-import ssl
 from collections.abc import Iterable
 
 from gpushare.observability import health_reply
-from gpushare.tlshttp import DEFAULT_LIMITS, HttpServer, Limits, Reply, Request
+from gpushare.tlshttp import DEFAULT_LIMITS, HttpServer, Limits, Reply, Request, ServerTLS
 from webhook.review import DEFAULT_TRUSTED, BadReview, response, review
 
 log = logging.getLogger(__name__)
@@ -20,7 +19,7 @@ class WebhookServer:
     def __init__(
         self,
         port: int,
-        tls: ssl.SSLContext,
+        tls: ServerTLS,
         host: str = "0.0.0.0",
         trusted: Iterable[str] = DEFAULT_TRUSTED,
         limits: Limits = DEFAULT_LIMITS,

@@ -41,3 +41,27 @@ def json_object(text: str, where: str, expected: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise AnnotationError(f"{where}: expected {expected}")
     return raw
+
+
+class OverClaimError(AnnotationError):
+    """A pod's annotation gives a container more of a card than the container requests; the pod is
+    counted at its request there."""
+
+    def __init__(self, pod: str, container: str, card: str, field: str, claimed: int, requested: int) -> None:
+        super().__init__(
+            f"pod {pod} container {quoted(container)} card {card}: {field} claims {claimed} unit(s), more than "
+            f"the {requested} it requests; counted at {requested}"
+        )
+        self.pod, self.container, self.card, self.field = pod, container, card, field
+        self.claimed, self.requested = claimed, requested
+
+
+class LedgerMismatch(AnnotationError):
+    """A pod's annotations name other cards (or amounts) than the extender recorded for it on its node."""
+
+    def __init__(self, pod: str, field: str, claimed: str, recorded: str) -> None:
+        super().__init__(
+            f"pod {pod}: its annotations claim {claimed}, but the extender recorded {recorded} in node "
+            f"annotation {field}; counted as recorded"
+        )
+        self.pod, self.field, self.claimed, self.recorded = pod, field, claimed, recorded

@@ -86,8 +86,9 @@ CTR_ANN_CARDS = "gpushare.io/cards"
 NODE_ANN_INVENTORY = "gpushare.io/inventory"
 #: bumped by every extender bind: the compare-and-swap on the node that orders binds across replicas
 NODE_ANN_BIND_SEQUENCE = "gpushare.io/bind-sequence"
-#: written by the extender's bind with its compare-and-swap on the node: binds whose binding may not
-#: have been created yet, each with what it holds per card, so another replica counts them meanwhile
+#: the extender's ledger, written by its bind with the compare-and-swap on the node: every pod it bound
+#: there (from before its binding until the pod is gone or finished) with what it holds per card. Tenants
+#: can't write nodes, so every component counts a pod's cards from here over its own annotations.
 NODE_ANN_PENDING_BINDS = "gpushare.io/pending-binds"
 NODE_LABEL_MODEL = "gpushare.io/gpu-model"
 

@@ -1,4 +1,9 @@
-"""The node annotation in which the extender's bind records binds whose binding may not exist yet."""
+"""The extender's ledger: the node annotation in which the extender's bind records every pod it binds
+to the node, with what the pod holds there, from before the binding until the pod is gone or finished.
+
+Only the extender writes it (tenants can't write Node objects), so it is the record of a pod's cards
+that its owner can't rewrite; see :mod:`gpushare.usage` for how it outranks pod annotations.
+"""
 
 from __future__ import annotations
 
@@ -10,32 +15,42 @@ from gpushare.contract.errors import AnnotationError
 from gpushare.contract.names import NODE_ANN_PENDING_BINDS
 
 
+class LedgerError(AnnotationError):
+    """The node's ledger annotation can't be read."""
+
+
 @dataclass(frozen=True, slots=True)
 class PendingBind:
-    """A bind recorded on its node before its binding: the pod, its units per card UUID, and when
-    (seconds since the epoch)."""
+    """One pod's ledger entry: the pod, its units per card UUID, and when it was bound (seconds since
+    the epoch)."""
 
     pod: str
     held: Mapping[str, int]
     at: float
 
 
+Ledger = Mapping[str, PendingBind]
+
+
 def parse_pending_binds(text: str | None, node: str = "?") -> dict[str, PendingBind]:
-    """The node's pending binds by pod UID (JSON uid -> {pod, held: {card uuid: units}, at})."""
+    """The node's ledger by pod UID (JSON uid -> {pod, held: {card uuid: units}, at})."""
     if not text:
         return {}
     where = f"node {node} annotation {NODE_ANN_PENDING_BINDS}"
     try:
         raw = json.loads(text)
-        return {
+        ledger = {
             uid: PendingBind(str(e["pod"]), {str(k): int(v) for k, v in e["held"].items()}, float(e["at"]))
             for uid, e in raw.items()
         }
     except (ValueError, TypeError, KeyError, AttributeError):
-        raise AnnotationError(f"{where}: expected an object of pod uid -> {{pod, held, at}}") from None
+        raise LedgerError(f"{where}: expected an object of pod uid -> {{pod, held, at}}") from None
+    if any(units <= 0 for entry in ledger.values() for units in entry.held.values()):
+        raise LedgerError(f"{where}: a pod holds a non-positive number of units on a card")
+    return ledger
 
 
-def format_pending_binds(pending: Mapping[str, PendingBind]) -> str:
+def format_pending_binds(pending: Ledger) -> str:
     return json.dumps(
         {
             uid: {"pod": p.pod, "held": dict(sorted(p.held.items())), "at": round(p.at, 3)}

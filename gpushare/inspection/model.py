@@ -18,7 +18,7 @@ from gpushare.contract.errors import ContractError
 from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_MEM
 from gpushare.contract.request import annotations_of, parse_pod_request, pod_key, requests_gpu
 from gpushare.contract.units import GIB, MemoryUnit
-from gpushare.usage import MIB, holds_resources, node_inventory, node_usage
+from gpushare.usage import MIB, holds_resources, node_inventory, node_ledger, node_usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +118,13 @@ def build_node(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> No
             return NodeView(name, node_address(node), GIB, (), (), problems=(str(exc),))
         return None
     gpu_pods = [p for p in pods if (p.get("spec") or {}).get("nodeName") == name and requests_gpu(p)]
-    used, counted, bad = node_usage(gpu_pods, inventory.cards, inferred=inventory.inferred is not None)
+    try:
+        ledger = node_ledger(node)
+    except ContractError as exc:
+        ledger, ledger_problems = {}, (str(exc),)
+    else:
+        ledger_problems = ()
+    used, counted, bad = node_usage(gpu_pods, inventory, ledger=ledger)
     index_of = {c.uuid: c.index for c in inventory.cards}
     views = [PodView(*p.key.split("/", 1), {index_of[u]: n for u, n in p.held.items()}) for p in counted]
     seen = {p.key for p in counted} | {b.key for b in bad}
@@ -135,7 +141,7 @@ def build_node(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> No
         cards=card_views,
         pods=tuple(sorted(views, key=lambda p: (p.namespace, p.name))),
         capacity_note=inventory.inferred,
-        problems=tuple(b.reason for b in bad),
+        problems=ledger_problems + tuple(b.reason for b in bad),
     )
 
 

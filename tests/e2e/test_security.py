@@ -276,3 +276,39 @@ def test_the_extender_binds_only_gpu_pods_onto_nodes_they_accept(cluster: RealCl
         pod = pods.get(name)
         assert not pod["spec"].get("nodeName"), f"{name} was bound"
         assert ANN_ALLOCATION not in (pod["metadata"].get("annotations") or {}), f"{name} was annotated"
+
+
+# --- 4, defence in depth: the extender's ledger on the node, with no admission control installed ------
+
+
+def test_a_pod_that_rewrites_its_allocation_keeps_its_real_card(pods: Pods, cluster: RealCluster) -> None:
+    """In the default namespace no webhook looks: the cluster admin's client stands in for a tenant who
+    rewrites a running pod's allocation. The extender's record on the node (which tenants can't write)
+    still says which card the pod holds: the next whole-card pod lands on the other card, and the CRI
+    shim refuses to (re)create the forger's container on the card it claims."""
+    inventory = cluster.node_inventory("node-a")
+    big = [card for card in inventory.cards if inventory.units_of(card) == 80]
+    manifest = pod_manifest(pods.name("mover"), ({RESOURCE_MEM: 80},), node="node-a")
+    # exits after a few seconds and is re-created, so the shim sees it again after the rewrite
+    manifest["spec"]["restartPolicy"] = "Always"
+    manifest["spec"]["containers"][0]["command"] = ["sh", "-c", "sleep 3; exit 1"]
+    mover = pods.create(manifest)
+    pods.wait_running(mover)
+    (real,) = pods.allocation(mover)["main"]
+    other = next(card for card in big if card.uuid != real.uuid)
+    forged = format_allocation({"main": (CardSlice(other.index, other.uuid, 80),)})
+    pods.core.patch_namespaced_pod(mover, "default", {"metadata": {"annotations": {ANN_ALLOCATION: forged}}})
+
+    second = pods.create(pod_manifest(pods.name("second"), ({RESOURCE_MEM: 80},), node="node-a"))
+    pods.wait_running(second)
+    assert [s.uuid for s in pods.allocation(second)["main"]] == [other.uuid], "placed on the forger's real card"
+    assert pods.env(second)[ENV_VISIBLE_DEVICES] == other.uuid
+
+    def refused() -> str | None:
+        statuses = (pods.get(mover).get("status") or {}).get("containerStatuses") or []
+        waiting = (statuses[0].get("state") or {}).get("waiting") or {} if statuses else {}
+        message = waiting.get("message") or ""
+        return message if "recorded" in message else None
+
+    message = wait_until(refused, 90, "the CRI shim to refuse the forger's re-created container", API_POLL)
+    assert f"claim card {other.index} ({other.uuid})" in message and real.uuid in message, message
