@@ -13,9 +13,11 @@ import numpy as np
 from extender import podfit
 from extender.cache import CachedNode, ClusterCache, demands_of, host_request, placement_cards
 from extender.engine import PlacementEngine
+from extender.gang import Gangs
 from extender.wire import NodeNames, Raw, candidate_names, check_victims, request_pod
 from gpushare import placement
 from gpushare.contract.errors import ContractError
+from gpushare.contract.gang import parse_gang
 from gpushare.contract.request import pod_key
 
 log = logging.getLogger(__name__)
@@ -23,17 +25,24 @@ log = logging.getLogger(__name__)
 NO_GPU = placement.Shape(0, 0)
 
 
-def filter_result(engine: PlacementEngine, body: Any) -> dict[str, Any]:
+def filter_result(engine: PlacementEngine, body: Any, gangs: Gangs | None = None) -> dict[str, Any]:
     pod = request_pod(body)
     names, nodes_mode = candidate_names(body)
+    engine.cache.expire_holds()
     try:
         demands = demands_of(pod)
         init = podfit.init_names(pod)
+        gang = parse_gang(pod) if demands else None
+        if gang is not None and gangs is None:
+            raise ContractError(f"pod {pod_key(pod)} is in gang {gang.name}, and this extender places no gangs")
     except (ContractError, ValueError) as exc:
         reason = str(exc)  # names the pod already
         return _filter_reply(NodeNames.of([]), nodes_mode, body, {}, dict.fromkeys(names.names, reason))
     if not demands:
         return _filter_reply(names, nodes_mode, body, {}, {})
+    if gang is not None and gangs is not None:
+        passing, failed, unresolvable = gangs.filter(pod, gang, names.names)
+        return _filter_reply(NodeNames.of(passing), nodes_mode, body, failed, unresolvable)
     if len(demands) == 1 and podfit.original_plugin_refusal(demands) is None:
         # one shared single-card container: the node matrix answers, on every kind of node
         fit = engine.matrix.fits(names, demands[0].shape)
