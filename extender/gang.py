@@ -136,11 +136,12 @@ class Gangs:
         return [spot.node], {n: where for n in names if n != spot.node}, {}
 
     def _refuse(self, pod: Mapping[str, Any], names: Sequence[str], reason: str, resolvable: bool = False) -> Verdict:
-        """No node; ``FailedAndUnresolvableNodes`` unless said otherwise, since evicting pods for one
-        member can't place a gang."""
+        """No node. The reason goes in ``FailedNodes``, the only map kube-scheduler 1.20 reads, and unless
+        said otherwise also in ``FailedAndUnresolvableNodes``, which later versions read first and which
+        keeps them from preempting pods for one member: that can't place a gang."""
         log.info("filter pod %s: %s", pod_key(pod), reason)
         every = dict.fromkeys(names, reason)
-        return ([], every, {}) if resolvable else ([], {}, every)
+        return [], every, {} if resolvable else dict(every)
 
     def _plan(
         self,

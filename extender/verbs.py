@@ -197,6 +197,8 @@ def preempt_result(engine: PlacementEngine, body: Any) -> dict[str, Any]:
     try:
         demands = demands_of(pod)
         init = podfit.init_names(pod)
+        if parse_gang(pod) is not None:  # evicting pods for one member can't place its gang
+            return {"NodeNameToMetaVictims": {}}
     except (ContractError, ValueError):
         return {"NodeNameToMetaVictims": {}}
     names = sorted(set(body.get("NodeNameToMetaVictims") or {}) | set(body.get("NodeNameToVictims") or {}))

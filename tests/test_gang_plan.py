@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import yaml
+
+from extender.cache import demands_of
 from gpushare import placement
 from gpushare.contract.gang import Gang, GangError, format_gang, parse_gang
 from gpushare.contract.names import LABEL_GANG, LABEL_GANG_MIN
 from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
 from gpushare.placement.gang import Member, Room, Spot, plan_gang, within
+from gpushare.sandbox.examples import with_string_quantities
 
 BINPACK = placement.POLICIES["binpack"]
 FREE = (1 << 40, 1 << 50)
@@ -100,3 +105,12 @@ def test_a_hold_round_trips_through_the_node_annotation_and_outlives_a_bind() ->
     plain = PendingBind("ml/x", {"GPU-0": 4}, 1000.0)
     assert parse_pending_binds(format_pending_binds({"a": hold, "b": plain})) == {"a": hold, "b": plain}
     assert hold.expires() > plain.expires() > 1000.0
+
+
+def test_the_gang_example_is_one_gang_of_gpu_pods() -> None:
+    path = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "gang" / "train-4.yaml"
+    pods = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    gangs = {parse_gang(pod) for pod in pods}
+    assert gangs == {Gang("default", "train-4", len(pods))}
+    assert all(demands_of(with_string_quantities(pod)) for pod in pods)
+    assert len({pod["metadata"]["name"] for pod in pods}) == len(pods)
