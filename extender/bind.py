@@ -36,6 +36,7 @@ from gpushare.contract.aliyun import format_assume_time, format_bool, format_fra
 from gpushare.contract.allocation import Allocation, CardSlice, format_allocation
 from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError, quoted
+from gpushare.contract.gang import parse_gang
 from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import (
     ANN_ALLOCATION,
@@ -54,15 +55,13 @@ from gpushare.contract.request import annotations_of, parse_pod_request
 from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import bind_pod, get_node, get_pod, list_pods, patch_node
+from gpushare.placement.gang import within
 from gpushare.usage import alibaba_total_per_card, held_units, holds_resources, node_inventory, node_ledger
 
 log = logging.getLogger(__name__)
 
 COMPONENT = "gpushare-extender"
 ATTEMPTS = 8
-#: how long a bind recorded on its node counts there while its pod is still unbound: far longer than a
-#: binding call may take (its timeout is 10 s); a bind whose binding failed is forgotten after it
-PENDING_SECONDS = 60.0
 
 
 def selector_mismatch(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | None:
@@ -130,7 +129,7 @@ class Binder:
         self._locks_guard = threading.Lock()
 
     @contextlib.contextmanager
-    def _lock(self, node: str) -> Iterator[None]:
+    def node_lock(self, node: str) -> Iterator[None]:
         with self._locks_guard:
             lock, users = self._locks.get(node) or (threading.Lock(), 0)
             self._locks[node] = (lock, users + 1)
@@ -169,7 +168,7 @@ class Binder:
         if not demands:
             BIND_FAILURES.labels(reason="not-managed").inc()
             raise BindError(f"bind {where}: the pod requests no gpushare resource; kube-scheduler binds it")
-        with self._lock(node):
+        with self.node_lock(node):
             self._bind_gpu_pod(pod, demands, node, where)
 
     def _bind_gpu_pod(self, pod: Mapping[str, Any], demands: tuple, node: str, where: str) -> None:
@@ -188,25 +187,16 @@ class Binder:
                 if mismatch := selector_mismatch(pod, node_obj):
                     BIND_FAILURES.labels(reason="node-selector").inc()
                     raise BindError(f"bind {where}: the node doesn't match the pod's nodeSelector ({mismatch})")
-                # not older than the node as read: see "Running two replicas" in docs/extender.md
-                node_version = (node_obj.get("metadata") or {}).get("resourceVersion")
-                others = [
-                    p
-                    for p in list_pods(self._api, field_selector=f"spec.nodeName={node}", resource_version=node_version)
-                    if (p.get("metadata") or {}).get("uid") != uid
-                ]
-                # a pod the fresh read shows placed is counted from its annotations, not again as in flight
-                placed = {
-                    (p.get("metadata") or {}).get("uid")
-                    for p in others
-                    if any(key in annotations_of(p) for key in PLACEMENT_ANNOTATIONS)
-                }
-                assumed = self._cache.assumed_on(node)
-                in_flight = [held for other, held in assumed if other not in placed | {uid}]
-                ledger, unlisted = self._ledger(node_obj, node, others)
-                mine = {other for other, _ in assumed} | {uid}
-                in_flight += [bind.held for other, bind in unlisted.items() if other not in mine]
-                cards = placement_cards(inventory, others, in_flight, self._cache.fenced(node), ledger)
+                ledger, cards = self.fresh_cards(node_obj, inventory, {uid})
+                if (gang := parse_gang(pod)) is not None:
+                    hold = ledger.get(uid)
+                    if hold is None or hold.gang != gang.key:
+                        BIND_FAILURES.labels(reason="gang-not-held").inc()
+                        raise BindError(
+                            f"bind {where}: gang {gang.name}: no cards are held for this member on the node; "
+                            "it is bound only once a place is held for enough of its gang"
+                        )
+                    cards = within(cards, hold.held)
                 try:
                     order = podfit.InitOrder.of(demands, podfit.init_names(pod))
                     assignments = order.place(cards, policy, inventory.unit.name, parse_card_rule(pod))
@@ -282,15 +272,43 @@ class Binder:
         self.events.record(pod, reason="GPUAssigned", message=f"node {node}: {cards}")
         return True
 
+    def fresh_cards(
+        self, node_obj: Mapping[str, Any], inventory: NodeInventory, own: set[str]
+    ) -> tuple[dict[str, PendingBind], tuple[placement.CardCapacity, ...]]:
+        """The node's ledger entries that stay (see :meth:`_ledger`), and its cards as the API server has
+        them with every pod, in-flight bind and gang hold counted except those of the pods ``own``."""
+        node = node_obj["metadata"]["name"]
+        # not older than the node as read: see "Running two replicas" in docs/extender.md
+        node_version = (node_obj.get("metadata") or {}).get("resourceVersion")
+        others = [
+            p
+            for p in list_pods(self._api, field_selector=f"spec.nodeName={node}", resource_version=node_version)
+            if (p.get("metadata") or {}).get("uid") not in own
+        ]
+        # a pod the fresh read shows placed is counted from its annotations, not again as in flight
+        placed = {
+            (p.get("metadata") or {}).get("uid")
+            for p in others
+            if any(key in annotations_of(p) for key in PLACEMENT_ANNOTATIONS)
+        }
+        assumed = self._cache.assumed_on(node)
+        in_flight = [held for other, held in assumed if other not in placed | own]
+        ledger, unlisted = self._ledger(node_obj, node, others)
+        mine = {other for other, _ in assumed} | own
+        in_flight += [entry.held for other, entry in unlisted.items() if other not in mine]
+        return ledger, placement_cards(inventory, others, in_flight, self._cache.fenced(node), ledger)
+
     def _ledger(
         self, node_obj: Mapping[str, Any], node: str, listed: Sequence[Mapping[str, Any]]
     ) -> tuple[dict[str, PendingBind], dict[str, PendingBind]]:
         """The node's ledger entries that stay, and those of them whose pods ``listed`` (the node's pods
-        but the one being bound) lacks: binds whose binding may still be under way, counted in flight.
+        but the ones being placed) lacks: binds whose binding may still be under way and gang holds,
+        counted in flight.
 
         An entry stays while its pod is listed and holds its cards, with no API call. An entry whose pod
         isn't listed stays while the pod (this uid) is still there, not bound elsewhere, and either bound
-        here or recent enough that its binding may be under way; only these few cost a GET."""
+        here or unexpired (a binding may be under way, or a gang holds the cards); only these few cost a
+        GET."""
         try:
             ledger = node_ledger(node_obj)
         except ContractError as exc:
@@ -312,7 +330,7 @@ class Binder:
             where = (pod.get("spec") or {}).get("nodeName")
             if (pod.get("metadata") or {}).get("uid") != uid or where not in (None, "", node):
                 continue
-            if where or time.time() - entry.at < PENDING_SECONDS:
+            if where or time.time() < entry.expires():
                 kept[uid] = unlisted[uid] = entry
         return kept, unlisted
 

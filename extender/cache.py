@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from gpushare.contract.names import (
     RESOURCE_CPU,
     RESOURCE_MEMORY,
 )
-from gpushare.contract.pending import Ledger
+from gpushare.contract.pending import Ledger, PendingBind
 from gpushare.contract.request import annotations_of, effective_request, parse_pod_request, pod_key
 from gpushare.kube.watch import WatchCache
 from gpushare.usage import holds_resources, node_inventory, node_ledger, node_usage
@@ -153,6 +154,11 @@ class ClusterCache:
         self._pod_shapes: Counter[tuple[placement.Shape, int, int]] = Counter()
         self._pod_shapes_of_pod: dict[str, tuple[tuple[placement.Shape, int, int], ...]] = {}
         self._change_listeners: list[Callable[[str], None]] = []
+        #: gang holds written on each node (its ledger entries that name a gang), the nodes holding for
+        #: each member uid, and per node when the first hold it counts expires
+        self._holds: dict[str, dict[str, PendingBind]] = {}
+        self._hold_nodes: dict[str, set[str]] = {}
+        self._hold_expiry: dict[str, float] = {}
         self.nodes.add_listener(self._on_node)
         self.pods.add_listener(self._on_pod)
         self.configmaps.add_listener(self._on_configmap)
@@ -211,9 +217,37 @@ class ClusterCache:
                 try:
                     self._ledgers[name] = node_ledger(node)
                 except ContractError as exc:
-                    log.warning("%s; its pods are counted from their annotations until the next bind rewrites it", exc)
+                    log.warning(
+                        "%s; its pods are counted from their annotations and its gang holds not at all until the "
+                        "next bind rewrites it",
+                        exc,
+                    )
                     self._ledgers[name] = {}
+            self._note_holds(name, self._ledgers.get(name, {}))
             self._bump(name)
+
+    def _note_holds(self, name: str, ledger: Ledger) -> None:
+        """Keep the gang holds among the node's ledger entries (those naming a gang); under the lock."""
+        for uid in self._holds.pop(name, {}):
+            self._hold_nodes.get(uid, set()).discard(name)
+        holds = {uid: entry for uid, entry in ledger.items() if entry.gang}
+        if holds:
+            self._holds[name] = holds
+        for uid in holds:
+            self._hold_nodes.setdefault(uid, set()).add(name)
+
+    def _counted_holds(self, node: str, now: float) -> dict[str, PendingBind]:
+        """The node's gang holds that count: unexpired, for a member this cache knows, still unbound and
+        not already assumed; under the lock."""
+        counted = {}
+        for uid, entry in self._holds.get(node, {}).items():
+            namespace, _, name = entry.pod.partition("/")
+            pod = self.pods.get(name, namespace)
+            if pod is None or (pod.get("metadata") or {}).get("uid") != uid or uid in self._assumed:
+                continue
+            if not (pod.get("spec") or {}).get("nodeName") and now < entry.expires():
+                counted[uid] = entry
+        return counted
 
     def _on_configmap(self, kind: str, configmap: Mapping[str, Any]) -> None:
         name = (configmap.get("metadata") or {}).get("name", "")
@@ -244,6 +278,8 @@ class ClusterCache:
                 self._pods_by_node.setdefault(node, {})[key] = pod
                 self._node_of_pod[key] = node
                 self._bump(node)
+            for held_on in self._hold_nodes.get(uid, ()):
+                self._bump(held_on)  # a held member was created, bound or deleted
             placed = any(key in annotations_of(pod) for key in PLACEMENT_ANNOTATIONS)
             if kind == "DELETED" or placed or not holds_resources(pod):
                 # the pod's own annotation (or its end) now speaks for what we assumed
@@ -308,6 +344,10 @@ class ClusterCache:
                 return None
             pods = list(self._pods_by_node.get(node, {}).values())
             extra = [alloc for (n, alloc) in self._assumed.values() if n == node]
+            holds = self._counted_holds(node, time.time())
+            extra += [entry.held for entry in holds.values()]
+            if holds:
+                self._hold_expiry[node] = min(entry.expires() for entry in holds.values())
             cards = placement_cards(inventory, pods, extra, self._fenced.get(node, frozenset()), self.ledger(node))
             view = CachedNode(node, inventory, cards, self._generation.get(node, 0))
             self._views[node] = view
@@ -345,6 +385,32 @@ class ClusterCache:
                 held = self._host_free[node] = (cpu, memory)
             return held
 
+    # --- gang holds -----------------------------------------------------------------------------------
+
+    def gang_holds(self, gang: str) -> dict[str, tuple[str, PendingBind]]:
+        """The holds of gang ``gang`` (``namespace/name``) that count: member uid -> (node, hold). A member
+        held on two nodes (while a plan moves) is given on one of them."""
+        now = time.time()
+        with self._lock:
+            return {
+                uid: (node, entry)
+                for node in sorted(self._holds)
+                for uid, entry in self._counted_holds(node, now).items()
+                if entry.gang == gang
+            }
+
+    def expire_holds(self) -> None:
+        """Let the nodes whose first counted hold has expired count again without it."""
+        now = time.time()
+        with self._lock:
+            for node in [n for n, at in self._hold_expiry.items() if at <= now]:
+                del self._hold_expiry[node]
+                self._bump(node)
+
+    def note_node(self, node: Mapping[str, Any]) -> None:
+        """Take a node this extender has just written, before its watch brings it."""
+        self.nodes.apply(dict(node))
+
     # --- in-flight binds ------------------------------------------------------------------------------
 
     def fenced(self, node: str) -> frozenset[int]:
@@ -362,6 +428,10 @@ class ClusterCache:
             assumed = self._assumed.pop(uid, None)
             if assumed is not None:
                 self._bump(assumed[0])
+
+    def assumed_uids(self) -> set[str]:
+        with self._lock:
+            return set(self._assumed)
 
     def assumed_on(self, node: str) -> list[tuple[str, Mapping[str, int]]]:
         with self._lock:

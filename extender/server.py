@@ -13,6 +13,7 @@ from typing import Any
 from extender.bind import Binder, BindError
 from extender.cache import ClusterCache
 from extender.engine import PlacementEngine
+from extender.gang import Gangs
 from extender.metrics import CARD_ALLOCATED, CARD_TOTAL, VERB_LATENCY
 from extender.verbs import filter_result, host_prioritize_result, preempt_result, prioritize_result
 from extender.wire import BadRequest, encode
@@ -111,13 +112,14 @@ class ExtenderServer:
         host: str = "127.0.0.1",
         tls: ServerTLS | None = None,
         limits: Limits | None = None,
+        gangs: Gangs | None = None,
     ) -> None:
         if tls is None and not _loopback(host):
             raise ValueError(f"plain HTTP is only served on loopback, not on {host}; give a TLS certificate")
         self.cache = cache
         self._ready = ready
         self._routes: dict[str, Callable[[Any], Any]] = {
-            "/filter": lambda body: filter_result(engine, body),
+            "/filter": lambda body: filter_result(engine, body, gangs),
             "/prioritize": lambda body: prioritize_result(engine, body),
             "/prioritize-host": lambda body: host_prioritize_result(engine, body),
             "/preempt": lambda body: preempt_result(engine, body),

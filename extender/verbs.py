@@ -13,10 +13,12 @@ import numpy as np
 from extender import podfit
 from extender.cache import CachedNode, ClusterCache, demands_of, host_request, placement_cards
 from extender.engine import PlacementEngine
+from extender.gang import Gangs
 from extender.wire import NodeNames, Raw, candidate_names, check_victims, request_pod
 from gpushare import placement
 from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
+from gpushare.contract.gang import parse_gang
 from gpushare.contract.request import pod_key
 
 log = logging.getLogger(__name__)
@@ -24,18 +26,25 @@ log = logging.getLogger(__name__)
 NO_GPU = placement.Shape(0, 0)
 
 
-def filter_result(engine: PlacementEngine, body: Any) -> dict[str, Any]:
+def filter_result(engine: PlacementEngine, body: Any, gangs: Gangs | None = None) -> dict[str, Any]:
     pod = request_pod(body)
     names, nodes_mode = candidate_names(body)
+    engine.cache.expire_holds()
     try:
         demands = demands_of(pod)
         init = podfit.init_names(pod)
         rule = parse_card_rule(pod) if demands else placement.ANY_CARD
+        gang = parse_gang(pod) if demands else None
+        if gang is not None and gangs is None:
+            raise ContractError(f"pod {pod_key(pod)} is in gang {gang.name}, and this extender places no gangs")
     except (ContractError, ValueError) as exc:
         reason = str(exc)  # names the pod already
         return _filter_reply(NodeNames.of([]), nodes_mode, body, {}, dict.fromkeys(names.names, reason))
     if not demands:
         return _filter_reply(names, nodes_mode, body, {}, {})
+    if gang is not None and gangs is not None:
+        passing, failed, unresolvable = gangs.filter(pod, gang, names.names)
+        return _filter_reply(NodeNames.of(passing), nodes_mode, body, failed, unresolvable)
     if rule.topology and (len(demands) > 1 or demands[0].cards > 1):
         passing, others = [], names.names  # the node matrix knows no topology: each node is asked
     elif len(demands) == 1 and podfit.original_plugin_refusal(demands) is None:
@@ -204,6 +213,8 @@ def preempt_result(engine: PlacementEngine, body: Any) -> dict[str, Any]:
     try:
         demands = demands_of(pod)
         init = podfit.init_names(pod)
+        if parse_gang(pod) is not None:  # evicting pods for one member can't place its gang
+            return {"NodeNameToMetaVictims": {}}
         rule = parse_card_rule(pod)
     except (ContractError, ValueError):
         return {"NodeNameToMetaVictims": {}}

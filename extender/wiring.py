@@ -11,6 +11,7 @@ from typing import Any
 from extender.bind import Binder
 from extender.cache import ClusterCache
 from extender.engine import PlacementEngine
+from extender.gang import Gangs
 from extender.server import ExtenderServer, refresh_card_gauges
 from gpushare import placement
 from gpushare.kube.transport import load_api
@@ -65,8 +66,11 @@ def start_extender(
     settled = threading.Event()
     threading.Thread(target=_settle, args=(cache, engine, settled), name="settle", daemon=True).start()
     binder = Binder(api, cache, engine)
+    gangs = Gangs(api, cache, engine, binder)
     try:
-        server = ExtenderServer(serving.port, cache, engine, binder, settled.is_set, host, serving.tls, serving.limits)
+        server = ExtenderServer(
+            serving.port, cache, engine, binder, settled.is_set, host, serving.tls, serving.limits, gangs
+        )
     except ValueError as exc:
         cache.stop()
         raise UsageError(str(exc)) from None

@@ -92,6 +92,13 @@ NODE_ANN_BIND_SEQUENCE = "gpushare.io/bind-sequence"
 NODE_ANN_PENDING_BINDS = "gpushare.io/pending-binds"
 NODE_LABEL_MODEL = "gpushare.io/gpu-model"
 
+# --- pod labels (the pod's owner sets them) -------------------------------------------------------
+
+#: the gang a pod belongs to (within its namespace): its members are bound all together or not at all
+LABEL_GANG = "gpushare.io/gang"
+#: how many of the gang's members must be placeable at the same time before any is bound
+LABEL_GANG_MIN = "gpushare.io/gang-min"
+
 # --- labels kubelet puts on CRI sandboxes and containers ------------------------------------------
 
 CRI_LABEL_POD_NAME = "io.kubernetes.pod.name"

@@ -1,5 +1,6 @@
 """The extender's ledger: the node annotation in which the extender's bind records every pod it binds
-to the node, with what the pod holds there, from before the binding until the pod is gone or finished.
+to the node, with what the pod holds there, from before the binding until the pod is gone or finished;
+and the gang holds: cards set aside for a gang member that isn't bound yet (an entry with a ``gang``).
 
 Only the extender writes it (tenants can't write Node objects), so it is the record of a pod's cards
 that its owner can't rewrite; see :mod:`gpushare.usage` for how it outranks pod annotations.
@@ -14,6 +15,13 @@ from dataclasses import dataclass
 from gpushare.contract.errors import AnnotationError
 from gpushare.contract.names import NODE_ANN_PENDING_BINDS
 
+#: how long a bind counts on its node while its pod is still unbound: far longer than a binding call may
+#: take (its timeout is 10 s); a bind whose binding failed is forgotten after it
+PENDING_SECONDS = 60.0
+#: how long a gang hold counts while its member is unbound; the gang's filter renews it while the plan
+#: still fits, so only a gang nobody schedules any more loses its cards this way
+HOLD_SECONDS = 180.0
+
 
 class LedgerError(AnnotationError):
     """The node's ledger annotation can't be read."""
@@ -27,20 +35,28 @@ class PendingBind:
     pod: str
     held: Mapping[str, int]
     at: float
+    #: the gang (``namespace/name``) whose member the cards are held for, until it is bound
+    gang: str = ""
+
+    def expires(self) -> float:
+        """When the entry stops counting if its pod is still unbound by then."""
+        return self.at + (HOLD_SECONDS if self.gang else PENDING_SECONDS)
 
 
 Ledger = Mapping[str, PendingBind]
 
 
 def parse_pending_binds(text: str | None, node: str = "?") -> dict[str, PendingBind]:
-    """The node's ledger by pod UID (JSON uid -> {pod, held: {card uuid: units}, at})."""
+    """The node's ledger by pod UID (JSON uid -> {pod, held: {card uuid: units}, at[, gang]})."""
     if not text:
         return {}
     where = f"node {node} annotation {NODE_ANN_PENDING_BINDS}"
     try:
         raw = json.loads(text)
         ledger = {
-            uid: PendingBind(str(e["pod"]), {str(k): int(v) for k, v in e["held"].items()}, float(e["at"]))
+            uid: PendingBind(
+                str(e["pod"]), {str(k): int(v) for k, v in e["held"].items()}, float(e["at"]), str(e.get("gang") or "")
+            )
             for uid, e in raw.items()
         }
     except (ValueError, TypeError, KeyError, AttributeError):
@@ -54,6 +70,7 @@ def format_pending_binds(pending: Ledger) -> str:
     return json.dumps(
         {
             uid: {"pod": p.pod, "held": dict(sorted(p.held.items())), "at": round(p.at, 3)}
+            | ({"gang": p.gang} if p.gang else {})
             for uid, p in sorted(pending.items())
         },
         separators=(",", ":"),

@@ -1,0 +1,271 @@
+"""Gangs in the extender: the filter verb for a pod labelled with a gang, and the holds that set a plan's
+cards aside on the nodes until its members are bound.
+
+A member's filter finds the gang's members in the pod cache. With fewer than the gang's minimum
+present, or fewer placeable at once (:func:`gpushare.placement.gang.plan_gang`; bound members count as
+placed), every node is refused with the counts and the gang's holds are released. Otherwise the plan is
+written as holds (pending-bind entries tagged with the gang, for members not bound yet) into the nodes'
+``gpushare.io/pending-binds`` annotation, each node by the same compare-and-swap, against the same fresh
+reads, as a bind; only then does the filter pass the member's planned node. If a node refuses its holds
+(another writer changed the gang's holds there, or its cards are gone), the holds already written are
+taken back and the member waits for the next try. Bind binds a gang member only onto cards held for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from extender.bind import ATTEMPTS, Binder, selector_mismatch
+from extender.cache import ClusterCache, demands_of, host_request
+from extender.engine import PlacementEngine
+from gpushare import placement
+from gpushare.contract.errors import ContractError
+from gpushare.contract.gang import Gang, parse_gang
+from gpushare.contract.names import NODE_ANN_PENDING_BINDS
+from gpushare.contract.pending import HOLD_SECONDS, PendingBind, format_pending_binds
+from gpushare.contract.request import pod_key
+from gpushare.kube.errors import KubeConflict, KubeError
+from gpushare.kube.objects import get_node, patch_node
+from gpushare.kube.watch import WatchCache
+from gpushare.placement.gang import GangPlan, Member, Room, Spot, plan_gang
+from gpushare.usage import node_inventory
+
+log = logging.getLogger(__name__)
+
+#: holds older than this are written again when the plan is confirmed, so they don't expire under it
+RENEW_AFTER = HOLD_SECONDS / 3
+FINISHED = ("Succeeded", "Failed")
+
+Holds = dict[str, dict[str, PendingBind]]
+Verdict = tuple[list[str], dict[str, str], dict[str, str]]
+
+
+def active(pod: Mapping[str, Any]) -> bool:
+    """A member that counts: neither finished nor being deleted."""
+    meta = pod.get("metadata") or {}
+    return not meta.get("deletionTimestamp") and (pod.get("status") or {}).get("phase") not in FINISHED
+
+
+class GangIndex:
+    """The active members of every gang, by (namespace, name), from the pod watch."""
+
+    def __init__(self, pods: WatchCache) -> None:
+        self._lock = threading.Lock()
+        self._members: dict[str, dict[str, Mapping[str, Any]]] = {}
+        self._gang_of: dict[str, str] = {}
+        pods.add_listener(self._on_pod)
+
+    def _on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
+        uid = (pod.get("metadata") or {}).get("uid", "")
+        try:
+            gang = parse_gang(pod)
+        except ContractError:
+            gang = None  # its own filter says what is wrong with its labels
+        with self._lock:
+            old = self._gang_of.pop(uid, None)
+            if old is not None:
+                self._members.get(old, {}).pop(uid, None)
+                if not self._members.get(old):
+                    self._members.pop(old, None)
+            if kind != "DELETED" and gang is not None and active(pod):
+                self._members.setdefault(gang.key, {})[uid] = pod
+                self._gang_of[uid] = gang.key
+
+    def members(self, gang: Gang) -> list[Mapping[str, Any]]:
+        with self._lock:
+            return sorted(self._members.get(gang.key, {}).values(), key=pod_key)
+
+
+def _same(a: Mapping[str, PendingBind], b: Mapping[str, PendingBind]) -> bool:
+    """The same members holding the same units (when they were written aside)."""
+    return a.keys() == b.keys() and all(dict(a[uid].held) == dict(b[uid].held) for uid in a)
+
+
+class Gangs:
+    def __init__(self, api: Any, cache: ClusterCache, engine: PlacementEngine, binder: Binder) -> None:
+        self._api = api
+        self._cache = cache
+        self._engine = engine
+        self._binder = binder
+        self.index = GangIndex(cache.pods)
+
+    def filter(self, pod: Mapping[str, Any], gang: Gang, names: Sequence[str]) -> Verdict:
+        """Passing nodes, failed nodes and unresolvable nodes for member ``pod``: its planned node alone
+        once a plan for enough members is held, else none, every node with the reason."""
+        members = self.index.members(gang)
+        uid = (pod.get("metadata") or {}).get("uid", "")
+        if uid not in {(m.get("metadata") or {}).get("uid") for m in members}:
+            members.append(pod)  # the watch may not have brought it yet
+        present = len(members)
+        held = self._cache.gang_holds(gang.key)
+        if present < gang.minimum:
+            self._release(gang, held)
+            missing = gang.minimum - present
+            reason = f"gang {gang.name}: {present} of {gang.minimum} members present, waiting for {missing} more"
+            return self._refuse(pod, names, reason)
+        assumed = self._cache.assumed_uids()
+        bound = [m for m in members if (m.get("spec") or {}).get("nodeName") or _uid(m) in assumed]
+        waiting = [m for m in members if m not in bound]
+        plan, problems = self._plan(pod, waiting, names, held)
+        placeable = len(bound) + len(plan.spots)
+        counts = f"gang {gang.name}: {present} members present, {placeable} can be placed"
+        if placeable < gang.minimum:
+            self._release(gang, held)
+            why = "; ".join(problems) or plan.reason
+            return self._refuse(pod, names, f"{counts}, {gang.minimum} needed" + (f" ({why})" if why else ""))
+        spot = plan.spots.get(uid)
+        if spot is None:
+            return self._refuse(pod, names, f"{counts}, but not this one ({plan.reason or 'no room left'})")
+        failure = self._hold(gang, plan, {_uid(m): pod_key(m) for m in waiting}, held)
+        if failure is not None:
+            reason = f"gang {gang.name}: holding the plan's cards failed, will try again ({failure})"
+            return self._refuse(pod, names, reason, resolvable=True)
+        where = f"gang {gang.name}: this member's cards are held on node {spot.node}"
+        if spot.node not in names:
+            return self._refuse(pod, names, f"{where}, which kube-scheduler did not offer for it")
+        cards = ", ".join(f"{uuid} ({units})" for uuid, units in sorted(spot.held.items()))
+        log.info(
+            "filter pod %s: gang %s holds node %s for it, cards %s; %d of %d members placeable",
+            pod_key(pod), gang.key, spot.node, cards, placeable, present,
+        )  # fmt: skip
+        return [spot.node], {n: where for n in names if n != spot.node}, {}
+
+    def _refuse(self, pod: Mapping[str, Any], names: Sequence[str], reason: str, resolvable: bool = False) -> Verdict:
+        """No node. The reason goes in ``FailedNodes``, the only map kube-scheduler 1.20 reads, and unless
+        said otherwise also in ``FailedAndUnresolvableNodes``, which later versions read first and which
+        keeps them from preempting pods for one member: that can't place a gang."""
+        log.info("filter pod %s: %s", pod_key(pod), reason)
+        every = dict.fromkeys(names, reason)
+        return [], every, {} if resolvable else dict(every)
+
+    def _plan(
+        self,
+        pod: Mapping[str, Any],
+        waiting: Sequence[Mapping[str, Any]],
+        names: Sequence[str],
+        held: Mapping[str, tuple[str, PendingBind]],
+    ) -> tuple[GangPlan, list[str]]:
+        """The plan for the unbound members over the offered nodes and those the gang holds cards on,
+        with the problems of members that can't take part at all."""
+        _, policy = self._engine.policy_for(pod)
+        rooms = []
+        for name in sorted(set(names) | {node for node, _ in held.values()}):
+            view = self._cache.view(name)
+            if view is None:
+                continue
+            ours: dict[str, int] = {}
+            for node, hold in held.values():
+                if node == name:
+                    for uuid, units in hold.held.items():
+                        ours[uuid] = ours.get(uuid, 0) + units
+            cards = tuple(replace(c, used=max(c.used - ours[c.uuid], 0)) if c.uuid in ours else c for c in view.cards)
+            rooms.append(Room(name, cards, self._cache.host_free(name), view.inventory.unit.name))
+        members, problems = [], []
+        for member in waiting:
+            try:
+                demands = demands_of(member)
+            except (ContractError, ValueError) as exc:
+                problems.append(str(exc))
+                continue
+            allowed = frozenset(
+                room.name
+                for room in rooms
+                if (node := self._cache.nodes.get(room.name)) is not None and selector_mismatch(member, node) is None
+            )
+            members.append(Member(_uid(member), pod_key(member), demands, host_request(member), allowed))
+        previous = {uid: Spot(node, hold.held) for uid, (node, hold) in held.items()}
+        return plan_gang(members, rooms, policy, previous), problems
+
+    def _hold(
+        self, gang: Gang, plan: GangPlan, keys: Mapping[str, str], held: Mapping[str, tuple[str, PendingBind]]
+    ) -> str | None:
+        """Write the plan's holds node by node (and drop the gang's holds it no longer needs); on the first
+        node that refuses, put back what was there on the nodes already written. None when all is held."""
+        now = time.time()
+        want: Holds = {}
+        for uid, spot in plan.spots.items():
+            want.setdefault(spot.node, {})[uid] = PendingBind(keys[uid], dict(spot.held), now, gang.key)
+        return self._write(gang, want, _by_node(held))
+
+    def _release(self, gang: Gang, held: Mapping[str, tuple[str, PendingBind]]) -> None:
+        if held:
+            failure = self._write(gang, {}, _by_node(held))
+            log.info("gang %s: holds released%s", gang.key, f" in part ({failure})" if failure else "")
+
+    def _write(self, gang: Gang, want: Holds, have: Holds) -> str | None:
+        written: list[str] = []
+        for node in sorted(set(want) | set(have)):
+            wanted, had = want.get(node, {}), have.get(node, {})
+            if _same(wanted, had) and all(time.time() - h.at < RENEW_AFTER for h in had.values()):
+                continue
+            failure = self._write_node(gang, node, wanted, had)
+            if failure is not None:
+                for done in written:
+                    self._write_node(gang, done, have.get(done, {}), want.get(done, {}))
+                return failure
+            written.append(node)
+        return None
+
+    def _write_node(self, gang: Gang, node: str, entries: Holds, expected: Holds) -> str | None:
+        """Replace the gang's holds on ``node`` (which must be ``expected``) with ``entries``, by
+        compare-and-swap against fresh reads, checking that the cards they hold are free."""
+        entries_, expected_ = dict(entries), dict(expected)
+        with self._binder.node_lock(node):
+            for _ in range(ATTEMPTS):
+                try:
+                    node_obj = get_node(self._api, node)
+                    inventory = node_inventory(node_obj)
+                    # the members held here are unbound, so leaving them out leaves out no pod on the node
+                    pending, cards = self._binder.fresh_cards(node_obj, inventory, set(expected_) | set(entries_))
+                    ours = {uid: e for uid, e in pending.items() if e.gang == gang.key}
+                    if not _same(ours, expected_):
+                        return f"node {node}: the gang's holds there changed meanwhile"
+                    short = _shortfall(cards, entries_)
+                    if short:
+                        return f"node {node}: {short}"
+                    rest = {uid: e for uid, e in pending.items() if e.gang != gang.key}
+                    written = patch_node(
+                        self._api,
+                        node,
+                        {"metadata": {"annotations": {NODE_ANN_PENDING_BINDS: format_pending_binds(rest | entries_)}}},
+                        resource_version=(node_obj.get("metadata") or {}).get("resourceVersion"),
+                    )
+                except KubeConflict:
+                    continue
+                except (KubeError, ContractError) as exc:
+                    return f"node {node}: {exc}"
+                self._cache.note_node(written)
+                log.info("gang %s: node %s holds cards for %d member(s)", gang.key, node, len(entries_))
+                return None
+        return f"node {node} kept changing under {ATTEMPTS} attempts"
+
+
+def _shortfall(cards: Sequence[placement.CardCapacity], entries: Mapping[str, PendingBind]) -> str | None:
+    """Why the cards can't give ``entries`` what they hold, or None."""
+    need: dict[str, int] = {}
+    for entry in entries.values():
+        for uuid, units in entry.held.items():
+            need[uuid] = need.get(uuid, 0) + units
+    by_uuid = {c.uuid: c for c in cards}
+    for uuid, units in sorted(need.items()):
+        card = by_uuid.get(uuid)
+        if card is None or card.free < units:
+            free = 0 if card is None else card.free
+            return f"card {uuid} has {free} units free, the plan holds {units} there"
+    return None
+
+
+def _by_node(held: Mapping[str, tuple[str, PendingBind]]) -> Holds:
+    nodes: Holds = {}
+    for uid, (node, hold) in held.items():
+        nodes.setdefault(node, {})[uid] = hold
+    return nodes
+
+
+def _uid(pod: Mapping[str, Any]) -> str:
+    return (pod.get("metadata") or {}).get("uid", "")

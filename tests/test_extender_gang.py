@@ -1,0 +1,121 @@
+"""Gangs through the extender's HTTP verbs, with the API stand-in: n1 has 2 x A100-80GB and a T4,
+n2 one A10 (24 GiB)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from conftest import wait_until
+from kubernetes import client
+from podfactory import container, gpu_pod
+from test_extender import NODES, Cluster
+
+from extender.wiring import start_extender
+from gpushare.contract.gang import format_gang
+from gpushare.contract.names import NODE_ANN_PENDING_BINDS
+from gpushare.contract.pending import parse_pending_binds
+
+
+@pytest.fixture
+def cluster(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> Iterator[Cluster]:
+    cl = Cluster(kube_api, core_v1)
+    yield cl
+    cl.extender.stop()
+
+
+def member(cluster: Cluster, name: str, gang: str, minimum: int, gib: int = 40) -> dict:
+    pod = gpu_pod(name, [container("main", gib)], node=None)
+    pod["metadata"]["labels"] = format_gang(gang, minimum)
+    return cluster.pod(pod)
+
+
+def holds(cluster: Cluster, node: str = "n1") -> dict:
+    annotations = cluster.core.read_node(node).metadata.annotations or {}
+    return {uid: e for uid, e in parse_pending_binds(annotations.get(NODE_ANN_PENDING_BINDS)).items() if e.gang}
+
+
+def reason(result: dict) -> str:
+    reasons = {**result["FailedNodes"], **result["FailedAndUnresolvableNodes"]}
+    assert result["NodeNames"] == [] and set(reasons) == set(NODES), result
+    (text,) = set(reasons.values())
+    return text
+
+
+def test_a_gang_short_of_members_waits_and_says_how_many(cluster: Cluster) -> None:
+    pods = [member(cluster, f"w{i}", "train", 3) for i in range(2)]
+    assert reason(cluster.filter(pods[0])) == "gang train: 2 of 3 members present, waiting for 1 more"
+    assert holds(cluster) == {}
+    assert "no cards are held" in cluster.bind(pods[0], "n1")["Error"]
+
+
+def test_a_gang_that_cannot_all_fit_holds_nothing_and_small_pods_still_run(cluster: Cluster) -> None:
+    # 40 GiB members: two on each A100, none on the T4 or the A10, so 4 of 5 can be placed
+    pods = [member(cluster, f"w{i}", "big", 5) for i in range(5)]
+    for pod in pods:
+        assert reason(cluster.filter(pod)) == (
+            "gang big: 5 members present, 4 can be placed, 5 needed "
+            "(default/w4: node n2: no single card has 40 GiB free (largest free: 24 GiB on card 0))"
+        )
+    assert holds(cluster) == {}
+    small = cluster.pod(gpu_pod("small", [container("main", 70)], node=None))
+    assert cluster.filter(small)["NodeNames"] == ["n1"]
+
+
+def test_a_feasible_gang_holds_its_cards_until_bound_and_releases_them_when_deleted(cluster: Cluster) -> None:
+    pods = [member(cluster, f"w{i}", "trio", 3) for i in range(3)]
+    first = cluster.filter(pods[0])
+    assert first["NodeNames"] == ["n1"], first
+    held = holds(cluster)
+    assert {e.pod for e in held.values()} == {"default/w0", "default/w1", "default/w2"}
+    assert sorted(sum(e.held.values()) for e in held.values()) == [40, 40, 40]
+    # the held cards count against any other pod: 120 of 160 GiB held, no card has 50 GiB left
+    other = cluster.pod(gpu_pod("other", [container("main", 50)], node=None))
+    wait_until(lambda: "n1" in cluster.filter(other)["FailedNodes"], what="the holds in the cache")
+    assert cluster.bind(other, "n1")["Error"] != ""
+    # every member binds onto its held cards
+    for pod in pods:
+        assert cluster.filter(pod)["NodeNames"] == ["n1"]
+        assert cluster.bind(pod, "n1")["Error"] == ""
+        hold = held[pod["metadata"]["uid"]]
+        assert {s.uuid: s.units for s in cluster.allocation(pod["metadata"]["name"])["main"]} == dict(hold.held)
+
+
+def test_deleting_members_releases_the_holds(cluster: Cluster) -> None:
+    pods = [member(cluster, f"w{i}", "pair", 2, gib=60) for i in range(2)]
+    assert cluster.filter(pods[0])["NodeNames"] == ["n1"]
+    other = cluster.pod(gpu_pod("other", [container("main", 60)], node=None))
+    wait_until(lambda: "n1" in cluster.filter(other)["FailedNodes"], what="both A100s held")
+    cluster.core.delete_namespaced_pod("w1", "default")
+    wait_until(lambda: cluster.filter(other)["NodeNames"] == ["n1"], what="the deleted member's card free again")
+    # the remaining member is short of its gang: its filter takes its own hold back off the node
+    assert reason(cluster.filter(pods[0])) == "gang pair: 1 of 2 members present, waiting for 1 more"
+    assert holds(cluster) == {}
+
+
+def test_two_replicas_agree_on_one_plan_and_never_overcommit(cluster: Cluster) -> None:
+    second = start_extender(cluster.api, 0, "binpack", host="127.0.0.1")
+    try:
+        assert second.cache.wait_synced(5)
+        other = Cluster.__new__(Cluster)
+        other.api, other.core, other.extender = cluster.api, cluster.core, second
+        other.url = f"http://127.0.0.1:{second.server.port}"
+        pods = [member(cluster, f"w{i}", "duo", 4, gib=40) for i in range(4)]
+        replicas = [cluster, other]
+        placed: dict[str, str] = {}
+        for i, pod in enumerate(pods):
+            replica = replicas[i % 2]
+            # the other replica's holds reach this one by its watch; until then it may refuse and retry
+            result = wait_until(
+                lambda r=replica, p=pod: (answer := r.filter(p))["NodeNames"] and answer,
+                what=f"a node for {pod['metadata']['name']}",
+            )
+            (placed[pod["metadata"]["name"]],) = result["NodeNames"]
+            assert replica.bind(pod, placed[pod["metadata"]["name"]])["Error"] == ""
+        used: dict[str, int] = {}
+        for name in placed:
+            for s in cluster.allocation(name)["main"]:
+                used[s.uuid] = used.get(s.uuid, 0) + s.units
+        assert sorted(used.values()) == [80, 80], used
+    finally:
+        second.stop()

@@ -1,0 +1,116 @@
+"""The gang planner and the gang labels, without I/O."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extender.cache import demands_of
+from gpushare import placement
+from gpushare.contract.gang import Gang, GangError, format_gang, parse_gang
+from gpushare.contract.names import LABEL_GANG, LABEL_GANG_MIN
+from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
+from gpushare.placement.gang import Member, Room, Spot, plan_gang, within
+from gpushare.sandbox.examples import with_string_quantities
+
+BINPACK = placement.POLICIES["binpack"]
+FREE = (1 << 40, 1 << 50)
+
+
+def cards(*sizes: int, used: dict[int, int] | None = None) -> tuple[placement.CardCapacity, ...]:
+    return tuple(placement.CardCapacity(i, f"GPU-{i}", size, (used or {}).get(i, 0)) for i, size in enumerate(sizes))
+
+
+def members(count: int, units: int, host: tuple[int, int] = (0, 0)) -> list[Member]:
+    return [Member(f"uid-{i}", f"default/w-{i}", (placement.Demand("main", units),), host) for i in range(count)]
+
+
+def test_eight_members_fit_exactly_and_a_blocker_leaves_room_for_seven() -> None:
+    room = Room("b", cards(40, 24, 24), FREE)
+    plan = plan_gang(members(8, 10), [room], BINPACK)
+    assert len(plan.spots) == 8 and not plan.unplaced
+    per_card: dict[str, int] = {}
+    for spot in plan.spots.values():
+        for uuid, units in spot.held.items():
+            per_card[uuid] = per_card.get(uuid, 0) + units
+    assert per_card == {"GPU-0": 40, "GPU-1": 20, "GPU-2": 20}
+
+    blocked = Room("b", cards(40, 24, 24, used={1: 10}), FREE)
+    plan = plan_gang(members(8, 10), [blocked], BINPACK)
+    assert len(plan.spots) == 7 and len(plan.unplaced) == 1
+    assert "no single card has 10 GiB free" in plan.reason
+
+
+def test_members_are_spread_over_nodes_and_cpu_memory_counts() -> None:
+    rooms = [Room("a", cards(80), (4000, 1 << 40)), Room("b", cards(80), (2000, 1 << 40))]
+    plan = plan_gang(members(4, 10, host=(1500, 0)), rooms, BINPACK)
+    by_node = sorted(spot.node for spot in plan.spots.values())
+    assert by_node == ["a", "a", "b"], "a takes two members by CPU, b one, the fourth fits nowhere"
+    assert "not enough CPU or memory" in plan.reason
+
+
+def test_a_member_goes_only_where_its_node_selector_allows() -> None:
+    rooms = [Room("a", cards(80), FREE), Room("b", cards(80), FREE)]
+    member = Member("u", "default/w", (placement.Demand("main", 10),), nodes=frozenset({"b"}))
+    assert plan_gang([member], rooms, BINPACK).spots["u"].node == "b"
+    stuck = Member("u", "default/w", (placement.Demand("main", 10),), nodes=frozenset())
+    assert plan_gang([stuck], rooms, BINPACK).unplaced == ("default/w",)
+
+
+def test_a_previous_place_is_kept_while_it_fits() -> None:
+    rooms = [Room("a", cards(80), FREE), Room("b", cards(80), FREE)]
+    (member,) = members(1, 10)
+    previous = {member.uid: Spot("b", {"GPU-0": 10})}
+    assert plan_gang([member], rooms, BINPACK, previous).spots[member.uid] == Spot("b", {"GPU-0": 10})
+    # the held card is gone (unhealthy): the member is planned afresh
+    sick = [rooms[0], Room("b", (placement.CardCapacity(0, "GPU-0", 80, 0, healthy=False),), FREE)]
+    assert plan_gang([member], sick, BINPACK, previous).spots[member.uid].node == "a"
+
+
+def test_whole_card_members_take_whole_empty_cards() -> None:
+    room = Room("a", cards(80, 80, 80, used={2: 1}), FREE)
+    whole = [Member(f"u{i}", f"default/w{i}", (placement.Demand("main", 0, exclusive=True),)) for i in range(3)]
+    plan = plan_gang(whole, [room], BINPACK)
+    assert sorted(next(iter(s.held)) for s in plan.spots.values()) == ["GPU-0", "GPU-1"]
+    assert all(list(s.held.values()) == [80] for s in plan.spots.values())
+
+
+def test_within_leaves_only_the_held_units_usable() -> None:
+    limited = within(cards(80, 24, used={0: 30}), {"GPU-0": 10})
+    assert [c.free for c in limited] == [10, 0]
+    assert [c.free for c in within(cards(80, used={0: 75}), {"GPU-0": 10})] == [5]
+
+
+def test_gang_labels_parse_and_refuse_clearly() -> None:
+    pod = {"metadata": {"name": "w", "namespace": "ml", "labels": format_gang("train-42", 8)}}
+    assert parse_gang(pod) == Gang("ml", "train-42", 8) and parse_gang(pod).key == "ml/train-42"
+    assert parse_gang({"metadata": {"name": "solo"}}) is None
+    for labels, fault in (
+        ({LABEL_GANG: "g"}, LABEL_GANG_MIN),
+        ({LABEL_GANG_MIN: "2"}, LABEL_GANG),
+        ({LABEL_GANG: "g", LABEL_GANG_MIN: "0"}, "'0'"),
+        ({LABEL_GANG: "g", LABEL_GANG_MIN: "two"}, "'two'"),
+    ):
+        with pytest.raises(GangError, match=fault) as info:
+            parse_gang({"metadata": {"name": "w", "namespace": "ml", "labels": labels}})
+        assert "pod ml/w" in str(info.value)
+    with pytest.raises(GangError):
+        format_gang("g", 0)
+
+
+def test_a_hold_round_trips_through_the_node_annotation_and_outlives_a_bind() -> None:
+    hold = PendingBind("ml/w", {"GPU-0": 10}, 1000.0, "ml/train-42")
+    plain = PendingBind("ml/x", {"GPU-0": 4}, 1000.0)
+    assert parse_pending_binds(format_pending_binds({"a": hold, "b": plain})) == {"a": hold, "b": plain}
+    assert hold.expires() > plain.expires() > 1000.0
+
+
+def test_the_gang_example_is_one_gang_of_gpu_pods() -> None:
+    path = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "gang" / "train-4.yaml"
+    pods = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    gangs = {parse_gang(pod) for pod in pods}
+    assert gangs == {Gang("default", "train-4", len(pods))}
+    assert all(demands_of(with_string_quantities(pod)) for pod in pods)
+    assert len({pod["metadata"]["name"] for pod in pods}) == len(pods)
