@@ -13,7 +13,7 @@ from test_extender import NODES, Cluster
 
 from extender.wiring import start_extender
 from gpushare.contract.gang import format_gang
-from gpushare.contract.names import NODE_ANN_PENDING_BINDS
+from gpushare.contract.names import ANN_GANG_HOLD, NODE_ANN_PENDING_BINDS
 from gpushare.contract.pending import parse_pending_binds
 
 
@@ -79,6 +79,30 @@ def test_a_feasible_gang_holds_its_cards_until_bound_and_releases_them_when_dele
         assert cluster.bind(pod, "n1")["Error"] == ""
         hold = held[pod["metadata"]["uid"]]
         assert {s.uuid: s.units for s in cluster.allocation(pod["metadata"]["name"])["main"]} == dict(hold.held)
+
+
+def marks(cluster: Cluster, *names: str) -> dict[str, str | None]:
+    """Each pod's ``gpushare.io/gang-hold``, as the API server has it."""
+    pods = {name: cluster.core.read_namespaced_pod(name, "default") for name in names}
+    return {name: (pod.metadata.annotations or {}).get(ANN_GANG_HOLD) for name, pod in pods.items()}
+
+
+def test_holding_a_plan_marks_the_other_unbound_members_so_kube_scheduler_retries_them(cluster: Cluster) -> None:
+    w0, w1, w2 = (member(cluster, f"w{i}", "trio", 3) for i in range(3))
+    assert cluster.filter(w2)["NodeNames"] == ["n1"]
+    # the filtered member is on its way to bind; the other two are changed, which kube-scheduler retries
+    assert marks(cluster, "w0", "w1", "w2") == {"w0": "n1", "w1": "n1", "w2": None}
+    assert cluster.bind(w1, "n1")["Error"] == ""
+    cluster.core.delete_namespaced_pod("w2", "default")
+    wait_until(lambda: cluster.filter(w0)["NodeNames"] == [], what="the deleted member gone from the cache")
+    # short of members: the holds go, and so does the unbound member's mark; the bound one is left alone
+    assert reason(cluster.filter(w0)) == "gang trio: 2 of 3 members present, waiting for 1 more"
+    assert holds(cluster) == {}
+    assert marks(cluster, "w0", "w1") == {"w0": None, "w1": "n1"}
+    # a new member makes the gang whole again: the unbound member not being filtered is marked again
+    w3 = member(cluster, "w3", "trio", 3)
+    assert cluster.filter(w3)["NodeNames"] == ["n1"]
+    assert marks(cluster, "w0", "w1", "w3") == {"w0": "n1", "w1": "n1", "w3": None}
 
 
 def test_deleting_members_releases_the_holds(cluster: Cluster) -> None:

@@ -16,6 +16,7 @@ from tlscerts import make_certs
 from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_ASSIGNED_CONTAINERS,
+    ANN_GANG_HOLD,
     ANN_GPU_MODEL,
     ANN_MEM_ASSUME_TIME,
     ANN_MEM_IDX,
@@ -101,6 +102,8 @@ def test_served_over_https_as_an_admission_review(tmp_path: Path) -> None:
         server.stop()
 
 
-@pytest.mark.parametrize("key", [ANN_ALLOCATION, ANN_ASSIGNED_CONTAINERS, ANN_MEM_ASSUME_TIME, ANN_MEM_IDX])
+@pytest.mark.parametrize(
+    "key", [ANN_ALLOCATION, ANN_ASSIGNED_CONTAINERS, ANN_GANG_HOLD, ANN_MEM_ASSUME_TIME, ANN_MEM_IDX]
+)
 def test_every_key_the_components_trust_is_protected(key: str) -> None:
     assert protected_annotation(key) and not protected_annotation(ANN_POLICY)

@@ -35,6 +35,9 @@ ANN_ALLOCATION = "gpushare.io/allocation"
 PLACEMENT_ANNOTATIONS = (ANN_ALLOCATION, ANN_FRAMEWORK_ALLOCATION, ANN_MEM_IDX)
 #: JSON: container name -> [gpushare resources the device plugin has already served to it]
 ANN_ASSIGNED_CONTAINERS = "gpushare.io/assigned-containers"
+#: the node where the extender holds cards for this gang member; written (and removed) when the gang's
+#: plan changes, because an update to a Pending pod is what makes kube-scheduler retry it at once
+ANN_GANG_HOLD = "gpushare.io/gang-hold"
 #: per-pod placement policy override
 ANN_POLICY = "gpushare.io/policy"
 #: card models the pod accepts, ``|``-separated patterns (see :func:`gpushare.placement.model_matches`)
