@@ -18,8 +18,10 @@ from conftest import wait_until
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
+from gpushare.kube.errors import KubeCacheBehind, KubeUnavailable
 from gpushare.kube.events import EventRecorder
-from gpushare.kube.transport import load_api
+from gpushare.kube.objects import list_pods
+from gpushare.kube.transport import load_api, translate
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.realcluster import RealCluster, kube_bin_dir
 
@@ -578,3 +580,29 @@ def test_field_selectors_are_per_resource(core_v1: client.CoreV1Api) -> None:
         with pytest.raises(ApiException) as err:
             wrong()
         assert failure(err) == (400, "BadRequest")
+
+
+def test_pods_listed_at_a_nodes_version_are_listed_even_when_no_pod_event_reaches_it(
+    core_v1: client.CoreV1Api,
+) -> None:
+    """A bind lists the node's pods at the node's resourceVersion. A node written after the last pod event
+    has a version the pod watch cache never reaches on its own (a real API server answers 504 after 3 s);
+    the pods must still be listed."""
+    core_v1.create_namespaced_pod("default", make_pod("a", "n1"))
+    node = core_v1.create_node({"metadata": {"name": "n1", "annotations": {"note": "later than the pod"}}})
+    pods = list_pods(
+        core_v1.api_client, field_selector="spec.nodeName=n1", resource_version=node.metadata.resource_version
+    )
+    assert [p["metadata"]["name"] for p in pods] == ["a"]
+
+
+def test_a_watch_cache_that_is_behind_is_told_apart_from_an_outage() -> None:
+    body = json.dumps(
+        {"kind": "Status", "code": 504, "reason": "Timeout", "message": "Too large resource version",
+         "details": {"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}]}}
+    )  # fmt: skip
+    behind = ApiException(status=504, reason="Gateway Timeout")
+    behind.body = body
+    assert isinstance(translate(behind, "list pods"), KubeCacheBehind)
+    plain = ApiException(status=504, reason="Gateway Timeout")
+    assert type(translate(plain, "list pods")) is KubeUnavailable

@@ -22,3 +22,9 @@ class KubeConflict(KubeError):
 
 class KubeNotFound(KubeError):
     """404."""
+
+
+class KubeCacheBehind(KubeUnavailable):
+    """504 ResourceVersionTooLarge: the API server's watch cache didn't reach the asked resourceVersion
+    in time (it moves only on events of that resource, so a list at another resource's version can wait
+    for nothing)."""

@@ -9,6 +9,7 @@ from typing import Any, TypedDict, Unpack
 
 from kubernetes import client
 
+from gpushare.kube.errors import KubeCacheBehind
 from gpushare.kube.retry import DEFAULT_BACKOFF, Backoff, retrying
 from gpushare.kube.transport import call
 
@@ -21,7 +22,9 @@ def list_pods(
     resource_version: str | None = None,
 ) -> list[dict[str, Any]]:
     """With ``resource_version`` (non-zero) the API server answers from its watch cache, once that cache
-    is at least that recent, instead of reading every pod from etcd."""
+    is at least that recent, instead of reading every pod from etcd. The pod cache moves only on pod
+    events, so a version taken from another object (a node written last) can be one it never reaches:
+    then the list is read from etcd, which is at least as recent."""
     kwargs = {
         k: v
         for k, v in (
@@ -31,7 +34,12 @@ def list_pods(
         )
         if v
     }
-    return call("list pods", client.CoreV1Api(api).list_pod_for_all_namespaces, **kwargs).get("items") or []
+    try:
+        reply = call("list pods", client.CoreV1Api(api).list_pod_for_all_namespaces, **kwargs)
+    except KubeCacheBehind:
+        del kwargs["resource_version"]
+        reply = call("list pods", client.CoreV1Api(api).list_pod_for_all_namespaces, **kwargs)
+    return reply.get("items") or []
 
 
 def list_nodes(api: client.ApiClient) -> list[dict[str, Any]]:

@@ -12,7 +12,14 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from gpushare.kube.errors import KubeConfigError, KubeConflict, KubeError, KubeNotFound, KubeUnavailable
+from gpushare.kube.errors import (
+    KubeCacheBehind,
+    KubeConfigError,
+    KubeConflict,
+    KubeError,
+    KubeNotFound,
+    KubeUnavailable,
+)
 
 #: (connect, read) seconds for ordinary calls: an outage must show within seconds, not minutes
 REQUEST_TIMEOUT = (2.0, 10.0)
@@ -41,9 +48,13 @@ def load_api(kubeconfig: str | None) -> client.ApiClient:
 
 def translate(exc: Exception, what: str) -> KubeError:
     if isinstance(exc, ApiException):
-        detail = exc.reason
+        detail, causes = exc.reason, []
         with contextlib.suppress(TypeError, ValueError, AttributeError):
-            detail = json.loads(exc.body).get("message", detail)
+            status = json.loads(exc.body)
+            detail = status.get("message", detail)
+            causes = [c.get("reason") for c in (status.get("details") or {}).get("causes") or []]
+        if exc.status == 504 and "ResourceVersionTooLarge" in causes:
+            return KubeCacheBehind(f"{what}: API server answered 504: {detail}")
         if exc.status == 409:
             return KubeConflict(f"{what}: conflict: {detail}")
         if exc.status == 404:
