@@ -20,48 +20,13 @@ import numpy as np
 from extender.cache import ClusterCache
 from extender.wire import NodeNames
 from gpushare import placement
-from gpushare.placement.memo import UNKNOWN, RowMemo
+from gpushare.placement.memo import UNKNOWN, CostMemo
 
 _INITIAL_WIDTH = 8
 #: lists of node names whose row numbers are kept
 LOOKUPS_KEPT = 8
 #: the generation of a row whose node the extender can't place on
 _UNUSABLE = UNKNOWN
-
-
-def fits(capacity: np.ndarray, free: np.ndarray, shape: placement.Shape) -> np.ndarray:
-    """Per row: whether one demand of ``shape`` fits on its cards (the same test as check_fit)."""
-    need = capacity if shape.exclusive else shape.units
-    able = (capacity > 0) & (free >= need)
-    return able.sum(axis=1) >= shape.cards
-
-
-Host = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-class CostMemo(RowMemo):
-    """One policy's node costs for one demand shape and CPU/memory request, per row; only rows whose
-    node changed since are computed again."""
-
-    def costs(
-        self,
-        capacity: np.ndarray,
-        free: np.ndarray,
-        generation: np.ndarray,
-        host: Host,
-        policy: placement.Policy,
-        shape: placement.Shape,
-        request: tuple[int, int] = (0, 0),
-    ) -> np.ndarray:
-        """Per row: the policy's cost of the demand (``inf`` where it doesn't fit); ``host`` holds per row
-        free CPU, free memory and the fixed rank. The result is the memo's own array: read it before the
-        memo is asked again."""
-        return self.values(
-            generation,
-            lambda stale: placement.batch_costs(
-                policy, capacity[stale], free[stale], shape, tuple(h[stale] for h in host), request
-            ),
-        )
 
 
 class NodeMatrix:
@@ -96,7 +61,7 @@ class NodeMatrix:
         with self._lock:
             self._refresh()
             rows = len(self._row)
-            return _pick(fits(self._capacity[:rows], self._free[:rows], shape), self._lookup(names), False)
+            return _pick(placement.fits(self._capacity[:rows], self._free[:rows], shape), self._lookup(names), False)
 
     def costs(
         self,

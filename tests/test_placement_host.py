@@ -18,7 +18,7 @@ from extender.verbs import Placement, host_prioritize_result, prioritize_result
 from extender.wire import Raw
 from gpushare import contract as c
 from gpushare.cards import Card
-from gpushare.placement import FgdFit, Shape, batch_costs, node_order
+from gpushare.placement import Fgd, FgdFit, Shape, batch_costs, node_order
 from gpushare.simulate.product import HOST_WEIGHT, kube_default_scores
 from gpushare.simulate.replay import ClusterState
 from gpushare.simulate.trace import TraceNode, TracePod
@@ -68,15 +68,16 @@ def test_equal_placements_keep_to_one_node_order_whatever_the_names_are_listed_i
     assert names[int(np.argmin(first))] == names[::-1][int(np.argmin(again))]
 
 
-def test_one_node_and_many_nodes_give_the_same_costs() -> None:
-    fit = policy()
-    capacity, free = [1000] * 4, [1000, 300, 700, 0]
-    one = [
-        fit.node_cost(capacity, free, [f - (500 if i == j else 0) for i, f in enumerate(free)], (Shape(500),))
-        for j in (0, 2)
-    ]
-    keys = fit.card_keys(capacity, free, [0, 2], [500, 500], (Shape(500),))
-    assert keys == pytest.approx(one)
+@pytest.mark.parametrize("fit", [policy(), Fgd(policy().workload)], ids=["fgdfit", "fgd"])
+def test_a_cards_key_is_the_node_cost_of_taking_that_card(fit: Fgd) -> None:
+    # prioritize takes the best card's key as the node's cost (keys_are_node_costs); bind uses node_cost
+    assert fit.keys_are_node_costs
+    capacity, free = np.full((2, 4), 1000), np.array([[1000, 300, 700, 0], [500, 500, 1000, 1000]])
+    keys = fit.card_keys(capacity, free, np.full_like(free, 250), (Shape(250),))
+    for card in range(4):
+        after = free.copy()
+        after[:, card] -= 250
+        assert keys[:, card] == pytest.approx(fit.node_cost(capacity, free, after, (Shape(250),)))
 
 
 def node(name: str, cpu: str, memory: str, cards: list[Card] | None = None) -> dict:

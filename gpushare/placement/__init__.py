@@ -3,9 +3,18 @@
 No I/O here; the extender and the trace-replay benchmark both drive these functions.
 """
 
-from gpushare.placement.batch import BatchChoice, batch_costs, batch_place, batch_scores, node_order
+from gpushare.placement.batch import (
+    BatchChoice,
+    able_cards,
+    batch_costs,
+    batch_place,
+    batch_scores,
+    fits,
+    node_order,
+)
 from gpushare.placement.fit import SEARCH_BUDGET, check_fit, node_cost, place
 from gpushare.placement.fragmentation import Workload, fragmentation
+from gpushare.placement.memo import CostMemo
 from gpushare.placement.model import Assignment, Card, Demand, NoFit, Shape, shape_key
 from gpushare.placement.policies import (
     DEFAULT_POLICY,
@@ -27,6 +36,7 @@ __all__ = [
     "BatchChoice",
     "Binpack",
     "Card",
+    "CostMemo",
     "Demand",
     "Fgd",
     "FgdFit",
@@ -36,10 +46,12 @@ __all__ = [
     "Shape",
     "Spread",
     "Workload",
+    "able_cards",
     "batch_costs",
     "batch_place",
     "batch_scores",
     "check_fit",
+    "fits",
     "fragmentation",
     "host_fit",
     "node_cost",

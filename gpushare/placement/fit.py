@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from itertools import combinations
 
+import numpy as np
+
 from gpushare.placement.model import Assignment, Card, Demand, NoFit, Shape
 from gpushare.placement.policies import POLICIES, Policy
 
@@ -56,22 +58,24 @@ def node_cost(cards: Sequence[Card], demands: Sequence[Demand], policy: Policy, 
     chosen = _solve(node, demands, policy)
     if chosen is None:
         raise _explain(node, demands, unit)
-    after = list(node.free)
+    after = np.array([node.free])
     for demand in demands:
         for pos in chosen[demand.container]:
-            after[pos] -= _take(node, demand, pos)
-    return policy.node_cost(node.capacity, node.free, after, _pod(demands))
+            after[0, pos] -= _take(node, demand, pos)
+    return float(policy.node_cost(node.row, np.array([node.free]), after, _pod(demands))[0])
 
 
 class _Node:
-    """A node's cards sorted by index, with their free units (0 on unhealthy cards)."""
+    """A node's cards sorted by index, with their free units (0 on unhealthy cards); ``row`` is the
+    capacities as the one-row array the policies take."""
 
-    __slots__ = ("capacity", "cards", "free")
+    __slots__ = ("capacity", "cards", "free", "row")
 
     def __init__(self, cards: Sequence[Card]) -> None:
         self.cards = sorted(cards, key=lambda c: c.index)
         self.capacity = [c.capacity if c.healthy else 0 for c in self.cards]
         self.free = [c.free for c in self.cards]
+        self.row = np.array([self.capacity], dtype=np.int64).reshape(1, len(self.cards))
 
     def can_take(self, demand: Demand, pos: int, free: Sequence[int]) -> bool:
         cap = self.capacity[pos]
@@ -138,8 +142,9 @@ def _options(
     candidates = [p for p in range(len(free)) if node.can_take(demand, p, free)]
     if len(candidates) < demand.cards:
         return
-    keys = policy.card_keys(node.capacity, free, candidates, [_take(node, demand, p) for p in candidates], pod)
-    key_of = dict(zip(candidates, keys, strict=True))
+    take = np.array([[_take(node, demand, p) for p in range(len(free))]], dtype=np.int64)
+    keys = policy.card_keys(node.row, np.array([free], dtype=np.int64), take, pod)[0].tolist()
+    key_of = {p: keys[p] for p in candidates}
     ranked = sorted(candidates, key=lambda p: (key_of[p], p))
     if demand.cards == 1:
         for p in ranked:

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpushare import placement
-from gpushare.placement.memo import RowMemo
 from gpushare.simulate.replay import Choice, ClusterState
 from gpushare.simulate.trace import MILLI_PER_CARD, TracePod
 
@@ -25,21 +24,11 @@ from gpushare.simulate.trace import MILLI_PER_CARD, TracePod
 HOST_WEIGHT = 20
 #: kube-scheduler's stand-in request for a pod that requests no CPU (milli) or memory (MiB here)
 NONZERO_CPU, NONZERO_MEMORY = 100, 200
-NO_GPU = placement.Shape(0, 0)
-
-
-def gpu_shape(pod: TracePod) -> placement.Shape:
-    """A trace pod's GPU request as a placement shape: whole cards, a share of each card, or none."""
-    if not pod.num_gpu:
-        return NO_GPU
-    if pod.gpu_milli >= MILLI_PER_CARD:
-        return placement.Shape(0, pod.num_gpu, exclusive=True)
-    return placement.Shape(pod.gpu_milli, pod.num_gpu)
 
 
 def workload(pods: Sequence[TracePod]) -> placement.Workload:
     """What the extender would have observed: the GPU shapes of the pods."""
-    return placement.Workload.from_shapes(gpu_shape(p) for p in pods if p.num_gpu)
+    return placement.Workload.from_shapes(p.shape for p in pods if p.num_gpu)
 
 
 def learned(name: str, pods: Sequence[TracePod]) -> placement.Policy:
@@ -47,7 +36,7 @@ def learned(name: str, pods: Sequence[TracePod]) -> placement.Policy:
     if name == "fgd":
         return placement.Fgd(workload(pods))
     if name == "fgdfit":
-        return placement.FgdFit.of([(gpu_shape(p), p.cpu_milli, p.memory_mib) for p in pods], MILLI_PER_CARD)
+        return placement.FgdFit.of([(p.shape, p.cpu_milli, p.memory_mib) for p in pods], MILLI_PER_CARD)
     return placement.POLICIES[name]
 
 
@@ -77,39 +66,31 @@ class ExtenderChooser:
     def __init__(self, policy: placement.Policy) -> None:
         self.policy = policy
         self.name = policy.name
-        self._memos: dict[tuple[placement.Shape, int, int], RowMemo] = {}
+        self._memos: dict[tuple[placement.Shape, int, int], placement.CostMemo] = {}
         self._order: np.ndarray | None = None
 
-    def _costs(self, state: ClusterState, pod: TracePod, shape: placement.Shape) -> np.ndarray:
+    def _costs(self, state: ClusterState, pod: TracePod) -> np.ndarray:
+        """Per node: the policy's cost of the pod, from the memo the prioritize verb uses too."""
+        shape = pod.shape
         request = (pod.cpu_milli, pod.memory_mib) if self.policy.uses_host else (0, 0)
         memo = self._memos.get((shape, *request))
         if memo is None:
-            memo = self._memos[(shape, *request)] = RowMemo()
+            memo = self._memos[(shape, *request)] = placement.CostMemo()
         if self._order is None:
             self._order = placement.node_order(state.names)
-        order = self._order
-        return memo.values(
-            state.generation,
-            lambda stale: placement.batch_costs(
-                self.policy,
-                state.capacity[stale],
-                state.free[stale],
-                shape,
-                (state.cpu[stale], state.memory[stale], order[stale]),
-                request,
-            ),
-        )
+        host = (state.cpu, state.memory, self._order)
+        return memo.costs(state.capacity, state.free, state.generation, host, self.policy, shape, request)
 
     def choose(self, state: ClusterState, pod: TracePod, rows: np.ndarray, rng: np.random.Generator) -> Choice:
         if not pod.num_gpu:
             scores = kube_default_scores(state, rows, pod)
             if self.policy.uses_host:
-                scores = scores + placement.batch_scores(self._costs(state, pod, NO_GPU)[rows]) * HOST_WEIGHT * 10
+                scores = scores + placement.batch_scores(self._costs(state, pod)[rows]) * HOST_WEIGHT * 10
             return int(rng.choice(rows[scores == scores.max()])), ()
-        shape = gpu_shape(pod)
-        costs = self._costs(state, pod, shape)[rows]
+        costs = self._costs(state, pod)[rows]
         best = rows[costs == costs.min()]
         row = int(best[0] if best.size == 1 else rng.choice(best))
+        shape = pod.shape
         demand = placement.Demand("main", shape.units, shape.cards, shape.exclusive)
         (assignment,) = placement.place(node_cards(state, row), [demand], self.policy, unit="milli")
         return row, tuple(index for index, _, _ in assignment.cards)

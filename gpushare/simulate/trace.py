@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpushare.placement.model import Shape
+
 MILLI_PER_CARD = 1000
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
@@ -49,6 +51,15 @@ class TracePod:
     def gpu_request(self) -> int:
         """Milli-GPUs requested in total."""
         return self.num_gpu * self.gpu_milli
+
+    @property
+    def shape(self) -> Shape:
+        """The GPU request as a placement shape: whole cards, a share of each card, or none."""
+        if not self.num_gpu:
+            return Shape(0, 0)
+        if self.gpu_milli >= MILLI_PER_CARD:
+            return Shape(0, self.num_gpu, exclusive=True)
+        return Shape(self.gpu_milli, self.num_gpu)
 
 
 def parse_models(spec: str) -> frozenset[str]:
