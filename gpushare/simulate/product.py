@@ -1,7 +1,7 @@
 """The extender's own policies in the replay, driven through the extender's entry points: node costs from
-``batch_costs`` memoised per node generation (as the prioritize verb gets them), the cheapest node where
-the pod fits (kube-scheduler takes the extender's best score, equal scores at random), and the cards
-from ``place`` (as the bind verb gets them).
+a ``CostMemo`` per demand shape, recomputed for the nodes that changed (as the prioritize verb gets
+them), the cheapest node where the pod fits (kube-scheduler takes the extender's best score, equal scores
+at random), and the cards from ``place`` (as the bind verb gets them).
 
 Pods without GPUs never reach the GPU extender entry. kube-scheduler scores them itself: the replay
 models its default scoring (NodeResourcesLeastAllocated plus NodeResourcesBalancedAllocation, weight 1
