@@ -96,14 +96,6 @@ class NodeMatrix:
         memo.costs(capacity, free, generation, host, policy, shape, request)
         return memo
 
-    def card_units(self) -> int:
-        """The most common capacity of a usable card, in the plugin's unit (1 with no cards)."""
-        with self._lock:
-            self._refresh()
-            capacity = self._capacity[: len(self._row)]
-            sizes, counts = np.unique(capacity[capacity > 0], return_counts=True)
-        return int(sizes[np.argmax(counts)]) if sizes.size else 1
-
     def _lookup(self, names: NodeNames) -> np.ndarray:
         """Row numbers of ``names`` (-1 for unknown names)."""
         key = names.text

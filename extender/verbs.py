@@ -162,7 +162,7 @@ class Placement:
         version = self.cache.shapes_version
         shapes = self.cache.observed_shapes()
         fgd = placement.Fgd(placement.Workload.from_shapes(shapes) if shapes else None)
-        fgdfit = placement.FgdFit.of(self.cache.observed_pod_shapes(), self.matrix.card_units())
+        fgdfit = placement.FgdFit.of(self.cache.observed_pod_shapes())
         return {"fgd": fgd, "fgdfit": fgdfit}, (version, len(shapes))
 
     def _rebuild_fgd(self) -> None:

@@ -29,8 +29,8 @@ _versions = itertools.count(1)
 
 
 def policy() -> FgdFit:
-    # typical pods: half a card with 8 CPUs, or a whole card with 4 CPUs
-    return FgdFit.of([(Shape(500), 8000, 0)] * 3 + [(Shape(0, 1, exclusive=True), 4000, 0)], card=1000)
+    # typical pods: half a card with 8 CPUs, or a whole card with 4 CPUs; and some without GPUs
+    return FgdFit.of([(Shape(500), 8000, 0)] * 3 + [(Shape(0, 1, exclusive=True), 4000, 0)] + [(Shape(0, 0), 1000, 0)])
 
 
 def costs(free: list[list[int]], cpu: list[int], shape: Shape, request: int, names: list[str] | None = None):
@@ -40,11 +40,13 @@ def costs(free: list[list[int]], cpu: list[int], shape: Shape, request: int, nam
     return batch_costs(policy(), np.full_like(free_arr, 1000), free_arr, shape, host, (request, 0))
 
 
-def test_typical_shapes_are_weighed_by_the_gpu_they_ask_for() -> None:
+def test_typical_shapes_are_weighed_by_how_often_they_arrive_and_pods_without_gpus_weigh_nothing() -> None:
     assert dict(zip(policy().workload.shapes, policy().workload.counts, strict=True)) == {
-        Shape(500): 3 * 500,
-        Shape(0, 1, exclusive=True): 1000,
+        Shape(500): 3,
+        Shape(0, 1, exclusive=True): 1,
+        Shape(0, 0): 0,
     }
+    assert FgdFit.of([(Shape(0, 0), 1000, 0)] * 5).workload is None
 
 
 def test_a_pod_avoids_the_node_whose_cpu_it_would_exhaust() -> None:

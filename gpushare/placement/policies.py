@@ -154,14 +154,14 @@ class Fgd:
 
 
 class FgdFit(Fgd):
-    """Fragmentation gradient descent that also counts CPU and memory, weighs the typical shapes by the
-    GPU they ask for, and settles near-equal placements by best fit and then a fixed node order.
+    """Fragmentation gradient descent that also counts CPU and memory, and settles near-equal placements
+    by a fixed node order.
 
-    Cost of a placement, lowest first: the fragmentation it adds (GPU the typical pods could no longer
-    use, including a node's idle GPU for shapes whose CPU or memory it can't hold) in steps of
-    ``1/QUANTA`` of a card; then the node's fixed rank, so that equal placements keep going to the same
-    nodes. A pod without GPUs also pays ``IDLE_WEIGHT`` cards for a node whose GPUs are all idle (in
-    proportion for fewer), so that it goes where the GPUs are taken already.
+    Cost of a placement, lowest first: the fragmentation it adds (GPU the typical pods, weighted by how
+    often each arrives, could no longer use, including a node's idle GPU for shapes whose CPU or memory
+    it can't hold) in steps of ``1/QUANTA`` of a card; then the node's fixed rank, so that equal
+    placements keep going to the same nodes. A pod without GPUs also pays ``IDLE_WEIGHT`` cards for a
+    node whose GPUs are all idle (in proportion for fewer), so that it goes where the GPUs are taken.
     """
 
     name = "fgdfit"
@@ -171,14 +171,12 @@ class FgdFit(Fgd):
     IDLE_WEIGHT = 8.0
 
     @classmethod
-    def of(cls, observed: Sequence[tuple[Shape, int, int]], card: int) -> FgdFit:
-        """The policy for pods ``observed`` as (GPU shape, CPU, memory); ``card`` is a whole card's units."""
+    def of(cls, observed: Sequence[tuple[Shape, int, int]]) -> FgdFit:
+        """The policy for pods ``observed`` as (GPU shape, CPU, memory). Pods without GPUs count towards
+        which shapes are typical, but weigh nothing: no placement of a GPU changes what they can use."""
         workload = Workload.from_pods(observed)
-        weights = tuple(
-            n * s.cards * (card if s.exclusive else s.units)
-            for s, n in zip(workload.shapes, workload.counts, strict=True)
-        )
-        return cls(Workload(workload.shapes, weights, workload.hosts) if any(weights) else None)
+        counts = tuple(n if s.cards else 0 for s, n in zip(workload.shapes, workload.counts, strict=True))
+        return cls(Workload(workload.shapes, counts, workload.hosts) if any(counts) else None)
 
     def card_keys(
         self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None = None

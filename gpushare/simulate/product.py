@@ -18,7 +18,7 @@ import numpy as np
 
 from gpushare import placement
 from gpushare.simulate.replay import Choice, ClusterState
-from gpushare.simulate.trace import MILLI_PER_CARD, TracePod
+from gpushare.simulate.trace import TracePod
 
 #: the weight of the host prioritize entry in deploy/scheduler-config.yaml
 HOST_WEIGHT = 20
@@ -36,7 +36,7 @@ def learned(name: str, pods: Sequence[TracePod]) -> placement.Policy:
     if name == "fgd":
         return placement.Fgd(workload(pods))
     if name == "fgdfit":
-        return placement.FgdFit.of([(p.shape, p.cpu_milli, p.memory_mib) for p in pods], MILLI_PER_CARD)
+        return placement.FgdFit.of([(p.shape, p.cpu_milli, p.memory_mib) for p in pods])
     return placement.POLICIES[name]
 
 
