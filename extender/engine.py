@@ -14,12 +14,13 @@ import numpy as np
 
 from extender import podfit
 from extender.cache import CachedNode, ClusterCache
-from extender.matrix import CostMemo, NodeMatrix
+from extender.matrix import NodeMatrix
 from extender.wire import NodeNames
 from gpushare import placement
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import ANN_POLICY
 from gpushare.contract.request import annotations_of, pod_key
+from gpushare.placement.memo import CostMemo
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class PlacementEngine:
         version = self.cache.shapes_version
         shapes = self.cache.observed_shapes()
         fgd = placement.Fgd(placement.Workload.from_shapes(shapes) if shapes else None)
-        fgdfit = placement.FgdFit.of(self.cache.observed_pod_shapes(), self.matrix.card_units())
+        fgdfit = placement.FgdFit.of(self.cache.observed_pod_shapes())
         return {"fgd": fgd, "fgdfit": fgdfit}, (version, len(shapes))
 
     def _rebuild_fgd(self) -> None:

@@ -21,60 +21,13 @@ import numpy as np
 from extender.cache import ClusterCache
 from extender.wire import NodeNames
 from gpushare import placement
-from gpushare.placement.memo import UNKNOWN, RowMemo
+from gpushare.placement.memo import UNKNOWN, CostMemo
 
 _INITIAL_WIDTH = 8
 #: lists of node names whose row numbers are kept
 LOOKUPS_KEPT = 8
 #: the generation of a row whose node the extender can't place on
 _UNUSABLE = UNKNOWN
-
-
-def fits(
-    capacity: np.ndarray, free: np.ndarray, shape: placement.Shape, allowed: np.ndarray | None = None
-) -> np.ndarray:
-    """Per row: whether one demand of ``shape`` fits on its cards (the same test as check_fit), on the
-    cards ``allowed`` only when given."""
-    need = capacity if shape.exclusive else shape.units
-    able = (capacity > 0) & (free >= need)
-    if allowed is not None:
-        able &= allowed
-    return able.sum(axis=1) >= shape.cards
-
-
-Host = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-class CostMemo(RowMemo):
-    """One policy's node costs for one demand shape and CPU/memory request, per row; only rows whose
-    node changed since are computed again."""
-
-    def costs(
-        self,
-        capacity: np.ndarray,
-        free: np.ndarray,
-        generation: np.ndarray,
-        host: Host,
-        policy: placement.Policy,
-        shape: placement.Shape,
-        request: tuple[int, int] = (0, 0),
-        allowed: np.ndarray | None = None,
-    ) -> np.ndarray:
-        """Per row: the policy's cost of the demand (``inf`` where it doesn't fit); ``host`` holds per row
-        free CPU, free memory and the fixed rank; ``allowed`` the cards the pod's rule accepts (None:
-        all). The result is the memo's own array: read it before the memo is asked again."""
-        return self.values(
-            generation,
-            lambda stale: placement.batch_costs(
-                policy,
-                capacity[stale],
-                free[stale],
-                shape,
-                tuple(h[stale] for h in host),
-                request,
-                None if allowed is None else allowed[stale],
-            ),
-        )
 
 
 class NodeMatrix:
@@ -114,7 +67,7 @@ class NodeMatrix:
         with self._lock:
             self._refresh()
             rows = len(self._row)
-            fit = fits(self._capacity[:rows], self._free[:rows], shape, self._allowed(rule, rows))
+            fit = placement.fits(self._capacity[:rows], self._free[:rows], shape, self._allowed(rule, rows))
             return _pick(fit, self._lookup(names), False)
 
     def _allowed(self, rule: placement.CardRule, rows: int) -> np.ndarray | None:
@@ -172,14 +125,6 @@ class NodeMatrix:
         memo = CostMemo()
         memo.costs(capacity, free, generation, host, policy, shape, request, allowed)
         return memo
-
-    def card_units(self) -> int:
-        """The most common capacity of a usable card, in the plugin's unit (1 with no cards)."""
-        with self._lock:
-            self._refresh()
-            capacity = self._capacity[: len(self._row)]
-            sizes, counts = np.unique(capacity[capacity > 0], return_counts=True)
-        return int(sizes[np.argmax(counts)]) if sizes.size else 1
 
     def _lookup(self, names: NodeNames) -> np.ndarray:
         """Row numbers of ``names`` (-1 for unknown names)."""

@@ -1,4 +1,4 @@
-"""Placement: card choice on one node, policies, fragmentation, and the vectorised path the replay uses."""
+"""Placement: card choice on one node, policies, fragmentation, and the many-node path the replay uses."""
 
 import itertools
 import math
@@ -24,7 +24,7 @@ from gpushare.placement import (
     place,
     shape_key,
 )
-from gpushare.placement.fragmentation import batch_deltas, batch_fragmentation, most_common, placement_deltas
+from gpushare.placement.fragmentation import most_common, placement_deltas
 
 BINPACK, SPREAD, FGD = POLICIES["binpack"], POLICIES["spread"], POLICIES["fgd"]
 
@@ -226,7 +226,8 @@ def test_fgd_keeps_a_typical_shape_placeable() -> None:
     assert taken(place(node, [Demand("m", 4)], BINPACK)) == {"m": [(0, 4)]}
     assert taken(place(node, [Demand("m", 4)], fgd)) == {"m": [(1, 4)]}
     assert node_cost(node, [Demand("m", 4)], fgd) == 0
-    assert fragmentation([8, 16], [16, 16], fgd.workload) > fragmentation([12, 12], [16, 16], fgd.workload)
+    frag = fragmentation(np.array([[8, 16], [12, 12]]), np.full((2, 2), 16), fgd.workload)
+    assert frag[0] > frag[1]
 
 
 def test_fgd_prefers_the_node_whose_fragmentation_grows_least() -> None:
@@ -277,10 +278,12 @@ def test_workload_keeps_the_most_common_shapes_in_a_stable_order() -> None:
 
 def test_fragmentation_counts_idle_units_a_typical_shape_cannot_use() -> None:
     workload = Workload((Shape(8), Shape(0, 2, exclusive=True), Shape(0, 0)), (2, 1, 1))
-    free, capacity = [6, 16, 0], [16, 16, 16]
+    free, capacity = np.array([[6, 16, 0]] * 2), np.full((2, 3), 16)
     # Shape(8): card 0's 6 are stranded; two whole cards: impossible, all 22 idle; no-GPU shape: all 22
-    assert fragmentation(free, capacity, workload) == (2 * 6 + 22 + 22) / 4
-    assert fragmentation(free, capacity, workload, host_ok=[False, True, True]) == (2 * 22 + 22 + 22) / 4
+    assert fragmentation(free, capacity, workload).tolist() == [(2 * 6 + 22 + 22) / 4] * 2
+    # on node 1 the host can't take Shape(8) apart from its GPUs: its idle units are all fragments
+    host_ok = np.array([[True, True, True], [False, True, True]])
+    assert fragmentation(free, capacity, workload, host_ok).tolist() == [(2 * 6 + 22 + 22) / 4, (2 * 22 + 22 + 22) / 4]
 
 
 def _random_cluster(rng: random.Random, nodes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -289,7 +292,7 @@ def _random_cluster(rng: random.Random, nodes: int) -> tuple[np.ndarray, np.ndar
     return capacity, np.minimum(free, capacity)
 
 
-def test_vectorised_fragmentation_matches_the_per_node_maths() -> None:
+def test_placement_deltas_are_the_change_in_fragmentation() -> None:
     rng = random.Random(3)
     workload = Workload(
         (Shape(8), Shape(3), Shape(0, 1, exclusive=True), Shape(0, 2, exclusive=True), Shape(0, 0)), (5, 2, 4, 1, 2)
@@ -298,21 +301,21 @@ def test_vectorised_fragmentation_matches_the_per_node_maths() -> None:
     before = np.array([[rng.random() < 0.8 for _ in workload.shapes] for _ in free])
     after = before & np.array([[rng.random() < 0.8 for _ in workload.shapes] for _ in free])
     take = np.full_like(free, 3)
-    deltas = batch_deltas(free, capacity, workload, take, before, after)
-    frags = batch_fragmentation(free, capacity, workload, before)
-    for n, (f, cap) in enumerate(zip(free.tolist(), capacity.tolist(), strict=True)):
-        assert frags[n] == fragmentation(f, cap, workload, before[n])
-        plain = placement_deltas(f, cap, workload, range(4), [3] * 4)
-        for c in range(4):
-            rest = [x - 3 if i == c else x for i, x in enumerate(f)]
-            expected = fragmentation(rest, cap, workload, after[n]) - fragmentation(f, cap, workload, before[n])
-            assert deltas[n, c] == pytest.approx(expected, abs=1e-9)
-            assert plain[c] == pytest.approx(fragmentation(rest, cap, workload) - fragmentation(f, cap, workload))
+    deltas = placement_deltas(free, capacity, workload, take, before, after)
+    plain = placement_deltas(free, capacity, workload, take)
+    for c in range(4):
+        rest = free.copy()
+        rest[:, c] -= 3
+        expected = fragmentation(rest, capacity, workload, after) - fragmentation(free, capacity, workload, before)
+        assert deltas[:, c] == pytest.approx(expected, abs=1e-9)
+        assert plain[:, c] == pytest.approx(
+            fragmentation(rest, capacity, workload) - fragmentation(free, capacity, workload)
+        )
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @pytest.mark.parametrize("shape", [Shape(3), Shape(8), Shape(0, 1, exclusive=True), Shape(0, 2, exclusive=True)])
-def test_vectorised_choice_matches_the_per_node_choice(name: str, shape: Shape) -> None:
+def test_many_nodes_at_once_choose_as_one_node_at_a_time(name: str, shape: Shape) -> None:
     policy = Fgd(Workload((Shape(8), Shape(0, 1, exclusive=True)), (3, 2))) if name == "fgd" else POLICIES[name]
     capacity, free = _random_cluster(random.Random(11), 60)
     choice = batch_place(policy, capacity, free, shape)

@@ -22,7 +22,7 @@ from gpushare.contract.allocation import CardSlice
 from gpushare.contract.inventory import format_inventory
 from gpushare.contract.names import NODE_ANN_INVENTORY
 from gpushare.contract.units import GIB
-from gpushare.placement import FgdFit, Shape, batch_costs, node_order
+from gpushare.placement import Fgd, FgdFit, Shape, batch_costs, node_order
 from gpushare.simulate.product import HOST_WEIGHT, kube_default_scores
 from gpushare.simulate.replay import ClusterState
 from gpushare.simulate.trace import TraceNode, TracePod
@@ -33,8 +33,8 @@ _versions = itertools.count(1)
 
 
 def policy() -> FgdFit:
-    # typical pods: half a card with 8 CPUs, or a whole card with 4 CPUs
-    return FgdFit.of([(Shape(500), 8000, 0)] * 3 + [(Shape(0, 1, exclusive=True), 4000, 0)], card=1000)
+    # typical pods: half a card with 8 CPUs, or a whole card with 4 CPUs; and some without GPUs
+    return FgdFit.of([(Shape(500), 8000, 0)] * 3 + [(Shape(0, 1, exclusive=True), 4000, 0)] + [(Shape(0, 0), 1000, 0)])
 
 
 def costs(free: list[list[int]], cpu: list[int], shape: Shape, request: int, names: list[str] | None = None):
@@ -44,11 +44,13 @@ def costs(free: list[list[int]], cpu: list[int], shape: Shape, request: int, nam
     return batch_costs(policy(), np.full_like(free_arr, 1000), free_arr, shape, host, (request, 0))
 
 
-def test_typical_shapes_are_weighed_by_the_gpu_they_ask_for() -> None:
+def test_typical_shapes_are_weighed_by_how_often_they_arrive_and_pods_without_gpus_weigh_nothing() -> None:
     assert dict(zip(policy().workload.shapes, policy().workload.counts, strict=True)) == {
-        Shape(500): 3 * 500,
-        Shape(0, 1, exclusive=True): 1000,
+        Shape(500): 3,
+        Shape(0, 1, exclusive=True): 1,
+        Shape(0, 0): 0,
     }
+    assert FgdFit.of([(Shape(0, 0), 1000, 0)] * 5).workload is None
 
 
 def test_a_pod_avoids_the_node_whose_cpu_it_would_exhaust() -> None:
@@ -72,15 +74,16 @@ def test_equal_placements_keep_to_one_node_order_whatever_the_names_are_listed_i
     assert names[int(np.argmin(first))] == names[::-1][int(np.argmin(again))]
 
 
-def test_one_node_and_many_nodes_give_the_same_costs() -> None:
-    fit = policy()
-    capacity, free = [1000] * 4, [1000, 300, 700, 0]
-    one = [
-        fit.node_cost(capacity, free, [f - (500 if i == j else 0) for i, f in enumerate(free)], (Shape(500),))
-        for j in (0, 2)
-    ]
-    keys = fit.card_keys(capacity, free, [0, 2], [500, 500], (Shape(500),))
-    assert keys == pytest.approx(one)
+@pytest.mark.parametrize("fit", [policy(), Fgd(policy().workload)], ids=["fgdfit", "fgd"])
+def test_a_cards_key_is_the_node_cost_of_taking_that_card(fit: Fgd) -> None:
+    # prioritize takes the best card's key as the node's cost (keys_are_node_costs); bind uses node_cost
+    assert fit.keys_are_node_costs
+    capacity, free = np.full((2, 4), 1000), np.array([[1000, 300, 700, 0], [500, 500, 1000, 1000]])
+    keys = fit.card_keys(capacity, free, np.full_like(free, 250), (Shape(250),))
+    for card in range(4):
+        after = free.copy()
+        after[:, card] -= 250
+        assert keys[:, card] == pytest.approx(fit.node_cost(capacity, free, after, (Shape(250),)))
 
 
 def node(name: str, cpu: str, memory: str, cards: list[Card] | None = None) -> dict:

@@ -3,9 +3,18 @@
 No I/O here; the extender and the trace-replay benchmark both drive these functions.
 """
 
-from gpushare.placement.batch import BatchChoice, batch_costs, batch_place, batch_scores, node_order
+from gpushare.placement.batch import (
+    BatchChoice,
+    able_cards,
+    batch_costs,
+    batch_place,
+    batch_scores,
+    fits,
+    node_order,
+)
 from gpushare.placement.fit import SEARCH_BUDGET, check_fit, node_cost, place
 from gpushare.placement.fragmentation import Workload, fragmentation
+from gpushare.placement.memo import CostMemo
 from gpushare.placement.model import (
     ANY_CARD,
     Assignment,
@@ -39,6 +48,7 @@ __all__ = [
     "Binpack",
     "CardCapacity",
     "CardRule",
+    "CostMemo",
     "Demand",
     "Fgd",
     "FgdFit",
@@ -48,10 +58,12 @@ __all__ = [
     "Shape",
     "Spread",
     "Workload",
+    "able_cards",
     "batch_costs",
     "batch_place",
     "batch_scores",
     "check_fit",
+    "fits",
     "fragmentation",
     "host_fit",
     "model_matches",

@@ -2,7 +2,7 @@
 rating a one-container pod over thousands of nodes (5,000 x 8 cards: about 2 ms for binpack, 12 ms
 for fgd).
 
-The same policies and fragmentation maths as the per-node path in ``fit``, vectorised over nodes.
+The same policy code as the per-node path in ``fit``, which asks it about one node at a time.
 Cards are (nodes, cards) arrays with capacity 0 for absent cards; NVLink/NUMA tie-breaks don't exist
 here (the traces carry no topology), so equally keyed cards go by position.
 """
@@ -28,6 +28,18 @@ class BatchChoice:
     cards: np.ndarray
 
 
+def able_cards(capacity: np.ndarray, free: np.ndarray, shape: Shape, allowed: np.ndarray | None = None) -> np.ndarray:
+    """Per (node, card): whether one of ``shape``'s cards can go there (a whole free card when exclusive),
+    among the cards ``allowed`` (per (node, card); None: every card)."""
+    able = (capacity > 0) & (free >= (capacity if shape.exclusive else shape.units))
+    return able if allowed is None else able & allowed
+
+
+def fits(capacity: np.ndarray, free: np.ndarray, shape: Shape, allowed: np.ndarray | None = None) -> np.ndarray:
+    """Per node: whether one demand of ``shape`` fits on its cards (the same test as ``check_fit``)."""
+    return able_cards(capacity, free, shape, allowed).sum(axis=1) >= shape.cards
+
+
 def batch_place(
     policy: Policy,
     capacity: np.ndarray,
@@ -40,9 +52,7 @@ def batch_place(
     (the cost then only reflects what ``host`` says changes). ``allowed``: per (node, card), whether
     the pod's :class:`~gpushare.placement.model.CardRule` accepts the card's model (None: every card)."""
     nodes = free.shape[0]
-    able = (capacity > 0) & (free >= (capacity if shape.exclusive else shape.units))
-    if allowed is not None:
-        able &= allowed
+    able = able_cards(capacity, free, shape, allowed)
     rows = np.flatnonzero(able.sum(axis=1) >= shape.cards)
     cost = np.full(nodes, np.inf)
     cards = np.zeros((nodes, shape.cards), dtype=np.intp)
@@ -54,7 +64,7 @@ def batch_place(
     take = capacity if shape.exclusive else np.full_like(free, shape.units)
     pod = (shape,)
     if shape.cards:
-        keys = np.where(able, policy.batch_card_keys(capacity, free, take, pod, host), np.inf)
+        keys = np.where(able, policy.card_keys(capacity, free, take, pod, host), np.inf)
         chosen = np.argsort(keys, axis=1, kind="stable")[:, : shape.cards]
     else:
         chosen = np.zeros((len(rows), 0), dtype=np.intp)
@@ -64,7 +74,7 @@ def batch_place(
         after = free.copy()
         index = np.arange(len(rows))[:, None]
         after[index, chosen] -= take[index, chosen]
-        cost[rows] = policy.batch_node_cost(capacity, free, after, pod, host)
+        cost[rows] = policy.node_cost(capacity, free, after, pod, host)
     cards[rows] = chosen
     return BatchChoice(cost, cards)
 

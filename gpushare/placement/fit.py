@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from itertools import combinations
 
+import numpy as np
+
 from gpushare.placement.model import ANY_CARD, Assignment, CardCapacity, CardRule, Demand, NoFit, Shape
 from gpushare.placement.policies import POLICIES, Policy
 
@@ -76,18 +78,18 @@ def node_cost(
     chosen = _solve(node, demands, policy)
     if chosen is None:
         raise _explain(node, demands, unit)
-    after = list(node.free)
+    after = np.array([node.free])
     for demand in demands:
         for pos in chosen[demand.container]:
-            after[pos] -= _take(node, demand, pos)
-    return policy.node_cost(node.capacity, node.free, after, _pod(demands))
+            after[0, pos] -= _take(node, demand, pos)
+    return float(policy.node_cost(node.row, np.array([node.free]), after, _pod(demands))[0])
 
 
 class _Node:
-    """A node's cards sorted by index, with their free units (0 on unhealthy cards), and which of them
-    the pod's rule lets it have."""
+    """A node's cards sorted by index, with their free units (0 on unhealthy cards), which of them the
+    pod's rule lets it have, and ``row``: the capacities as the one-row array the policies take."""
 
-    __slots__ = ("allowed", "capacity", "cards", "free", "rule")
+    __slots__ = ("allowed", "capacity", "cards", "free", "row", "rule")
 
     def __init__(self, cards: Sequence[CardCapacity], rule: CardRule = ANY_CARD) -> None:
         self.cards = sorted(cards, key=lambda c: c.index)
@@ -95,6 +97,7 @@ class _Node:
         self.free = [c.free for c in self.cards]
         self.rule = rule
         self.allowed = [rule.accepts(c.model) for c in self.cards]
+        self.row = np.array([self.capacity], dtype=np.int64).reshape(1, len(self.cards))
 
     def can_take(self, demand: Demand, pos: int, free: Sequence[int]) -> bool:
         cap = self.capacity[pos]
@@ -184,8 +187,9 @@ def _options(
     candidates = [p for p in range(len(free)) if node.can_take(demand, p, free) and node.joins(p, members)]
     if len(candidates) < demand.cards:
         return
-    keys = policy.card_keys(node.capacity, free, candidates, [_take(node, demand, p) for p in candidates], pod)
-    key_of = dict(zip(candidates, keys, strict=True))
+    take = np.array([[_take(node, demand, p) for p in range(len(free))]], dtype=np.int64)
+    keys = policy.card_keys(node.row, np.array([free], dtype=np.int64), take, pod)[0].tolist()
+    key_of = {p: keys[p] for p in candidates}
     ranked = sorted(candidates, key=lambda p: (key_of[p], p))
     if demand.cards == 1:
         for p in ranked:

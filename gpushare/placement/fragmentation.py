@@ -5,7 +5,8 @@ node's idle units when the shape can't be placed there at all, otherwise the idl
 free space is below what the shape needs per card (a shape that needs no GPU can use none of them, so
 to it all idle units are fragments). The node's fragmentation is the frequency-weighted sum over the
 workload's typical shapes. Placing a demand on a card changes it by a *delta*; FGD picks
-the placement with the smallest delta.
+the placement with the smallest delta. One vectorised implementation, over (nodes, cards) arrays,
+serves one node (the extender's per-node path) and thousands (prioritize, trace replay).
 
 ``host_ok`` lets a caller that knows more than the GPUs (CPU, memory, model constraints) say per
 shape whether the node could host it apart from its GPUs; without it only GPUs count.
@@ -14,7 +15,7 @@ shape whether the node could host it apart from its GPUs; without it only GPUs c
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -49,7 +50,7 @@ class Workload:
     """Typical shapes with how often each was seen.
 
     Fragmentation is computed as an exact integer sum weighted by ``counts`` and divided by their total
-    once, so that the scalar and the vectorised code agree bit for bit and ties stay ties.
+    once, so that equal placements cost exactly the same and ties stay ties.
     """
 
     shapes: tuple[Shape, ...]
@@ -77,70 +78,6 @@ class Workload:
     @property
     def total(self) -> int:
         return sum(self.counts)
-
-
-def fragmentation(
-    free: Sequence[int], capacity: Sequence[int], workload: Workload, host_ok: Sequence[bool] | None = None
-) -> float:
-    """Fragmentation of one node whose cards have ``free`` of ``capacity`` units (0 free if unhealthy)."""
-    total = sum(free)
-    frag = 0
-    for s, (shape, count) in enumerate(zip(workload.shapes, workload.counts, strict=True)):
-        if host_ok is not None and not host_ok[s]:
-            frag += count * total
-            continue
-        hosts, stranded = _hosts_and_stranded(free, [_threshold(shape, cap) for cap in capacity])
-        frag += count * (stranded if hosts >= shape.cards else total)
-    return frag / workload.total
-
-
-def placement_deltas(
-    free: Sequence[int],
-    capacity: Sequence[int],
-    workload: Workload,
-    candidates: Sequence[int],
-    take: Sequence[int],
-) -> list[float]:
-    """Change in fragmentation if ``take[i]`` units were taken from card position ``candidates[i]``.
-
-    Linear in cards x shapes: each shape's host count and stranded units are computed once, then
-    adjusted for the one card that changes. Agrees exactly with differencing ``fragmentation``.
-    """
-    total = sum(free)
-    per_shape = []
-    for shape, count in zip(workload.shapes, workload.counts, strict=True):
-        thresholds = [_threshold(shape, cap) for cap in capacity]
-        hosts, stranded = _hosts_and_stranded(free, thresholds)
-        before = stranded if hosts >= shape.cards else total
-        per_shape.append((count, shape.cards, thresholds, hosts, stranded, before))
-    deltas = []
-    for pos, units in zip(candidates, take, strict=True):
-        f = free[pos]
-        rest = f - units
-        delta = 0
-        for count, cards, thresholds, hosts, stranded, before in per_shape:
-            t = thresholds[pos]
-            h = hosts - (f >= t) + (rest >= t)
-            st = stranded - (0 if f >= t else f) + (0 if rest >= t else rest)
-            delta += count * ((st if h >= cards else total - units) - before)
-        deltas.append(delta / workload.total)
-    return deltas
-
-
-def _threshold(shape: Shape, capacity: int) -> int:
-    return shape.threshold(capacity) if capacity > 0 and shape.cards else _NEVER
-
-
-def _hosts_and_stranded(free: Sequence[int], thresholds: Sequence[int]) -> tuple[int, int]:
-    """How many cards can take one of the shape's cards, and the free units on all the others."""
-    hosts = 0
-    stranded = 0
-    for f, t in zip(free, thresholds, strict=True):
-        if f >= t:
-            hosts += 1
-        else:
-            stranded += f
-    return hosts, stranded
 
 
 class _BatchShapes:
@@ -183,12 +120,11 @@ class _BatchShapes:
 # which is the definition rearranged so that shapes the node can't host drop out of the GPU maths.
 
 
-def batch_fragmentation(
+def fragmentation(
     free: np.ndarray, capacity: np.ndarray, workload: Workload, host_ok: np.ndarray | None = None
 ) -> np.ndarray:
-    """``fragmentation`` of many nodes at once: (nodes, cards) arrays in, (nodes,) out.
-
-    Absent cards have capacity 0; ``host_ok`` is (nodes, shapes).
+    """Fragmentation of each node whose cards have ``free`` of ``capacity`` units: (nodes, cards) arrays
+    in (absent cards: capacity 0, unhealthy ones: 0 free), (nodes,) out; ``host_ok`` is (nodes, shapes).
     """
     shapes = _BatchShapes(workload, capacity)
     _, _, hosts, stranded = shapes.stats(free)
@@ -197,7 +133,7 @@ def batch_fragmentation(
     return ((shapes.weights(host_ok) * gain).sum(axis=1) + shapes.total * idle) / shapes.total
 
 
-def batch_deltas(
+def placement_deltas(
     free: np.ndarray,
     capacity: np.ndarray,
     workload: Workload,
@@ -205,11 +141,13 @@ def batch_deltas(
     host_before: np.ndarray | None = None,
     host_after: np.ndarray | None = None,
 ) -> np.ndarray:
-    """``placement_deltas`` for every card of many nodes at once.
+    """Change in each node's fragmentation if ``take`` units were taken from each one of its cards.
 
-    ``free``, ``capacity`` and ``take`` are (nodes, cards) arrays (absent cards: capacity 0);
-    ``host_before``/``host_after`` are (nodes, shapes) booleans saying whether each node could host
-    each shape apart from its GPUs before and after the placement. Returns (nodes, cards) deltas.
+    Linear in cards x shapes: each shape's host count and stranded units are computed once per node,
+    then adjusted for the one card that changes. ``free``, ``capacity`` and ``take`` are (nodes, cards)
+    arrays (absent cards: capacity 0); ``host_before``/``host_after`` are (nodes, shapes) booleans saying
+    whether each node could host each shape apart from its GPUs before and after the placement.
+    Returns (nodes, cards) deltas.
     """
     shapes = _BatchShapes(workload, capacity)
     hosting, stranded_cards, hosts, stranded = shapes.stats(free)

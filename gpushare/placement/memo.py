@@ -6,6 +6,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from gpushare.placement.batch import batch_costs
+from gpushare.placement.model import Shape
+from gpushare.placement.policies import Policy
+
 #: the generation of a row whose value was never computed (or whose node can't be placed on)
 UNKNOWN = -1
 
@@ -31,3 +35,39 @@ class RowMemo:
             self._value[stale] = compute(stale)
             self._generation[stale] = generation[stale]
         return self._value[:rows]
+
+
+#: per node: free CPU, free memory and the fixed rank that settles ties (``node_order``)
+Host = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+class CostMemo(RowMemo):
+    """One policy's node costs for one demand shape and CPU/memory request, per row; only rows whose
+    node changed since are computed again. How the prioritize verb and the trace replay both get costs."""
+
+    def costs(
+        self,
+        capacity: np.ndarray,
+        free: np.ndarray,
+        generation: np.ndarray,
+        host: Host,
+        policy: Policy,
+        shape: Shape,
+        request: tuple[int, int] = (0, 0),
+        allowed: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Per row: the policy's cost of the demand (``inf`` where it doesn't fit); ``host`` holds per row
+        free CPU, free memory and the fixed rank; ``allowed`` the cards the pod's rule accepts (None:
+        all). The result is the memo's own array: read it before the memo is asked again."""
+        return self.values(
+            generation,
+            lambda stale: batch_costs(
+                policy,
+                capacity[stale],
+                free[stale],
+                shape,
+                (host[0][stale], host[1][stale], host[2][stale]),
+                request,
+                None if allowed is None else allowed[stale],
+            ),
+        )

@@ -1,14 +1,16 @@
 """Placement policies: which card(s) of a node a demand takes, and how good a node is for a pod.
 
-Every policy answers the same two questions, once for one node (plain Python, for the extender) and
-once for many nodes as numpy arrays (for trace replay over thousands of nodes):
+Every policy answers two questions, each in one vectorised implementation over (nodes, cards) arrays
+(absent cards have capacity 0). The extender's per-node path asks about one node (a one-row array),
+prioritize and the trace replay about thousands at once:
 
-- *card keys*: for each card that could take a demand, a number; lower is preferred;
-- *node cost*: given the node's free units before and after placing the whole pod, a number;
+- *card keys*: for each card, a number for taking ``take`` units from it; lower is preferred (cards
+  that can't take the demand are masked by the caller);
+- *node cost*: given each node's free units before and after placing the whole pod, a number;
   lower is preferred.
 
-All costs are pure functions of (cards, pod shapes[, workload]), so callers may memoise them per
-(node generation, ``shape_key(demands)``, policy name[, workload version]).
+All costs are pure functions of (cards, pod shapes[, workload, host fit]), so callers may memoise them
+per (node generation, ``shape_key(demands)``, policy name[, workload version]).
 """
 
 from __future__ import annotations
@@ -19,16 +21,9 @@ from typing import Protocol
 
 import numpy as np
 
-from gpushare.placement.fragmentation import (
-    Workload,
-    batch_deltas,
-    batch_fragmentation,
-    fragmentation,
-    placement_deltas,
-)
+from gpushare.placement.fragmentation import Workload, fragmentation, placement_deltas
 from gpushare.placement.model import Shape
 
-Ints = Sequence[int]
 Pod = tuple[Shape, ...]
 
 
@@ -39,24 +34,17 @@ class Policy(Protocol):
     #: True when the policy weighs the nodes' CPU and memory (``HostFit``) too
     uses_host: bool
 
-    def card_keys(self, capacity: Ints, free: Ints, candidates: Ints, take: Ints, pod: Pod) -> list[float]:
-        """One key per candidate card position (taking ``take[i]`` units from it); lower is preferred."""
-        ...
-
-    def node_cost(self, capacity: Ints, before: Ints, after: Ints, pod: Pod) -> float:
-        """How bad it is to turn a node's free units ``before`` into ``after``; lower is preferred."""
-        ...
-
-    def batch_card_keys(
-        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None
+    def card_keys(
+        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None = None
     ) -> np.ndarray:
-        """``card_keys`` for every card of many nodes: (nodes, cards) arrays in and out."""
+        """A key per card of each node, taking ``take`` units from it: (nodes, cards) arrays in and out."""
         ...
 
-    def batch_node_cost(
-        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None
+    def node_cost(
+        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None = None
     ) -> np.ndarray:
-        """``node_cost`` for many nodes: (nodes, cards) arrays in, (nodes,) out."""
+        """How bad it is to turn each node's free units ``before`` into ``after``: (nodes, cards) arrays
+        in, (nodes,) out."""
         ...
 
 
@@ -98,19 +86,13 @@ class Binpack:
     keys_are_node_costs = False
     uses_host = False
 
-    def card_keys(self, capacity: Ints, free: Ints, candidates: Ints, take: Ints, pod: Pod) -> list[float]:
-        return [free[p] for p in candidates]
-
-    def node_cost(self, capacity: Ints, before: Ints, after: Ints, pod: Pod) -> float:
-        return sum(after)
-
-    def batch_card_keys(
-        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None
+    def card_keys(
+        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None = None
     ) -> np.ndarray:
         return free.astype(np.float64)
 
-    def batch_node_cost(
-        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None
+    def node_cost(
+        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None = None
     ) -> np.ndarray:
         return after.sum(axis=1).astype(np.float64)
 
@@ -122,19 +104,13 @@ class Spread:
     keys_are_node_costs = False
     uses_host = False
 
-    def card_keys(self, capacity: Ints, free: Ints, candidates: Ints, take: Ints, pod: Pod) -> list[float]:
-        return [-free[p] for p in candidates]
-
-    def node_cost(self, capacity: Ints, before: Ints, after: Ints, pod: Pod) -> float:
-        return -sum(after)
-
-    def batch_card_keys(
-        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None
+    def card_keys(
+        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None = None
     ) -> np.ndarray:
         return -free.astype(np.float64)
 
-    def batch_node_cost(
-        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None
+    def node_cost(
+        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None = None
     ) -> np.ndarray:
         return -after.sum(axis=1).astype(np.float64)
 
@@ -153,47 +129,39 @@ class Fgd:
     def __init__(self, workload: Workload | None = None) -> None:
         self.workload = workload if workload is not None and len(workload) else None
 
-    def _workload(self, pod: Pod, host: HostFit | None = None) -> Workload:
+    def _workload(self, pod: Pod, host: HostFit | None) -> Workload:
         if self.workload is not None:
             return self.workload
         if host is not None:
             raise ValueError("fgd: host fit describes a workload's shapes, but this policy has no workload")
         return Workload.from_shapes(pod, coverage=1.0)
 
-    def card_keys(self, capacity: Ints, free: Ints, candidates: Ints, take: Ints, pod: Pod) -> list[float]:
-        return placement_deltas(free, capacity, self._workload(pod), candidates, take)
-
-    def node_cost(self, capacity: Ints, before: Ints, after: Ints, pod: Pod) -> float:
-        workload = self._workload(pod)
-        return fragmentation(after, capacity, workload) - fragmentation(before, capacity, workload)
-
-    def batch_card_keys(
-        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None
+    def card_keys(
+        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None = None
     ) -> np.ndarray:
         workload = self._workload(pod, host)
         if host is None:
-            return batch_deltas(free, capacity, workload, take)
-        return batch_deltas(free, capacity, workload, take, host.before, host.after)
+            return placement_deltas(free, capacity, workload, take)
+        return placement_deltas(free, capacity, workload, take, host.before, host.after)
 
-    def batch_node_cost(
-        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None
+    def node_cost(
+        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None = None
     ) -> np.ndarray:
         workload = self._workload(pod, host)
-        return batch_fragmentation(after, capacity, workload, None if host is None else host.after) - (
-            batch_fragmentation(before, capacity, workload, None if host is None else host.before)
+        return fragmentation(after, capacity, workload, None if host is None else host.after) - (
+            fragmentation(before, capacity, workload, None if host is None else host.before)
         )
 
 
 class FgdFit(Fgd):
-    """Fragmentation gradient descent that also counts CPU and memory, weighs the typical shapes by the
-    GPU they ask for, and settles near-equal placements by best fit and then a fixed node order.
+    """Fragmentation gradient descent that also counts CPU and memory, and settles near-equal placements
+    by a fixed node order.
 
-    Cost of a placement, lowest first: the fragmentation it adds (GPU the typical pods could no longer
-    use, including a node's idle GPU for shapes whose CPU or memory it can't hold) in steps of
-    ``1/QUANTA`` of a card; then the node's fixed rank, so that equal placements keep going to the same
-    nodes. A pod without GPUs also pays ``IDLE_WEIGHT`` cards for a node whose GPUs are all idle (in
-    proportion for fewer), so that it goes where the GPUs are taken already. One vectorised
-    implementation serves one node and many.
+    Cost of a placement, lowest first: the fragmentation it adds (GPU the typical pods, weighted by how
+    often each arrives, could no longer use, including a node's idle GPU for shapes whose CPU or memory
+    it can't hold) in steps of ``1/QUANTA`` of a card; then the node's fixed rank, so that equal
+    placements keep going to the same nodes. A pod without GPUs also pays ``IDLE_WEIGHT`` cards for a
+    node whose GPUs are all idle (in proportion for fewer), so that it goes where the GPUs are taken.
     """
 
     name = "fgdfit"
@@ -203,35 +171,23 @@ class FgdFit(Fgd):
     IDLE_WEIGHT = 8.0
 
     @classmethod
-    def of(cls, observed: Sequence[tuple[Shape, int, int]], card: int) -> FgdFit:
-        """The policy for pods ``observed`` as (GPU shape, CPU, memory); ``card`` is a whole card's units."""
+    def of(cls, observed: Sequence[tuple[Shape, int, int]]) -> FgdFit:
+        """The policy for pods ``observed`` as (GPU shape, CPU, memory). Pods without GPUs count towards
+        which shapes are typical, but weigh nothing: no placement of a GPU changes what they can use."""
         workload = Workload.from_pods(observed)
-        weights = tuple(
-            n * s.cards * (card if s.exclusive else s.units)
-            for s, n in zip(workload.shapes, workload.counts, strict=True)
-        )
-        return cls(Workload(workload.shapes, weights, workload.hosts) if any(weights) else None)
+        counts = tuple(n if s.cards else 0 for s, n in zip(workload.shapes, workload.counts, strict=True))
+        return cls(Workload(workload.shapes, counts, workload.hosts) if any(counts) else None)
 
-    def card_keys(self, capacity: Ints, free: Ints, candidates: Ints, take: Ints, pod: Pod) -> list[float]:
-        takes = np.zeros(len(free), dtype=np.int64)
-        takes[list(candidates)] = take
-        keys = self.batch_card_keys(np.array([capacity]), np.array([free]), takes[None, :], pod, None)[0]
-        return keys[list(candidates)].tolist()
-
-    def node_cost(self, capacity: Ints, before: Ints, after: Ints, pod: Pod) -> float:
-        arrays = (np.array([capacity]), np.array([before]), np.array([after]))
-        return float(self.batch_node_cost(*arrays, pod, None)[0])
-
-    def batch_card_keys(
-        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None
+    def card_keys(
+        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None = None
     ) -> np.ndarray:
-        delta = super().batch_card_keys(capacity, free, take, pod, host)
+        delta = super().card_keys(capacity, free, take, pod, host)
         return self._settle(capacity, delta, free.sum(axis=1)[:, None] - take, pod, host)
 
-    def batch_node_cost(
-        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None
+    def node_cost(
+        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None = None
     ) -> np.ndarray:
-        delta = super().batch_node_cost(capacity, before, after, pod, host)
+        delta = super().node_cost(capacity, before, after, pod, host)
         return self._settle(capacity, delta, after.sum(axis=1), pod, host)
 
     def _settle(

@@ -1,7 +1,7 @@
 """The extender's own policies in the replay, driven through the extender's entry points: node costs from
-``batch_costs`` memoised per node generation (as the prioritize verb gets them), the cheapest node where
-the pod fits (kube-scheduler takes the extender's best score, equal scores at random), and the cards
-from ``place`` (as the bind verb gets them).
+a ``CostMemo`` per demand shape, recomputed for the nodes that changed (as the prioritize verb gets
+them), the cheapest node where the pod fits (kube-scheduler takes the extender's best score, equal scores
+at random), and the cards from ``place`` (as the bind verb gets them).
 
 Pods without GPUs never reach the GPU extender entry. kube-scheduler scores them itself: the replay
 models its default scoring (NodeResourcesLeastAllocated plus NodeResourcesBalancedAllocation, weight 1
@@ -17,29 +17,18 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpushare import placement
-from gpushare.placement.memo import RowMemo
 from gpushare.simulate.replay import Choice, ClusterState
-from gpushare.simulate.trace import MILLI_PER_CARD, TracePod
+from gpushare.simulate.trace import TracePod
 
 #: the weight of the host prioritize entry in deploy/scheduler-config.yaml
 HOST_WEIGHT = 20
 #: kube-scheduler's stand-in request for a pod that requests no CPU (milli) or memory (MiB here)
 NONZERO_CPU, NONZERO_MEMORY = 100, 200
-NO_GPU = placement.Shape(0, 0)
-
-
-def gpu_shape(pod: TracePod) -> placement.Shape:
-    """A trace pod's GPU request as a placement shape: whole cards, a share of each card, or none."""
-    if not pod.num_gpu:
-        return NO_GPU
-    if pod.gpu_milli >= MILLI_PER_CARD:
-        return placement.Shape(0, pod.num_gpu, exclusive=True)
-    return placement.Shape(pod.gpu_milli, pod.num_gpu)
 
 
 def workload(pods: Sequence[TracePod]) -> placement.Workload:
     """What the extender would have observed: the GPU shapes of the pods."""
-    return placement.Workload.from_shapes(gpu_shape(p) for p in pods if p.num_gpu)
+    return placement.Workload.from_shapes(p.shape for p in pods if p.num_gpu)
 
 
 def learned(name: str, pods: Sequence[TracePod]) -> placement.Policy:
@@ -47,7 +36,7 @@ def learned(name: str, pods: Sequence[TracePod]) -> placement.Policy:
     if name == "fgd":
         return placement.Fgd(workload(pods))
     if name == "fgdfit":
-        return placement.FgdFit.of([(gpu_shape(p), p.cpu_milli, p.memory_mib) for p in pods], MILLI_PER_CARD)
+        return placement.FgdFit.of([(p.shape, p.cpu_milli, p.memory_mib) for p in pods])
     return placement.POLICIES[name]
 
 
@@ -79,42 +68,34 @@ class ExtenderChooser:
     def __init__(self, policy: placement.Policy) -> None:
         self.policy = policy
         self.name = policy.name
-        self._memos: dict[tuple[placement.Shape, frozenset[str], int, int], RowMemo] = {}
+        self._memos: dict[tuple[placement.Shape, frozenset[str], int, int], placement.CostMemo] = {}
         self._order: np.ndarray | None = None
 
-    def _costs(self, state: ClusterState, pod: TracePod, shape: placement.Shape) -> np.ndarray:
+    def _costs(self, state: ClusterState, pod: TracePod) -> np.ndarray:
+        """Per node: the policy's cost of the pod, from the memo the prioritize verb uses too."""
+        shape = pod.shape
         request = (pod.cpu_milli, pod.memory_mib) if self.policy.uses_host else (0, 0)
         key = (shape, pod.models, *request)
         memo = self._memos.get(key)
         if memo is None:
-            memo = self._memos[key] = RowMemo()
-        allowed = state.allowed(pod)
+            memo = self._memos[key] = placement.CostMemo()
         if self._order is None:
             self._order = placement.node_order(state.names)
-        order = self._order
-        return memo.values(
-            state.generation,
-            lambda stale: placement.batch_costs(
-                self.policy,
-                state.capacity[stale],
-                state.free[stale],
-                shape,
-                (state.cpu[stale], state.memory[stale], order[stale]),
-                request,
-                None if allowed is None else allowed[stale],
-            ),
+        host = (state.cpu, state.memory, self._order)
+        return memo.costs(
+            state.capacity, state.free, state.generation, host, self.policy, shape, request, state.allowed(pod)
         )
 
     def choose(self, state: ClusterState, pod: TracePod, rows: np.ndarray, rng: np.random.Generator) -> Choice:
         if not pod.num_gpu:
             scores = kube_default_scores(state, rows, pod)
             if self.policy.uses_host:
-                scores = scores + placement.batch_scores(self._costs(state, pod, NO_GPU)[rows]) * HOST_WEIGHT * 10
+                scores = scores + placement.batch_scores(self._costs(state, pod)[rows]) * HOST_WEIGHT * 10
             return int(rng.choice(rows[scores == scores.max()])), ()
-        shape = gpu_shape(pod)
-        costs = self._costs(state, pod, shape)[rows]
+        costs = self._costs(state, pod)[rows]
         best = rows[costs == costs.min()]
         row = int(best[0] if best.size == 1 else rng.choice(best))
+        shape = pod.shape
         demand = placement.Demand("main", shape.units, shape.cards, shape.exclusive)
         rule = placement.CardRule(pod.models)
         (assignment,) = placement.place(node_cards(state, row), [demand], self.policy, unit="milli", rule=rule)

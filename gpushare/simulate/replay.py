@@ -17,6 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
+from gpushare.placement.batch import able_cards
 from gpushare.placement.model import CardRule
 from gpushare.simulate.trace import MILLI_PER_CARD, TraceNode, TracePod
 
@@ -100,11 +101,8 @@ class ClusterState:
 
     def able(self, pod: TracePod, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
         """Per (node of ``rows``, card): whether one of the pod's cards can go there."""
-        capacity = self.capacity[rows]
-        need = capacity if pod.gpu_milli >= MILLI_PER_CARD else pod.gpu_milli
-        able = (capacity > 0) & (self.free[rows] >= need)
         allowed = self.allowed(pod)
-        return able if allowed is None else able & allowed[rows]
+        return able_cards(self.capacity[rows], self.free[rows], pod.shape, None if allowed is None else allowed[rows])
 
     def feasible(self, pod: TracePod) -> np.ndarray:
         """Rows where the pod fits: CPU, memory, card model and GPUs."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from gpushare.contract.cardrule import parse_models as models_of
 from gpushare.contract.errors import AnnotationError
+from gpushare.placement.model import Shape
 
 MILLI_PER_CARD = 1000
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
@@ -52,6 +53,15 @@ class TracePod:
     def gpu_request(self) -> int:
         """Milli-GPUs requested in total."""
         return self.num_gpu * self.gpu_milli
+
+    @property
+    def shape(self) -> Shape:
+        """The GPU request as a placement shape: whole cards, a share of each card, or none."""
+        if not self.num_gpu:
+            return Shape(0, 0)
+        if self.gpu_milli >= MILLI_PER_CARD:
+            return Shape(0, self.num_gpu, exclusive=True)
+        return Shape(self.gpu_milli, self.num_gpu)
 
 
 def parse_models(spec: str, where: str = "gpu_spec") -> frozenset[str]:
