@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from advertiser.publish import node_patch
+from gpushare.advertiser.publish import node_patch
+
 from gpushare.contract.units import MemoryUnit
 from gpushare.inventory import GpuBackend, HealthEvent
 from gpushare.kube.errors import KubeError

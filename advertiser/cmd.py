@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from advertiser.agent import Advertiser
+    from gpushare.advertiser.agent import Advertiser
+
     from gpushare.kube.transport import load_api
     from gpushare.process import wait_for_termination
     from gpushare.settings import node_settings

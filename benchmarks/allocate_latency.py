@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from gpushare.deviceplugin.decision import decide
+from gpushare.deviceplugin.devices import MAX_MESSAGE_BYTES, DeviceListTooLarge, check_message_size, message_size
+from gpushare.deviceplugin.plugin import SOCKETS
+from gpushare.deviceplugin.wiring import RunningPlugin, start_device_plugin
 from kubernetes import client
 
-from deviceplugin.decision import decide
-from deviceplugin.devices import MAX_MESSAGE_BYTES, DeviceListTooLarge, check_message_size, message_size
-from deviceplugin.plugin import SOCKETS
-from deviceplugin.wiring import RunningPlugin, start_device_plugin
 from gpushare.cards import Card
 from gpushare.contract.aliyun import format_assume_time, format_bool
 from gpushare.contract.allocation import CardSlice, format_allocation

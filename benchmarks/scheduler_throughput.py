@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from gpushare.deviceplugin.devices import count_replicas
 from kubernetes import client
 
-from deviceplugin.devices import count_replicas
 from gpushare.contract.inventory import format_inventory
 from gpushare.contract.names import ANN_ALLOCATION, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from gpushare.settings import add_node_flags
 
 if TYPE_CHECKING:  # the wiring pulls in grpc; the command module stays light
-    from crishim.wiring import ShimSettings
+    from gpushare.crishim.wiring import ShimSettings
 
 DEFAULT_LISTEN = "unix:///run/gpushare/cri.sock"
 DEFAULT_RUNTIME = "unix:///run/containerd/containerd.sock"
@@ -53,9 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def shim_settings(args: argparse.Namespace) -> ShimSettings:
     """The shim's settings from its flags; shared with ``gpushare node``."""
-    from crishim.rewrite import RewriteOptions
-    from crishim.server import socket_path
-    from crishim.wiring import ShimSettings
+    from gpushare.crishim.rewrite import RewriteOptions
+    from gpushare.crishim.server import socket_path
+    from gpushare.crishim.wiring import ShimSettings
+
     from gpushare.settings import UsageError
 
     for flag, address in (("--listen", args.listen), ("--runtime", args.runtime)):
@@ -74,7 +75,8 @@ def shim_settings(args: argparse.Namespace) -> ShimSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    from crishim.wiring import run_cri_shim
+    from gpushare.crishim.wiring import run_cri_shim
+
     from gpushare.kube.errors import KubeConfigError
     from gpushare.settings import UsageError, node_settings
 

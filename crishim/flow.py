@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from crishim.frames import DEFAULT_WINDOW, MAX_WINDOW, SETTINGS_INITIAL_WINDOW_SIZE
+from gpushare.crishim.frames import DEFAULT_WINDOW, MAX_WINDOW, SETTINGS_INITIAL_WINDOW_SIZE
 
 
 class Windows:

@@ -13,7 +13,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from crishim.resolve import Resolution, plugin_view
+from gpushare.crishim.resolve import Resolution, plugin_view
+
 from gpushare.assignment import Refusal, check_assignment, describe
 from gpushare.cards import Card
 from gpushare.contract.env import assigned_env

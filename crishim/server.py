@@ -15,12 +15,12 @@ from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
+from gpushare.crishim.metrics import CORRECTIONS, REFUSALS
+from gpushare.crishim.reactor import Reactor
+from gpushare.crishim.resolve import Resolver, Target
+from gpushare.crishim.rewrite import RewriteOptions, rewrite
+from gpushare.crishim.splice import Forward, Refuse, Splice, Verdict
 
-from crishim.metrics import CORRECTIONS, REFUSALS
-from crishim.reactor import Reactor
-from crishim.resolve import Resolver, Target
-from crishim.rewrite import RewriteOptions, rewrite
-from crishim.splice import Forward, Refuse, Splice, Verdict
 from gpushare.assignment import describe
 from gpushare.cards import Card
 from gpushare.contract.names import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID

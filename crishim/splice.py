@@ -6,7 +6,7 @@ status, details and trailers, reaches the other side exactly as it was sent, and
 socket hops, not a second gRPC stack.
 
 The shim reads only what it must: frame headers, kubelet's header blocks (to learn each new call's
-method), and the runtime's SETTINGS and window updates (for flow control, see :mod:`crishim.flow`).
+method), and the runtime's SETTINGS and window updates (for flow control, see :mod:`gpushare.crishim.flow`).
 A call to an intercepted method (CreateContainer) has its header block forwarded at once (the
 runtime's HPACK decoder must see every block) while its DATA is held until the request is whole.
 ``decide`` then says, on a worker thread, what goes on: the request as it was, a corrected copy, or
@@ -31,10 +31,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client import Histogram
-
-from crishim.flow import Windows
-from crishim.frames import (
+from gpushare.crishim.flow import Windows
+from gpushare.crishim.frames import (
     ACK,
     CONTINUATION,
     DATA,
@@ -62,9 +60,10 @@ from crishim.frames import (
     unpadded,
     window_update,
 )
-from crishim.headers import HeaderBlockError, PathDecoder, trailers_only_block
-from crishim.metrics import call_timer
-from crishim.reactor import Endpoint, Reactor
+from gpushare.crishim.headers import HeaderBlockError, PathDecoder, trailers_only_block
+from gpushare.crishim.metrics import call_timer
+from gpushare.crishim.reactor import Endpoint, Reactor
+from prometheus_client import Histogram
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +196,7 @@ class Splice:
                     if self._hold(held, stream, flags, buf[pos + FRAME_HEADER : end], grants):
                         settle.append(stream)
                 elif not self._windows.try_consume(end - pos - FRAME_HEADER):
-                    self._gated = True  # until the runtime's next window update (see crishim.flow)
+                    self._gated = True  # until the runtime's next window update (see gpushare.crishim.flow)
                     break
             elif kind == HEADERS:
                 block = header_block(buf, pos)

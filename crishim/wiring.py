@@ -6,9 +6,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from crishim.resolve import CachedPods, Resolver, Target
-from crishim.rewrite import RewriteOptions
-from crishim.server import CreateContainerGuard, CriShim, EventSink
+from gpushare.crishim.resolve import CachedPods, Resolver, Target
+from gpushare.crishim.rewrite import RewriteOptions
+from gpushare.crishim.server import CreateContainerGuard, CriShim, EventSink
+
 from gpushare.inventory import GpuBackend
 from gpushare.kube.errors import KubeConfigError
 from gpushare.kube.events import EventRecorder

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from deviceplugin.decision import Decision, booked_cards_note, decide, node_env, preferred_cards
-from deviceplugin.metrics import ALLOCATE_FAILURES, ALLOCATE_LATENCY, publish_card_usage
+from gpushare.deviceplugin.decision import Decision, booked_cards_note, decide, node_env, preferred_cards
+from gpushare.deviceplugin.metrics import ALLOCATE_FAILURES, ALLOCATE_LATENCY, publish_card_usage
+
 from gpushare.assignment import Refusal, describe
 from gpushare.cards import Card
 from gpushare.contract.errors import ContractError

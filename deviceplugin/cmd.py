@@ -13,7 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deviceplugin.wiring import run_device_plugin
+    from gpushare.deviceplugin.wiring import run_device_plugin
+
     from gpushare.settings import node_settings
 
     return run_device_plugin(node_settings(args), args.metrics_port)

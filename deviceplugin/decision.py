@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deviceplugin.devices import card_of_device
-from deviceplugin.matching import Skipped, fully_served, match_container
+from gpushare.deviceplugin.devices import card_of_device
+from gpushare.deviceplugin.matching import Skipped, fully_served, match_container
+
 from gpushare.assignment import Claim, Holdings, Refusal, check_assignment, describe
 from gpushare.cards import Card
 from gpushare.contract.aliyun import format_bool, parse_bool

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from gpushare.deviceplugin.allocator import Allocator
+from gpushare.deviceplugin.server import DeviceState, ResourceService
 
-from deviceplugin.allocator import Allocator
-from deviceplugin.server import DeviceState, ResourceService
 from gpushare.cards import Card
 from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import MemoryUnit

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from deviceplugin.devices import card_of_device
+from gpushare.deviceplugin.devices import card_of_device
+
 from gpushare import placement
 from gpushare.cards import Card
 from gpushare.contract.names import RESOURCE_MEM

@@ -1,5 +1,5 @@
-"""The DevicePlugin gRPC service for one resource. Thin: the decision is :mod:`deviceplugin.decision`,
-the state around it :mod:`deviceplugin.allocator`."""
+"""The DevicePlugin gRPC service for one resource. Thin: the decision is :mod:`gpushare.deviceplugin.decision`,
+the state around it :mod:`gpushare.deviceplugin.allocator`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
+from gpushare.deviceplugin.allocator import Allocator, Unavailable
+from gpushare.deviceplugin.devices import device_list
+from gpushare.deviceplugin.preferred import preferred_ids
 
-from deviceplugin.allocator import Allocator, Unavailable
-from deviceplugin.devices import device_list
-from deviceplugin.preferred import preferred_ids
 from gpushare.assignment import Refusal
 from gpushare.cards import Card
 from gpushare.contract.units import MemoryUnit

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from deviceplugin.allocator import Allocator
-from deviceplugin.devices import REPLICAS_PER_UNIT, DeviceListTooLarge, check_message_size
-from deviceplugin.plugin import DevicePlugin
+from gpushare.deviceplugin.allocator import Allocator
+from gpushare.deviceplugin.devices import REPLICAS_PER_UNIT, DeviceListTooLarge, check_message_size
+from gpushare.deviceplugin.plugin import DevicePlugin
+
 from gpushare.contract.units import MemoryUnit
 from gpushare.inventory import GpuBackend
 from gpushare.kube.transport import load_api

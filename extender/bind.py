@@ -27,10 +27,11 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from extender import podfit
-from extender.cache import ClusterCache, demands_of, placement_cards
-from extender.engine import PlacementEngine
-from extender.metrics import BIND_FAILURES
+from gpushare.extender import podfit
+from gpushare.extender.cache import ClusterCache, demands_of, placement_cards
+from gpushare.extender.engine import PlacementEngine
+from gpushare.extender.metrics import BIND_FAILURES
+
 from gpushare import placement
 from gpushare.contract.aliyun import format_assume_time, format_bool, format_framework_allocation
 from gpushare.contract.allocation import Allocation, CardSlice, format_allocation

@@ -9,7 +9,7 @@ from gpushare.settings import UsageError
 from gpushare.tlshttp import DEFAULT_LIMITS, Limits, ServerTLS, TLSFilesError
 
 if TYPE_CHECKING:
-    from extender.wiring import Serving
+    from gpushare.extender.wiring import Serving
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serving(args: argparse.Namespace) -> Serving:
     """The serving settings from the command line; UsageError when the TLS flags don't add up."""
-    from extender.wiring import Serving
+    from gpushare.extender.wiring import Serving
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
@@ -55,6 +55,6 @@ def serving(args: argparse.Namespace) -> Serving:
 
 
 def run(args: argparse.Namespace) -> int:
-    from extender.wiring import run_extender
+    from gpushare.extender.wiring import run_extender
 
     return run_extender(args.kubeconfig, args.policy, serving(args))

@@ -11,11 +11,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from gpushare.extender import podfit
+from gpushare.extender.cache import CachedNode, ClusterCache
+from gpushare.extender.matrix import NodeMatrix
+from gpushare.extender.wire import NodeNames
 
-from extender import podfit
-from extender.cache import CachedNode, ClusterCache
-from extender.matrix import NodeMatrix
-from extender.wire import NodeNames
 from gpushare import placement
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import ANN_POLICY

@@ -25,9 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from extender.bind import ATTEMPTS, Binder, selector_mismatch
-from extender.cache import ClusterCache, demands_of, host_request
-from extender.engine import PlacementEngine
+from gpushare.extender.bind import ATTEMPTS, Binder, selector_mismatch
+from gpushare.extender.cache import ClusterCache, demands_of, host_request
+from gpushare.extender.engine import PlacementEngine
+
 from gpushare import placement
 from gpushare.contract.errors import ContractError
 from gpushare.contract.gang import Gang, parse_gang

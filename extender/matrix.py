@@ -17,9 +17,9 @@ from collections import OrderedDict
 from itertools import repeat
 
 import numpy as np
+from gpushare.extender.cache import ClusterCache
+from gpushare.extender.wire import NodeNames
 
-from extender.cache import ClusterCache
-from extender.wire import NodeNames
 from gpushare import placement
 from gpushare.placement.memo import UNKNOWN, CostMemo
 

@@ -10,13 +10,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from extender.bind import Binder, BindError
-from extender.cache import ClusterCache
-from extender.engine import PlacementEngine
-from extender.gang import Gangs
-from extender.metrics import CARD_ALLOCATED, CARD_TOTAL, VERB_LATENCY
-from extender.verbs import filter_result, host_prioritize_result, preempt_result, prioritize_result
-from extender.wire import BadRequest, encode
+from gpushare.extender.bind import Binder, BindError
+from gpushare.extender.cache import ClusterCache
+from gpushare.extender.engine import PlacementEngine
+from gpushare.extender.gang import Gangs
+from gpushare.extender.metrics import CARD_ALLOCATED, CARD_TOTAL, VERB_LATENCY
+from gpushare.extender.verbs import filter_result, host_prioritize_result, preempt_result, prioritize_result
+from gpushare.extender.wire import BadRequest, encode
+
 from gpushare.contract.errors import quoted
 from gpushare.observability import health_reply
 from gpushare.tlshttp import HttpServer, Limits, Reply, Request, ServerTLS

@@ -1,5 +1,5 @@
 """The verbs: filter, prioritize and preempt answers for kube-scheduler, over the cache and the
-placement engine. Bind is :mod:`extender.bind`'s; the HTTP side is :mod:`extender.server`'s."""
+placement engine. Bind is :mod:`gpushare.extender.bind`'s; the HTTP side is :mod:`gpushare.extender.server`'s."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from itertools import compress
 from typing import Any
 
 import numpy as np
+from gpushare.extender import podfit
+from gpushare.extender.cache import CachedNode, ClusterCache, demands_of, host_request, placement_cards
+from gpushare.extender.engine import PlacementEngine
+from gpushare.extender.gang import Gangs
+from gpushare.extender.wire import NodeNames, Raw, candidate_names, check_victims, request_pod
 
-from extender import podfit
-from extender.cache import CachedNode, ClusterCache, demands_of, host_request, placement_cards
-from extender.engine import PlacementEngine
-from extender.gang import Gangs
-from extender.wire import NodeNames, Raw, candidate_names, check_victims, request_pod
 from gpushare import placement
 from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError

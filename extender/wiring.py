@@ -8,11 +8,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from extender.bind import Binder
-from extender.cache import ClusterCache
-from extender.engine import PlacementEngine
-from extender.gang import Gangs
-from extender.server import ExtenderServer, refresh_card_gauges
+from gpushare.extender.bind import Binder
+from gpushare.extender.cache import ClusterCache
+from gpushare.extender.engine import PlacementEngine
+from gpushare.extender.gang import Gangs
+from gpushare.extender.server import ExtenderServer, refresh_card_gauges
+
 from gpushare import placement
 from gpushare.kube.transport import load_api
 from gpushare.observability import ObservabilityServer, serve_http

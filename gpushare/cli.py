@@ -12,11 +12,11 @@ import logging
 import sys
 from types import ModuleType
 
-from advertiser import cmd as advertiser_cmd
-from crishim import cmd as crishim_cmd
-from deviceplugin import cmd as deviceplugin_cmd
-from extender import cmd as extender_cmd
 from gpushare import node
+from gpushare.advertiser import cmd as advertiser_cmd
+from gpushare.crishim import cmd as crishim_cmd
+from gpushare.deviceplugin import cmd as deviceplugin_cmd
+from gpushare.extender import cmd as extender_cmd
 from gpushare.inspection import cmd as inspect_cmd
 from gpushare.inventory import InventoryError
 from gpushare.kube.errors import KubeError
@@ -24,7 +24,7 @@ from gpushare.sandbox import apiserver_cmd
 from gpushare.sandbox import cmd as sandbox_cmd
 from gpushare.settings import UsageError
 from gpushare.simulate import cmd as simulate_cmd
-from webhook import cmd as webhook_cmd
+from gpushare.webhook import cmd as webhook_cmd
 
 SUBCOMMANDS: dict[str, tuple[ModuleType, str]] = {
     "device-plugin": (deviceplugin_cmd, "serve aliyun.com/gpu-mem and aliyun.com/gpu-count to kubelet"),

@@ -9,14 +9,14 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from crishim.wiring import ShimSettings
+    from gpushare.crishim.wiring import ShimSettings
     from gpushare.inventory import GpuBackend
     from gpushare.settings import NodeSettings
     from gpushare.supervisor import Supervised
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from crishim.cmd import add_arguments as add_shim_arguments
+    from gpushare.crishim.cmd import add_arguments as add_shim_arguments
 
     add_shim_arguments(parser)  # node flags, shim flags and --metrics-port
     parser.add_argument("--no-cri-shim", action="store_true", help="run only the advertiser and the device plugin")
@@ -27,9 +27,9 @@ def components(
     settings: NodeSettings, shim: ShimSettings | None, backend: GpuBackend, api: object, advertise_interval: float
 ) -> list[Supervised]:
     """The node agent's components, each as a way to start it afresh."""
-    from advertiser.agent import Advertiser
-    from crishim.wiring import start_cri_shim
-    from deviceplugin.wiring import start_device_plugin
+    from gpushare.advertiser.agent import Advertiser
+    from gpushare.crishim.wiring import start_cri_shim
+    from gpushare.deviceplugin.wiring import start_device_plugin
     from gpushare.supervisor import Supervised
 
     def start_advertiser() -> Advertiser:
@@ -49,8 +49,8 @@ def components(
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from crishim.cmd import shim_settings
-    from deviceplugin.wiring import check_unit
+    from gpushare.crishim.cmd import shim_settings
+    from gpushare.deviceplugin.wiring import check_unit
     from gpushare.kube.transport import load_api
     from gpushare.observability import serve_http
     from gpushare.process import wait_for_termination

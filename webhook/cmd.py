@@ -10,7 +10,7 @@ from gpushare.tlshttp import ServerTLS, TLSFilesError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from webhook.review import DEFAULT_TRUSTED
+    from gpushare.webhook.review import DEFAULT_TRUSTED
 
     parser.add_argument("--port", type=int, default=8443)
     parser.add_argument(
@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from webhook.review import DEFAULT_TRUSTED
-    from webhook.server import WebhookServer
+    from gpushare.webhook.review import DEFAULT_TRUSTED
+    from gpushare.webhook.server import WebhookServer
 
     try:
         tls = ServerTLS(args.tls_cert, args.tls_key, args.client_ca)

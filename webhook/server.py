@@ -1,4 +1,4 @@
-"""The webhook's HTTPS server: thin, the decision is :func:`webhook.review.review`."""
+"""The webhook's HTTPS server: thin, the decision is :func:`gpushare.webhook.review.review`."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import json
 import logging
 from collections.abc import Iterable
 
+from gpushare.webhook.review import DEFAULT_TRUSTED, BadReview, response, review
+
 from gpushare.observability import health_reply
 from gpushare.tlshttp import DEFAULT_LIMITS, HttpServer, Limits, Reply, Request, ServerTLS
-from webhook.review import DEFAULT_TRUSTED, BadReview, response, review
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from advertiser.agent import Advertiser
+from gpushare.advertiser.agent import Advertiser
 from gpushare.cards import Card
 from gpushare.contract.inventory import parse_inventory
 from gpushare.contract.names import (
@@ -150,7 +150,7 @@ class Sandbox:
         self.container_note = "env read with ExecSync from the running container process"
 
     def _start_node(self, spec: NodeSpec) -> None:
-        from deviceplugin.wiring import start_device_plugin
+        from gpushare.deviceplugin.wiring import start_device_plugin
 
         self.apiserver_create_node(spec)
         directory = Path(tempfile.mkdtemp(prefix=f"gs-{spec.name[:8]}-", dir="/tmp"))
@@ -168,8 +168,8 @@ class Sandbox:
             raise SandboxError(f"node {spec.name}: the device plugin did not register with the kubelet emulator")
         self._publish_capacity(spec.name, kubelet)
         if self.containerd is not None:
-            from crishim.rewrite import RewriteOptions
-            from crishim.wiring import ShimSettings, start_cri_shim
+            from gpushare.crishim.rewrite import RewriteOptions
+            from gpushare.crishim.wiring import ShimSettings, start_cri_shim
 
             shim_socket = directory / "cri-shim.sock"
             shim_settings = ShimSettings(

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_until
+from gpushare.advertiser.agent import Advertiser
 from kubernetes import client
 
-from advertiser.agent import Advertiser
 from gpushare.cli import main
 from gpushare.contract.inventory import NodeInventory, parse_inventory
 from gpushare.contract.names import NODE_ANN_INVENTORY, NODE_LABEL_MODEL

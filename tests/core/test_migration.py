@@ -1,19 +1,19 @@
 """Moving from the original (Alibaba) gpushare node by node, and back: both sides must see the same
 cards, the same pods and the same amounts at every step.
 
-The tests that need a running extender are in test_extender_contract.py, those that need a device
-plugin in test_deviceplugin_integration.py (section "moving from the original gpushare")."""
+The tests that need a running extender are in tests/extender/test_extender.py, those that need a device
+plugin in tests/deviceplugin/test_deviceplugin_integration.py (section "moving from the original gpushare")."""
 
 from __future__ import annotations
 
 import json
 import tomllib
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kubernetes import client
 from podfactory import container, gpu_pod
+from support.original import original_node
 
 from gpushare.cards import Card
 from gpushare.cli import kubectl_inspect_main
@@ -26,35 +26,11 @@ from gpushare.contract.names import (
     RESOURCE_COUNT,
     RESOURCE_MEM,
 )
-from gpushare.contract.request import parse_pod_request
 from gpushare.contract.units import GIB
 from gpushare.inspection.model import build_node
 from gpushare.usage import node_inventory, node_usage
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def original_node(core: client.CoreV1Api, name: str, mem: int, count: int, ip: str = "10.0.0.7") -> None:
-    """A node that runs the original device plugin: no inventory annotation, only its status."""
-    core.create_node({"metadata": {"name": name}})
-    amounts = {RESOURCE_MEM: str(mem), RESOURCE_COUNT: str(count)}
-    core.patch_node_status(
-        name,
-        {"status": {"capacity": amounts, "allocatable": amounts, "addresses": [{"type": "InternalIP", "address": ip}]}},
-    )
-
-
-def original_inspect_usage(pod: dict[str, Any]) -> dict[int, int]:
-    """What the original kubectl-inspect-gpushare counts for a pod: the framework annotation summed
-    per card when it is there, else the pod's app-container gpu-mem on its IDX card."""
-    ann = pod["metadata"].get("annotations") or {}
-    if ANN_FRAMEWORK_ALLOCATION in ann:
-        per_card: dict[int, int] = {}
-        for cards in json.loads(ann[ANN_FRAMEWORK_ALLOCATION]).values():
-            for number, units in cards.items():
-                per_card[int(number)] = per_card.get(int(number), 0) + units
-        return per_card
-    return {int(ann[ANN_MEM_IDX]): parse_pod_request(pod).app_mem}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- point 1: nodes that still run the original device plugin --------------------------------------------

@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import wait_until
+from gpushare.advertiser.agent import Advertiser
+from gpushare.advertiser.publish import node_patch
 from kubernetes import client
 
-from advertiser.agent import Advertiser
-from advertiser.publish import node_patch
 from gpushare.contract.inventory import NodeInventory, format_inventory, parse_inventory
 from gpushare.contract.names import NODE_ANN_INVENTORY, NODE_LABEL_MODEL
 from gpushare.contract.units import GIB

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_until
+from gpushare.extender.wiring import Serving, start_extender
 from kubernetes import client
 from podfactory import container, gpu_pod
 from test_extender import NODES, Cluster
 from tlscerts import Certs, make_certs
 
-from extender.wiring import Serving, start_extender
 from gpushare.settings import UsageError
 from gpushare.tlshttp import Limits, ServerTLS
 
@@ -169,8 +169,8 @@ def test_a_bug_is_a_logged_500_without_python_details(
     def broken(engine: object, body: object) -> None:
         raise AttributeError("'str' object has no attribute 'get'")
 
-    monkeypatch.setattr("extender.server.filter_result", broken)
-    with caplog.at_level(logging.ERROR, logger="extender.server"):
+    monkeypatch.setattr("gpushare.extender.server.filter_result", broken)
+    with caplog.at_level(logging.ERROR, logger="gpushare.extender.server"):
         status, reply = _post(cluster.extender.server.port, "/filter", b'{"Pod": {}, "NodeNames": []}')
     assert status == 500 and "attribute" not in reply.decode()
     assert any("/filter failed" in r.getMessage() and r.exc_info for r in caplog.records)

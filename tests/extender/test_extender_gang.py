@@ -7,11 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import wait_until
+from gpushare.extender.wiring import start_extender
 from kubernetes import client
 from podfactory import container, gpu_pod
 from test_extender import NODES, Cluster
 
-from extender.wiring import start_extender
 from gpushare.contract.gang import format_gang
 from gpushare.contract.names import ANN_GANG_HOLD, NODE_ANN_PENDING_BINDS
 from gpushare.contract.pending import parse_pending_binds

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpushare.crishim.resolve import CachedPods, Resolver, Target
+from gpushare.crishim.rewrite import RewriteOptions, rewrite
 from test_crishim_rewrite import (
     A0,
     A1,
@@ -20,8 +22,6 @@ from test_crishim_rewrite import (
     slice_of,
 )
 
-from crishim.resolve import CachedPods, Resolver, Target
-from crishim.rewrite import RewriteOptions, rewrite
 from gpushare.contract.names import ANN_MEM_IDX, ENV_MEM_CONTAINER, ENV_MEM_IDX, ENV_VISIBLE_DEVICES
 from gpushare.contract.pending import PendingBind
 from gpushare.contract.units import GIB

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 from conftest import readiness, wait_until
+from gpushare.deviceplugin import plugin as plugin_module
+from gpushare.deviceplugin.plugin import SOCKETS, DevicePlugin
+from gpushare.deviceplugin.wiring import start_device_plugin
 from kubernetes import client
 from podfactory import container, gpu_pod
 
-from deviceplugin import plugin as plugin_module
-from deviceplugin.plugin import SOCKETS, DevicePlugin
-from deviceplugin.wiring import start_device_plugin
 from gpushare.contract.names import ENV_VISIBLE_DEVICES, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB
 from gpushare.inventory import InventoryError, SimulatedBackend

@@ -8,8 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
-
-from crishim.resolve import (
+from gpushare.crishim.resolve import (
     SOURCE_API,
     Resolution,
     Resolver,
@@ -18,9 +17,10 @@ from crishim.resolve import (
     plugin_view,
     target_of,
 )
-from crishim.rewrite import RewriteOptions, rewrite
-from crishim.server import CreateContainerGuard
-from crishim.splice import Forward, Refuse
+from gpushare.crishim.rewrite import RewriteOptions, rewrite
+from gpushare.crishim.server import CreateContainerGuard
+from gpushare.crishim.splice import Forward, Refuse
+
 from gpushare.assignment import Refusal
 from gpushare.contract.allocation import CardSlice, format_allocation
 from gpushare.contract.env import assigned_env
@@ -390,7 +390,7 @@ def test_guard_forwards_the_original_bytes_when_nothing_changes(caplog: pytest.L
     request = request_for(POD, allocation_of(worker=(slice_of(A0),)), plugin_config(POD, [slice_of(A0)]))
     raw = request.SerializeToString() + b"\xd0\x02\x07"
     guard = CreateContainerGuard(Resolver(GIB, None), lambda: CARDS, GIB, RewriteOptions())
-    with caplog.at_level(logging.INFO, logger="crishim.server"):
+    with caplog.at_level(logging.INFO, logger="gpushare.crishim.server"):
         verdict = guard(raw)
     assert isinstance(verdict, Forward) and verdict.message is raw  # not even re-encoded
     assert [r.getMessage() for r in caplog.records] == [

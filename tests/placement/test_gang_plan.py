@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from gpushare.extender.cache import demands_of
 
-from extender.cache import demands_of
 from gpushare import placement
 from gpushare.contract.gang import Gang, GangError, format_gang, parse_gang
 from gpushare.contract.names import LABEL_GANG, LABEL_GANG_MIN
@@ -108,7 +108,7 @@ def test_a_hold_round_trips_through_the_node_annotation_and_outlives_a_bind() ->
 
 
 def test_the_gang_example_is_one_gang_of_gpu_pods() -> None:
-    path = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "gang" / "train-4.yaml"
+    path = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "gang" / "train-4.yaml"
     pods = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
     gangs = {parse_gang(pod) for pod in pods}
     assert gangs == {Gang("default", "train-4", len(pods))}

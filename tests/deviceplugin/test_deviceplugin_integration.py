@@ -15,13 +15,13 @@ from typing import Any
 import grpc
 import pytest
 from conftest import wait_until
+from gpushare.deviceplugin import wiring as deviceplugin_wiring
+from gpushare.deviceplugin.devices import card_of_device
+from gpushare.deviceplugin.plugin import SOCKETS
+from gpushare.deviceplugin.wiring import RunningPlugin, start_device_plugin
 from kubernetes import client
 from podfactory import container, gpu_pod, slices
 
-from deviceplugin import wiring as deviceplugin_wiring
-from deviceplugin.devices import card_of_device
-from deviceplugin.plugin import SOCKETS
-from deviceplugin.wiring import RunningPlugin, start_device_plugin
 from gpushare.contract.allocation import CardSlice, parse_assigned_containers
 from gpushare.contract.names import (
     ANN_ALLOCATION,
@@ -463,7 +463,7 @@ def test_metrics_show_card_usage_and_refusals_and_probes_follow_readiness(node: 
         server.stop()
 
 
-# --- moving from the original gpushare (see test_migration.py) -------------------------------------------
+# --- moving from the original gpushare (see tests/core/test_migration.py) -------------------------------------------
 
 
 def test_the_cgpu_label_puts_cgpu_disable_in_the_env(node: SimNode) -> None:

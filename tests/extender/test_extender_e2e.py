@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_until
+from gpushare.advertiser.agent import Advertiser
+from gpushare.deviceplugin.wiring import start_device_plugin
+from gpushare.extender.wiring import start_extender
 from kubernetes import client
 from podfactory import container, gpu_pod
 
-from advertiser.agent import Advertiser
-from deviceplugin.wiring import start_device_plugin
-from extender.wiring import start_extender
 from gpushare.contract.allocation import parse_allocation
 from gpushare.contract.names import ANN_ALLOCATION, ENV_VISIBLE_DEVICES, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB

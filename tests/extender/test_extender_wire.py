@@ -7,8 +7,7 @@ import random
 
 import numpy as np
 import pytest
-
-from extender.wire import NodeNames, Raw, encode
+from gpushare.extender.wire import NodeNames, Raw, encode
 
 #: names JSON writes with escapes
 ESCAPED = ['say "hi"', "back\\slash", "tab\there", "del\x7f", "caf\u00e9", "\u2603", '", "']

@@ -7,10 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
-
-from crishim.flow import Windows
-from crishim.frames import (
+from gpushare.crishim.flow import Windows
+from gpushare.crishim.frames import (
     CONTINUATION,
     DATA,
     END_HEADERS,
@@ -27,7 +25,8 @@ from crishim.frames import (
     single_grpc_message,
     unpadded,
 )
-from crishim.headers import HeaderBlockError, PathDecoder, trailers_only_block
+from gpushare.crishim.headers import HeaderBlockError, PathDecoder, trailers_only_block
+from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
 
 METHODS = [f"/runtime.v1.RuntimeService/{m}" for m in ("Version", "ListContainers", "CreateContainer", "ExecSync")]
 

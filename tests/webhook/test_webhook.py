@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpushare.webhook.review import DEFAULT_TRUSTED, review
+from gpushare.webhook.server import WebhookServer
 from podfactory import container, gpu_pod, slices
 from tlscerts import make_certs
 
@@ -26,8 +28,6 @@ from gpushare.contract.names import (
 )
 from gpushare.inventory import simulated_cards
 from gpushare.tlshttp import ServerTLS
-from webhook.review import DEFAULT_TRUSTED, review
-from webhook.server import WebhookServer
 
 EXTENDER, NODE_AGENT = DEFAULT_TRUSTED
 TENANT = "system:serviceaccount:team-a:default"

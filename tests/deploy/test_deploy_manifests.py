@@ -14,7 +14,7 @@ import yaml
 from gpushare.contract.names import ENV_NODE_NAME, ENV_VISIBLE_DEVICES, RESOURCE_MEM, RESOURCES
 from gpushare.contract.request import parse_pod_request
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KUBERNETES_VERSION = "1.30"
 SCHEDULER_CONFIG = DEPLOY / "scheduler-config.yaml"
 #: not a Kubernetes API object: kubernetes-validate has no schema for it, so it is checked by hand below

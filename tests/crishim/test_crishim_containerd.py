@@ -21,10 +21,7 @@ from typing import Any
 import grpc
 import pytest
 from conftest import wait_until
-from hpack import Encoder
-from kubernetes import client
-
-from crishim.frames import (
+from gpushare.crishim.frames import (
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -39,10 +36,13 @@ from crishim.frames import (
     grpc_message,
     rst_stream,
 )
-from crishim.metrics import CORRECTIONS, REFUSALS
-from crishim.rewrite import RewriteOptions
-from crishim.server import EVENT_CORRECTED
-from crishim.wiring import RunningShim, ShimSettings, start_cri_shim
+from gpushare.crishim.metrics import CORRECTIONS, REFUSALS
+from gpushare.crishim.rewrite import RewriteOptions
+from gpushare.crishim.server import EVENT_CORRECTED
+from gpushare.crishim.wiring import RunningShim, ShimSettings, start_cri_shim
+from hpack import Encoder
+from kubernetes import client
+
 from gpushare.contract.allocation import CardSlice, format_allocation
 from gpushare.contract.env import assigned_env
 from gpushare.contract.names import (

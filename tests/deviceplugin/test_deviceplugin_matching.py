@@ -6,9 +6,9 @@ import itertools
 from typing import Any
 
 import pytest
+from gpushare.deviceplugin.matching import fully_served, match_container
 from podfactory import container, gpu_pod, slices
 
-from deviceplugin.matching import fully_served, match_container
 from gpushare.contract.allocation import format_assigned_containers
 from gpushare.contract.errors import AnnotationError, ContractError
 from gpushare.contract.names import (

@@ -16,14 +16,14 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import wait_until
+from gpushare.advertiser.agent import Advertiser
+from gpushare.deviceplugin.devices import card_of_device, device_id
+from gpushare.deviceplugin.plugin import SOCKETS
+from gpushare.deviceplugin.wiring import RunningPlugin, start_device_plugin
 from kubernetes import client
 from podfactory import container, gpu_pod
 from support.nvml import described_cards, fake_machine, nvml_backend
 
-from advertiser.agent import Advertiser
-from deviceplugin.devices import card_of_device, device_id
-from deviceplugin.plugin import SOCKETS
-from deviceplugin.wiring import RunningPlugin, start_device_plugin
 from gpushare.contract.inventory import NodeInventory, parse_inventory
 from gpushare.contract.names import (
     ANN_GPU_MODEL,

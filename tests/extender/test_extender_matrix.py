@@ -10,12 +10,12 @@ import threading
 
 import pytest
 from conftest import wait_until
+from gpushare.extender.cache import ClusterCache
+from gpushare.extender.engine import PlacementEngine
+from gpushare.extender.matrix import CostMemo, NodeMatrix
+from gpushare.extender.wire import NodeNames
 from podfactory import container, gpu_pod
 
-from extender.cache import ClusterCache
-from extender.engine import PlacementEngine
-from extender.matrix import CostMemo, NodeMatrix
-from extender.wire import NodeNames
 from gpushare import placement
 from gpushare.cards import Card
 from gpushare.contract.allocation import CardSlice

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from gpushare.extender.cache import ClusterCache, host_request
+from gpushare.extender.engine import PlacementEngine
+from gpushare.extender.verbs import host_prioritize_result, prioritize_result
+from gpushare.extender.wire import Raw
 from podfactory import container, gpu_pod
 
-from extender.cache import ClusterCache, host_request
-from extender.engine import PlacementEngine
-from extender.verbs import host_prioritize_result, prioritize_result
-from extender.wire import Raw
 from gpushare.cards import Card
 from gpushare.contract.allocation import CardSlice
 from gpushare.contract.inventory import format_inventory
@@ -27,7 +27,7 @@ from gpushare.simulate.product import HOST_WEIGHT, kube_default_scores
 from gpushare.simulate.replay import ClusterState
 from gpushare.simulate.trace import TraceNode, TracePod
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 GiB = 1 << 30
 _versions = itertools.count(1)
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-
-from deviceplugin.devices import (
+from gpushare.deviceplugin.devices import (
     HEALTHY,
     MAX_MESSAGE_BYTES,
     UNHEALTHY,
@@ -16,6 +15,7 @@ from deviceplugin.devices import (
     device_list,
     message_size,
 )
+
 from gpushare.cards import Card
 from gpushare.cli import build_parser
 from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM, RESOURCES

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from gpushare.deviceplugin.decision import booked_cards_note, decide, preferred_cards
+from gpushare.deviceplugin.devices import card_of_device, device_id
+from gpushare.deviceplugin.preferred import preferred_ids
 from podfactory import container, gpu_pod, slices
 
-from deviceplugin.decision import booked_cards_note, decide, preferred_cards
-from deviceplugin.devices import card_of_device, device_id
-from deviceplugin.preferred import preferred_ids
 from gpushare.assignment import Refusal
 from gpushare.cards import Card
 from gpushare.contract.allocation import CardSlice, format_assigned_containers, parse_assigned_containers
