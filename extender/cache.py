@@ -229,7 +229,10 @@ class ClusterCache:
     def _note_holds(self, name: str, ledger: Ledger) -> None:
         """Keep the gang holds among the node's ledger entries (those naming a gang); under the lock."""
         for uid in self._holds.pop(name, {}):
-            self._hold_nodes.get(uid, set()).discard(name)
+            nodes = self._hold_nodes.get(uid, set())
+            nodes.discard(name)
+            if not nodes:
+                self._hold_nodes.pop(uid, None)
         holds = {uid: entry for uid, entry in ledger.items() if entry.gang}
         if holds:
             self._holds[name] = holds
