@@ -278,20 +278,16 @@ def test_load_api_from_a_kubeconfig_reaches_the_server(apiserver: ApiServer, kub
     assert objects.list_pods(api) == []
 
 
-def bare_pod(name: str, node: str) -> dict:
-    return {"metadata": {"name": name}, "spec": {"nodeName": node, "containers": [{"name": "c", "image": "b"}]}}
-
-
 def test_node_cache_follows_only_its_node(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:
-    core_v1.create_namespaced_pod("default", bare_pod("before", "n1"))
+    core_v1.create_namespaced_pod("default", pod("before", "n1"))
     cache = watch.node_pod_cache(kube_api, "n1")
     seen: list[tuple[str, str]] = []
     cache.add_listener(lambda kind, obj: seen.append((kind, obj["metadata"]["name"])))
     cache.start()
     try:
         assert cache.wait_synced(5) and cache.connected
-        core_v1.create_namespaced_pod("default", bare_pod("mine", "n1"))
-        core_v1.create_namespaced_pod("default", bare_pod("theirs", "n2"))
+        core_v1.create_namespaced_pod("default", pod("mine", "n1"))
+        core_v1.create_namespaced_pod("default", pod("theirs", "n2"))
         core_v1.delete_namespaced_pod("before", "default", grace_period_seconds=0)  # as kubelet finishes it
         wait_until(lambda: ("DELETED", "before") in seen, what="the delete event")
         assert sorted(p["metadata"]["name"] for p in cache.items()) == ["mine"]
@@ -307,7 +303,7 @@ def test_cache_catches_up_after_an_outage(
     cache.start()
     try:
         assert cache.wait_synced(5)
-        core_v1.create_namespaced_pod("default", bare_pod("a", "n1"))
+        core_v1.create_namespaced_pod("default", pod("a", "n1"))
         wait_until(lambda: cache.get("a", "default"))
         apiserver.pause()
         wait_until(lambda: not cache.connected, 10, "the cache to notice the outage")
@@ -321,7 +317,7 @@ def test_cache_catches_up_after_an_outage(
 
 
 def test_own_writes_are_visible_at_once(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:
-    core_v1.create_namespaced_pod("default", bare_pod("a", "n1"))
+    core_v1.create_namespaced_pod("default", pod("a", "n1"))
     cache = watch.node_pod_cache(kube_api, "n1")
     cache.start()
     try:
@@ -334,7 +330,7 @@ def test_own_writes_are_visible_at_once(kube_api: client.ApiClient, core_v1: cli
 
 
 def test_precondition_conflict_is_not_retried(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> None:
-    created = core_v1.create_namespaced_pod("default", bare_pod("a", "n1"))
+    created = core_v1.create_namespaced_pod("default", pod("a", "n1"))
     objects.patch_pod_annotations(kube_api, "default", "a", {"k": "1"})
     with pytest.raises(errors.KubeConflict, match="pod default/a"):
         objects.patch_pod(
