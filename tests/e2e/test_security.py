@@ -145,14 +145,30 @@ def webhook(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.Api
             yield tenant
         finally:
             admission.delete_validating_webhook_configuration(WEBHOOK_CONFIG)
-            for pod in core.list_namespaced_pod(GUARDED).items:
-                core.delete_namespaced_pod(pod.metadata.name, GUARDED, grace_period_seconds=0)
+            clear_guarded(core)
             for delete in (rbac.delete_namespaced_role_binding, rbac.delete_namespaced_role,
                            core.delete_namespaced_service_account):  # fmt: skip
                 delete(TENANT, GUARDED)
             tenant.close()
     finally:
         server.stop()
+
+
+def clear_guarded(core: client.CoreV1Api) -> None:
+    """Deletes every pod in GUARDED and waits until the API server has none, so no card stays held for the
+    tests that follow."""
+    for pod in core.list_namespaced_pod(GUARDED).items:
+        core.delete_namespaced_pod(pod.metadata.name, GUARDED, grace_period_seconds=0)
+    wait_until(lambda: not core.list_namespaced_pod(GUARDED).items, 30, f"the pods in {GUARDED} to go", API_POLL)
+
+
+@pytest.fixture
+def guarded_pods(webhook: client.ApiClient, core: client.CoreV1Api) -> Iterator[client.ApiClient]:
+    """The tenant's API client; every pod the test made in GUARDED is gone when it ends."""
+    try:
+        yield webhook
+    finally:
+        clear_guarded(core)
 
 
 def webhook_answers(tenant: client.CoreV1Api) -> bool:
@@ -185,9 +201,9 @@ def test_a_tenant_cant_create_a_pod_carrying_an_allocation(webhook: client.ApiCl
 
 
 def test_a_tenant_cant_rewrite_a_running_pods_allocation_but_the_extender_can(
-    webhook: client.ApiClient, cluster: RealCluster, core: client.CoreV1Api
+    guarded_pods: client.ApiClient, cluster: RealCluster, core: client.CoreV1Api
 ) -> None:
-    tenant = client.CoreV1Api(webhook)
+    tenant = client.CoreV1Api(guarded_pods)
     manifest = pod_manifest("guarded-gpu", ({RESOURCE_MEM: 4},), node="node-a", namespace=GUARDED)
     # no protected annotation: the webhook lets it in, then the extender binds and annotates it
     tenant.create_namespaced_pod(GUARDED, manifest)
