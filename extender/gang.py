@@ -30,6 +30,7 @@ from gpushare.extender.cache import ClusterCache, demands_of, host_request
 from gpushare.extender.engine import PlacementEngine
 
 from gpushare import placement
+from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
 from gpushare.contract.gang import Gang, parse_gang
 from gpushare.contract.names import ANN_GANG_HOLD, NODE_ANN_PENDING_BINDS
@@ -175,7 +176,7 @@ class Gangs:
         members, problems = [], []
         for member in waiting:
             try:
-                demands = demands_of(member)
+                demands, rule = demands_of(member), parse_card_rule(member)
             except (ContractError, ValueError) as exc:
                 problems.append(str(exc))
                 continue
@@ -184,7 +185,7 @@ class Gangs:
                 for room in rooms
                 if (node := self._cache.nodes.get(room.name)) is not None and selector_mismatch(member, node) is None
             )
-            members.append(Member(_uid(member), pod_key(member), demands, host_request(member), allowed))
+            members.append(Member(_uid(member), pod_key(member), demands, host_request(member), allowed, rule))
         previous = {uid: Spot(node, hold.held) for uid, (node, hold) in held.items()}
         return plan_gang(members, rooms, policy, previous), problems
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpushare.placement.fit import node_cost, place
-from gpushare.placement.model import Assignment, CardCapacity, Demand, NoFit
+from gpushare.placement.model import ANY_CARD, Assignment, CardCapacity, CardRule, Demand, NoFit
 from gpushare.placement.policies import Policy
 
 #: how much a whole card weighs when members are ordered largest first
@@ -22,14 +22,15 @@ _WHOLE_CARD = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """An unbound member: its GPU demands, its (CPU milli, memory bytes) request and the nodes it may go to
-    (None: any node of the plan)."""
+    """An unbound member: its GPU demands, its (CPU milli, memory bytes) request, the nodes it may go to
+    (None: any node of the plan) and what it requires of its cards (model, NVLink, NUMA)."""
 
     uid: str
     key: str
     demands: tuple[Demand, ...]
     host: tuple[int, int] = (0, 0)
     nodes: frozenset[str] | None = None
+    rule: CardRule = ANY_CARD
 
     @property
     def size(self) -> int:
@@ -126,7 +127,8 @@ def _keep(member: Member, spot: Spot | None, nodes: Mapping[str, _Node], policy:
     if member.nodes is not None and node.name not in member.nodes:
         return None
     try:
-        return Spot(node.name, held_of(place(within(node.cards, spot.held), member.demands, policy, unit=node.unit)))
+        cards = within(node.cards, spot.held)
+        return Spot(node.name, held_of(place(cards, member.demands, policy, unit=node.unit, rule=member.rule)))
     except NoFit:
         return None
 
@@ -140,7 +142,7 @@ def _best(member: Member, allowed: Sequence[_Node], policy: Policy) -> tuple[Spo
             why = f"{member.key}: node {node.name} has not enough CPU or memory left"
             continue
         try:
-            cost = node_cost(node.cards, member.demands, policy, unit=node.unit)
+            cost = node_cost(node.cards, member.demands, policy, unit=node.unit, rule=member.rule)
         except NoFit as nofit:
             why = f"{member.key}: node {node.name}: {nofit.reason}"
             continue
@@ -149,4 +151,5 @@ def _best(member: Member, allowed: Sequence[_Node], policy: Policy) -> tuple[Spo
     if best is None:
         return None, why
     node = best[1]
-    return Spot(node.name, held_of(place(node.cards, member.demands, policy, unit=node.unit))), ""
+    assignments = place(node.cards, member.demands, policy, unit=node.unit, rule=member.rule)
+    return Spot(node.name, held_of(assignments)), ""

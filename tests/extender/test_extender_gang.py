@@ -12,9 +12,11 @@ from kubernetes import client
 from podfactory import container, gpu_pod
 from test_extender import NODES, Cluster
 
+from gpushare.contract.cardrule import card_rule_annotations
 from gpushare.contract.gang import format_gang
 from gpushare.contract.names import ANN_GANG_HOLD, NODE_ANN_PENDING_BINDS
 from gpushare.contract.pending import parse_pending_binds
+from gpushare.placement import ANY_CARD, CardRule
 
 
 @pytest.fixture
@@ -24,9 +26,10 @@ def cluster(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> Iterator[C
     cl.extender.stop()
 
 
-def member(cluster: Cluster, name: str, gang: str, minimum: int, gib: int = 40) -> dict:
+def member(cluster: Cluster, name: str, gang: str, minimum: int, gib: int = 40, rule: CardRule = ANY_CARD) -> dict:
     pod = gpu_pod(name, [container("main", gib)], node=None)
     pod["metadata"]["labels"] = format_gang(gang, minimum)
+    pod["metadata"].setdefault("annotations", {}).update(card_rule_annotations(rule))
     return cluster.pod(pod)
 
 
@@ -79,6 +82,20 @@ def test_a_feasible_gang_holds_its_cards_until_bound_and_releases_them_when_dele
         assert cluster.bind(pod, "n1")["Error"] == ""
         hold = held[pod["metadata"]["uid"]]
         assert {s.uuid: s.units for s in cluster.allocation(pod["metadata"]["name"])["main"]} == dict(hold.held)
+
+
+def test_members_asking_for_a_model_are_held_and_bound_on_cards_of_that_model(cluster: Cluster) -> None:
+    # binpack would put 6 GiB members on the T4, the fullest card that fits; they ask for A100s
+    a100 = CardRule(models=frozenset({"A100"}))
+    pods = [member(cluster, f"w{i}", "a100s", 2, gib=6, rule=a100) for i in range(2)]
+    assert cluster.filter(pods[0])["NodeNames"] == ["n1"]
+    models = {card.uuid: card.model for card in cluster.backends["n1"].cards()}
+    assert all(models[uuid].startswith("A100") for hold in holds(cluster).values() for uuid in hold.held), models
+    for pod in pods:
+        assert cluster.filter(pod)["NodeNames"] == ["n1"]
+        assert cluster.bind(pod, "n1")["Error"] == ""
+        (card,) = cluster.allocation(pod["metadata"]["name"])["main"]
+        assert models[card.uuid].startswith("A100"), f"{pod['metadata']['name']} bound to {models[card.uuid]}"
 
 
 def marks(cluster: Cluster, *names: str) -> dict[str, str | None]:

@@ -59,6 +59,25 @@ def test_a_member_goes_only_where_its_node_selector_allows() -> None:
     assert plan_gang([stuck], rooms, BINPACK).unplaced == ("default/w",)
 
 
+def test_a_member_gets_only_cards_of_the_model_it_asks_for() -> None:
+    t4 = tuple(placement.CardCapacity(i, f"T4-{i}", 16, 4, model="Tesla T4") for i in range(2))
+    a100 = (placement.CardCapacity(0, "A100-0", 80, 60, model="NVIDIA A100-SXM4-80GB"),)
+    rooms = [Room("a", t4, FREE), Room("b", a100, FREE)]
+    demand = (placement.Demand("main", 10),)
+    wants_a100 = placement.CardRule(models=frozenset({"A100"}))
+    plan = plan_gang([Member("u", "default/w", demand, rule=wants_a100)], rooms, BINPACK)
+    assert plan.spots["u"] == Spot("b", {"A100-0": 10}), "binpack alone would take the fuller T4 node's card"
+    # a previous place on cards of another model is not kept
+    plan = plan_gang(
+        [Member("u", "default/w", demand, rule=wants_a100)], rooms, BINPACK, {"u": Spot("a", {"T4-0": 10})}
+    )
+    assert plan.spots["u"].node == "b"
+    # no card of the model has room: the member is unplaced, and the reason names the model
+    full = [Room("a", t4, FREE), Room("b", (placement.CardCapacity(0, "A100-0", 80, 75, model="A100"),), FREE)]
+    plan = plan_gang([Member("u", "default/w", demand, rule=wants_a100)], full, BINPACK)
+    assert plan.unplaced == ("default/w",) and "A100" in plan.reason, plan.reason
+
+
 def test_a_previous_place_is_kept_while_it_fits() -> None:
     rooms = [Room("a", cards(80), FREE), Room("b", cards(80), FREE)]
     (member,) = members(1, 10)
