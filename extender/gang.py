@@ -14,11 +14,16 @@ Once the holds are written, the gang's other unbound members get ``gpushare.io/g
 (and lose it when the holds are released): kube-scheduler retries a Pending pod at once when the pod
 itself changes, but not when a node's annotations do, so without it they would wait for its periodic
 flush of unschedulable pods (up to 60 s in 1.20).
+
+For the same reason a gang refused for want of room is *stalled*: when the pod watch shows a bound pod
+ending or going (room may have come free), one of its members gets ``gpushare.io/gang-retry``. kube-scheduler
+retries its Pending pods on that pod event itself, but maybe before this extender's cache has seen it.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -33,14 +38,14 @@ from gpushare import placement
 from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
 from gpushare.contract.gang import Gang, parse_gang
-from gpushare.contract.names import ANN_GANG_HOLD, NODE_ANN_PENDING_BINDS
+from gpushare.contract.names import ANN_GANG_HOLD, ANN_GANG_RETRY, NODE_ANN_PENDING_BINDS
 from gpushare.contract.pending import HOLD_SECONDS, PendingBind, format_pending_binds
 from gpushare.contract.request import annotations_of, pod_key
 from gpushare.kube.errors import KubeConflict, KubeError
 from gpushare.kube.objects import get_node, patch_node, patch_pod_annotations
 from gpushare.kube.watch import WatchCache
 from gpushare.placement.gang import GangPlan, Member, Room, Spot, plan_gang
-from gpushare.usage import node_inventory
+from gpushare.usage import holds_resources, node_inventory
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +105,63 @@ class Gangs:
         self._engine = engine
         self._binder = binder
         self.index = GangIndex(cache.pods)
+        self._lock = threading.Lock()
+        #: gang key -> (namespace, name) of its member last refused for want of room
+        self._stalled: dict[str, tuple[str, str]] = {}
+        #: bound pods seen ending or going, so a refusal can tell whether it missed one
+        self._ended = 0
+        self._nudges: queue.SimpleQueue[tuple[str, tuple[str, str]] | None] = queue.SimpleQueue()
+        self._nudger = threading.Thread(target=self._nudge_loop, name="gang-nudge", daemon=True)
+        self._nudger.start()
+        cache.pods.add_listener(self._on_pod)
+
+    def close(self) -> None:
+        self._nudges.put(None)
+        self._nudger.join(timeout=5)
+
+    def _on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
+        """A bound pod ending or going may free the room a stalled gang waits for: nudge each one. Called
+        after the cache has applied the event, so the retry it causes sees the room."""
+        if not (pod.get("spec") or {}).get("nodeName") or (kind != "DELETED" and holds_resources(pod)):
+            return
+        with self._lock:
+            self._ended += 1
+            stalled, self._stalled = self._stalled, {}
+        for item in stalled.items():
+            self._nudges.put(item)
+
+    def _stall(self, gang: Gang, pod: Mapping[str, Any], ended: int) -> None:
+        """Remember that ``pod``'s gang waits for room; if a pod ended since the filter began (its count
+        was ``ended``), the refusal may have missed the room it freed: nudge at once."""
+        meta = pod.get("metadata") or {}
+        member = (meta.get("namespace", ""), meta.get("name", ""))
+        with self._lock:
+            missed = self._ended != ended
+            if not missed:
+                self._stalled[gang.key] = member
+        if missed:
+            self._nudges.put((gang.key, member))
+
+    def _unstall(self, gang: Gang) -> None:
+        with self._lock:
+            self._stalled.pop(gang.key, None)
+
+    def _nudge_loop(self) -> None:
+        while (item := self._nudges.get()) is not None:
+            gang, (namespace, name) = item
+            try:
+                patch_pod_annotations(self._api, namespace, name, {ANN_GANG_RETRY: f"{time.time():.3f}"})
+            except KubeError as exc:
+                log.warning("gang %s: pod %s/%s: marking it for a retry failed: %s", gang, namespace, name, exc)
+                continue
+            log.info("gang %s: pod %s/%s: a pod ended while the gang waited for room, marked for a retry",
+                     gang, namespace, name)  # fmt: skip
 
     def filter(self, pod: Mapping[str, Any], gang: Gang, names: Sequence[str]) -> Verdict:
         """Passing nodes, failed nodes and unresolvable nodes for member ``pod``: its planned node alone
         once a plan for enough members is held, else none, every node with the reason."""
+        with self._lock:
+            ended = self._ended
         members = self.index.members(gang)
         uid = (pod.get("metadata") or {}).get("uid", "")
         if uid not in {(m.get("metadata") or {}).get("uid") for m in members}:
@@ -114,6 +172,7 @@ class Gangs:
         bound = [m for m in members if (m.get("spec") or {}).get("nodeName") or _uid(m) in assumed]
         waiting = [m for m in members if m not in bound]
         if present < gang.minimum:
+            self._unstall(gang)
             self._release(gang, held, waiting)
             missing = gang.minimum - present
             reason = f"gang {gang.name}: {present} of {gang.minimum} members present, waiting for {missing} more"
@@ -122,6 +181,7 @@ class Gangs:
         placeable = len(bound) + len(plan.spots)
         counts = f"gang {gang.name}: {present} members present, {placeable} can be placed"
         if placeable < gang.minimum:
+            self._stall(gang, pod, ended)
             self._release(gang, held, waiting)
             why = "; ".join(problems) or plan.reason
             return self._refuse(pod, names, f"{counts}, {gang.minimum} needed" + (f" ({why})" if why else ""))
@@ -132,6 +192,7 @@ class Gangs:
         if failure is not None:
             reason = f"gang {gang.name}: holding the plan's cards failed, will try again ({failure})"
             return self._refuse(pod, names, reason, resolvable=True)
+        self._unstall(gang)
         self._mark(gang, [m for m in waiting if _uid(m) != uid], {u: s.node for u, s in plan.spots.items()})
         where = f"gang {gang.name}: this member's cards are held on node {spot.node}"
         if spot.node not in names:

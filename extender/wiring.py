@@ -29,10 +29,12 @@ class RunningExtender:
     cache: ClusterCache
     server: ExtenderServer
     binder: Binder
+    gangs: Gangs
     health: ObservabilityServer | None = None
 
     def stop(self) -> None:
         self.server.stop()
+        self.gangs.close()
         if self.health is not None:
             self.health.stop()
         self.binder.events.close()
@@ -73,6 +75,7 @@ def start_extender(
             serving.port, cache, engine, binder, settled.is_set, host, serving.tls, serving.limits, gangs
         )
     except ValueError as exc:
+        gangs.close()
         cache.stop()
         raise UsageError(str(exc)) from None
     server.start()
@@ -86,7 +89,7 @@ def start_extender(
         server.port,
         policy,
     )
-    return RunningExtender(cache, server, binder, health)
+    return RunningExtender(cache, server, binder, gangs, health)
 
 
 def _settle(cache: ClusterCache, engine: PlacementEngine, settled: threading.Event) -> None:

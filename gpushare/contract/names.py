@@ -38,6 +38,9 @@ ANN_ASSIGNED_CONTAINERS = "gpushare.io/assigned-containers"
 #: the node where the extender holds cards for this gang member; written (and removed) when the gang's
 #: plan changes, because an update to a Pending pod is what makes kube-scheduler retry it at once
 ANN_GANG_HOLD = "gpushare.io/gang-hold"
+#: when the extender last saw room free up while this member's gang could not all be placed; changing it
+#: makes kube-scheduler retry the member, which it would otherwise do only on its next periodic flush
+ANN_GANG_RETRY = "gpushare.io/gang-retry"
 #: per-pod placement policy override
 ANN_POLICY = "gpushare.io/policy"
 #: card models the pod accepts, ``|``-separated patterns (see :func:`gpushare.placement.model_matches`)

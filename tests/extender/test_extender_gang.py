@@ -13,8 +13,8 @@ from podfactory import container, gpu_pod
 from test_extender import NODES, Cluster
 
 from gpushare.contract.cardrule import card_rule_annotations
-from gpushare.contract.gang import format_gang
-from gpushare.contract.names import ANN_GANG_HOLD, NODE_ANN_PENDING_BINDS
+from gpushare.contract.gang import format_gang, parse_gang
+from gpushare.contract.names import ANN_GANG_HOLD, ANN_GANG_RETRY, NODE_ANN_PENDING_BINDS
 from gpushare.contract.pending import parse_pending_binds
 from gpushare.placement import ANY_CARD, CardRule
 
@@ -33,6 +33,13 @@ def member(cluster: Cluster, name: str, gang: str, minimum: int, gib: int = 40, 
     return cluster.pod(pod)
 
 
+def seen(cluster: Cluster, pods: list[dict]) -> list[dict]:
+    """``pods`` (members of one gang) once the extender's gang index has them all."""
+    gang = parse_gang(pods[0])
+    wait_until(lambda: len(cluster.extender.gangs.index.members(gang)) >= len(pods), what="the members in the index")
+    return pods
+
+
 def holds(cluster: Cluster, node: str = "n1") -> dict:
     annotations = cluster.core.read_node(node).metadata.annotations or {}
     return {uid: e for uid, e in parse_pending_binds(annotations.get(NODE_ANN_PENDING_BINDS)).items() if e.gang}
@@ -46,7 +53,7 @@ def reason(result: dict) -> str:
 
 
 def test_a_gang_short_of_members_waits_and_says_how_many(cluster: Cluster) -> None:
-    pods = [member(cluster, f"w{i}", "train", 3) for i in range(2)]
+    pods = seen(cluster, [member(cluster, f"w{i}", "train", 3) for i in range(2)])
     assert reason(cluster.filter(pods[0])) == "gang train: 2 of 3 members present, waiting for 1 more"
     assert holds(cluster) == {}
     assert "no cards are held" in cluster.bind(pods[0], "n1")["Error"]
@@ -54,7 +61,7 @@ def test_a_gang_short_of_members_waits_and_says_how_many(cluster: Cluster) -> No
 
 def test_a_gang_that_cannot_all_fit_holds_nothing_and_small_pods_still_run(cluster: Cluster) -> None:
     # 40 GiB members: two on each A100, none on the T4 or the A10, so 4 of 5 can be placed
-    pods = [member(cluster, f"w{i}", "big", 5) for i in range(5)]
+    pods = seen(cluster, [member(cluster, f"w{i}", "big", 5) for i in range(5)])
     for pod in pods:
         assert reason(cluster.filter(pod)) == (
             "gang big: 5 members present, 4 can be placed, 5 needed "
@@ -65,8 +72,35 @@ def test_a_gang_that_cannot_all_fit_holds_nothing_and_small_pods_still_run(clust
     assert cluster.filter(small)["NodeNames"] == ["n1"]
 
 
+def retry_marks(cluster: Cluster, *names: str) -> dict[str, str | None]:
+    pods = {name: cluster.core.read_namespaced_pod(name, "default") for name in names}
+    return {name: (pod.metadata.annotations or {}).get(ANN_GANG_RETRY) for name, pod in pods.items()}
+
+
+def test_a_gang_waiting_for_room_is_nudged_when_a_bound_pod_goes(cluster: Cluster) -> None:
+    # a 70 GiB pod on one A100 leaves room for two 40 GiB members (on the other A100): three can't all fit
+    blocker = cluster.pod(gpu_pod("blocker", [container("main", 70)], node=None))
+    assert cluster.filter(blocker)["NodeNames"] == ["n1"] and cluster.bind(blocker, "n1")["Error"] == ""
+    short = seen(cluster, [member(cluster, f"s{i}", "short", 3) for i in range(2)])
+    assert "waiting for 1 more" in reason(cluster.filter(short[0]))  # missing members, not room: no nudge
+    pods = seen(cluster, [member(cluster, f"w{i}", "trio", 3) for i in range(3)])
+    for pod in pods:
+        assert reason(cluster.filter(pod)).startswith("gang trio: 3 members present, 2 can be placed, 3 needed")
+    assert retry_marks(cluster, "w0", "w1", "w2") == {"w0": None, "w1": None, "w2": None}
+    # gone (as kubelet removes it, with no grace left, once its containers have stopped)
+    cluster.core.delete_namespaced_pod("blocker", "default", grace_period_seconds=0)
+    nudged = wait_until(
+        lambda: [n for n, mark in retry_marks(cluster, "w0", "w1", "w2").items() if mark], what="a member nudged"
+    )
+    assert nudged == ["w2"], "the member refused last is the one marked"
+    assert retry_marks(cluster, "s0", "s1") == {"s0": None, "s1": None}
+    # its retry finds the room, holds the plan and marks the others through their gang-hold
+    assert cluster.filter(pods[2])["NodeNames"] == ["n1"]
+    assert len(holds(cluster)) == 3
+
+
 def test_a_feasible_gang_holds_its_cards_until_bound_and_releases_them_when_deleted(cluster: Cluster) -> None:
-    pods = [member(cluster, f"w{i}", "trio", 3) for i in range(3)]
+    pods = seen(cluster, [member(cluster, f"w{i}", "trio", 3) for i in range(3)])
     first = cluster.filter(pods[0])
     assert first["NodeNames"] == ["n1"], first
     held = holds(cluster)
@@ -87,7 +121,7 @@ def test_a_feasible_gang_holds_its_cards_until_bound_and_releases_them_when_dele
 def test_members_asking_for_a_model_are_held_and_bound_on_cards_of_that_model(cluster: Cluster) -> None:
     # binpack would put 6 GiB members on the T4, the fullest card that fits; they ask for A100s
     a100 = CardRule(models=frozenset({"A100"}))
-    pods = [member(cluster, f"w{i}", "a100s", 2, gib=6, rule=a100) for i in range(2)]
+    pods = seen(cluster, [member(cluster, f"w{i}", "a100s", 2, gib=6, rule=a100) for i in range(2)])
     assert cluster.filter(pods[0])["NodeNames"] == ["n1"]
     models = {card.uuid: card.model for card in cluster.backends["n1"].cards()}
     assert all(models[uuid].startswith("A100") for hold in holds(cluster).values() for uuid in hold.held), models
@@ -105,7 +139,7 @@ def marks(cluster: Cluster, *names: str) -> dict[str, str | None]:
 
 
 def test_holding_a_plan_marks_the_other_unbound_members_so_kube_scheduler_retries_them(cluster: Cluster) -> None:
-    w0, w1, w2 = (member(cluster, f"w{i}", "trio", 3) for i in range(3))
+    w0, w1, w2 = seen(cluster, [member(cluster, f"w{i}", "trio", 3) for i in range(3)])
     assert cluster.filter(w2)["NodeNames"] == ["n1"]
     # the filtered member is on its way to bind; the other two are changed, which kube-scheduler retries
     assert marks(cluster, "w0", "w1", "w2") == {"w0": "n1", "w1": "n1", "w2": None}
@@ -117,13 +151,13 @@ def test_holding_a_plan_marks_the_other_unbound_members_so_kube_scheduler_retrie
     assert holds(cluster) == {}
     assert marks(cluster, "w0", "w1") == {"w0": None, "w1": "n1"}
     # a new member makes the gang whole again: the unbound member not being filtered is marked again
-    w3 = member(cluster, "w3", "trio", 3)
+    (w3,) = seen(cluster, [w0, w1, member(cluster, "w3", "trio", 3)])[2:]
     assert cluster.filter(w3)["NodeNames"] == ["n1"]
     assert marks(cluster, "w0", "w1", "w3") == {"w0": "n1", "w1": "n1", "w3": None}
 
 
 def test_deleting_members_releases_the_holds(cluster: Cluster) -> None:
-    pods = [member(cluster, f"w{i}", "pair", 2, gib=60) for i in range(2)]
+    pods = seen(cluster, [member(cluster, f"w{i}", "pair", 2, gib=60) for i in range(2)])
     assert cluster.filter(pods[0])["NodeNames"] == ["n1"]
     other = cluster.pod(gpu_pod("other", [container("main", 60)], node=None))
     wait_until(lambda: "n1" in cluster.filter(other)["FailedNodes"], what="both A100s held")
