@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 #: holds older than this are written again when the plan is confirmed, so they don't expire under it
 RENEW_AFTER = HOLD_SECONDS / 3
-FINISHED = ("Succeeded", "Failed")
 
 Holds = dict[str, dict[str, PendingBind]]
 Verdict = tuple[list[str], dict[str, str], dict[str, str]]
@@ -60,7 +59,7 @@ Verdict = tuple[list[str], dict[str, str], dict[str, str]]
 def active(pod: Mapping[str, Any]) -> bool:
     """A member that counts: neither finished nor being deleted."""
     meta = pod.get("metadata") or {}
-    return not meta.get("deletionTimestamp") and (pod.get("status") or {}).get("phase") not in FINISHED
+    return not meta.get("deletionTimestamp") and holds_resources(pod)
 
 
 class GangIndex:
