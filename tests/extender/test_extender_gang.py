@@ -72,9 +72,10 @@ def test_a_gang_that_cannot_all_fit_holds_nothing_and_small_pods_still_run(clust
     assert cluster.filter(small)["NodeNames"] == ["n1"]
 
 
-def retry_marks(cluster: Cluster, *names: str) -> dict[str, str | None]:
+def marks(cluster: Cluster, *names: str, key: str = ANN_GANG_HOLD) -> dict[str, str | None]:
+    """Each pod's annotation ``key`` (``gpushare.io/gang-hold`` unless said), as the API server has it."""
     pods = {name: cluster.core.read_namespaced_pod(name, "default") for name in names}
-    return {name: (pod.metadata.annotations or {}).get(ANN_GANG_RETRY) for name, pod in pods.items()}
+    return {name: (pod.metadata.annotations or {}).get(key) for name, pod in pods.items()}
 
 
 def test_a_gang_waiting_for_room_is_nudged_when_a_bound_pod_goes(cluster: Cluster) -> None:
@@ -86,14 +87,15 @@ def test_a_gang_waiting_for_room_is_nudged_when_a_bound_pod_goes(cluster: Cluste
     pods = seen(cluster, [member(cluster, f"w{i}", "trio", 3) for i in range(3)])
     for pod in pods:
         assert reason(cluster.filter(pod)).startswith("gang trio: 3 members present, 2 can be placed, 3 needed")
-    assert retry_marks(cluster, "w0", "w1", "w2") == {"w0": None, "w1": None, "w2": None}
+    assert marks(cluster, "w0", "w1", "w2", key=ANN_GANG_RETRY) == {"w0": None, "w1": None, "w2": None}
     # gone (as kubelet removes it, with no grace left, once its containers have stopped)
     cluster.core.delete_namespaced_pod("blocker", "default", grace_period_seconds=0)
     nudged = wait_until(
-        lambda: [n for n, mark in retry_marks(cluster, "w0", "w1", "w2").items() if mark], what="a member nudged"
+        lambda: [n for n, mark in marks(cluster, "w0", "w1", "w2", key=ANN_GANG_RETRY).items() if mark],
+        what="a member nudged",
     )
     assert nudged == ["w2"], "the member refused last is the one marked"
-    assert retry_marks(cluster, "s0", "s1") == {"s0": None, "s1": None}
+    assert marks(cluster, "s0", "s1", key=ANN_GANG_RETRY) == {"s0": None, "s1": None}
     # its retry finds the room, holds the plan and marks the others through their gang-hold
     assert cluster.filter(pods[2])["NodeNames"] == ["n1"]
     assert len(holds(cluster)) == 3
@@ -130,12 +132,6 @@ def test_members_asking_for_a_model_are_held_and_bound_on_cards_of_that_model(cl
         assert cluster.bind(pod, "n1")["Error"] == ""
         (card,) = cluster.allocation(pod["metadata"]["name"])["main"]
         assert models[card.uuid].startswith("A100"), f"{pod['metadata']['name']} bound to {models[card.uuid]}"
-
-
-def marks(cluster: Cluster, *names: str) -> dict[str, str | None]:
-    """Each pod's ``gpushare.io/gang-hold``, as the API server has it."""
-    pods = {name: cluster.core.read_namespaced_pod(name, "default") for name in names}
-    return {name: (pod.metadata.annotations or {}).get(ANN_GANG_HOLD) for name, pod in pods.items()}
 
 
 def test_holding_a_plan_marks_the_other_unbound_members_so_kube_scheduler_retries_them(cluster: Cluster) -> None:
