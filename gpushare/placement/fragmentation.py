@@ -79,6 +79,35 @@ class Workload:
     def total(self) -> int:
         return sum(self.counts)
 
+    def stranded(self, idle: np.ndarray, card: np.ndarray, cpu: np.ndarray, memory: np.ndarray) -> np.ndarray:
+        """Idle GPU units that the free ``cpu`` and ``memory`` beside them can't feed, at the rate the
+        workload's GPU pods consume CPU and memory per GPU unit.
+
+        ``idle`` is (nodes,) or (nodes, k); ``card`` (the units of one of the node's cards), ``cpu`` and
+        ``memory`` are (nodes,). A whole card counts as ``card`` units on each node, a share as its own
+        units. Zero when the workload says nothing about CPU and memory.
+        """
+        if not self.hosts:
+            return np.zeros(idle.shape)
+        whole = shared = cpu_need = memory_need = 0
+        for shape, count, (shape_cpu, shape_memory) in zip(self.shapes, self.counts, self.hosts, strict=True):
+            if shape.cards:
+                if shape.exclusive:
+                    whole += count * shape.cards
+                else:
+                    shared += count * shape.cards * shape.units
+                cpu_need += count * shape_cpu
+                memory_need += count * shape_memory
+        # GPU units the workload's pods take on each node, against the CPU and memory they take with them
+        gpu = card * whole + shared
+        fed = np.full(len(card), np.inf)
+        for free, need in ((cpu, cpu_need), (memory, memory_need)):
+            if need > 0:
+                fed = np.minimum(fed, np.maximum(free, 0) * gpu / need)
+        if idle.ndim == 2:
+            fed = fed[:, None]
+        return np.maximum(idle - fed, 0)
+
 
 class _BatchShapes:
     """The workload as arrays for a cluster's capacities.

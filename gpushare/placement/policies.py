@@ -51,15 +51,25 @@ class Policy(Protocol):
 @dataclass(frozen=True, slots=True)
 class HostFit:
     """What a caller knows beyond GPUs (CPU, memory, model): per (node, workload shape), could the node
-    host the shape apart from its GPUs, before and after the placement; and optionally per node a fixed
-    rank in [0, 1) that settles otherwise equal costs. Only the fragmentation-aware policies use it."""
+    host the shape apart from its GPUs, before and after the placement; optionally per node a fixed
+    rank in [0, 1) that settles otherwise equal costs; and optionally per node the free CPU and memory
+    before the placement, with the pod's (CPU, memory) ``request``. Only the fragmentation-aware
+    policies use it."""
 
     before: np.ndarray
     after: np.ndarray
     order: np.ndarray | None = None
+    cpu: np.ndarray | None = None
+    memory: np.ndarray | None = None
+    request: tuple[int, int] = (0, 0)
 
     def rows(self, rows: np.ndarray) -> HostFit:
-        return HostFit(self.before[rows], self.after[rows], None if self.order is None else self.order[rows])
+        def pick(values: np.ndarray | None) -> np.ndarray | None:
+            return None if values is None else values[rows]
+
+        return HostFit(
+            self.before[rows], self.after[rows], pick(self.order), pick(self.cpu), pick(self.memory), self.request
+        )
 
 
 def host_fit(
@@ -76,7 +86,7 @@ def host_fit(
     def fit(c: np.ndarray, m: np.ndarray) -> np.ndarray:
         return (c[:, None] >= need[:, 0]) & (m[:, None] >= need[:, 1])
 
-    return HostFit(fit(cpu, memory), fit(cpu - request[0], memory - request[1]), order)
+    return HostFit(fit(cpu, memory), fit(cpu - request[0], memory - request[1]), order, cpu, memory, request)
 
 
 class Binpack:
@@ -157,11 +167,14 @@ class FgdFit(Fgd):
     """Fragmentation gradient descent that also counts CPU and memory, and settles near-equal placements
     by a fixed node order.
 
-    Cost of a placement, lowest first: the fragmentation it adds (GPU the typical pods, weighted by how
-    often each arrives, could no longer use, including a node's idle GPU for shapes whose CPU or memory
-    it can't hold) in steps of ``1/QUANTA`` of a card; then the node's fixed rank, so that equal
-    placements keep going to the same nodes. A pod without GPUs also pays ``IDLE_WEIGHT`` cards for a
-    node whose GPUs are all idle (in proportion for fewer), so that it goes where the GPUs are taken.
+    Cost of a placement, lowest first: the GPU it strands, in steps of ``1/QUANTA`` of a card; then the
+    node's fixed rank, so that equal placements keep going to the same nodes. Stranded GPU is the
+    fragmentation added (GPU the typical pods, weighted by how often each arrives, could no longer use,
+    including a node's idle GPU for shapes whose CPU or memory it can't hold) plus the change in idle
+    GPU that the node's free CPU and memory can't feed at the rate the typical GPU pods consume them
+    (``Workload.stranded``): a CPU-hungry pod steers away from nodes short of CPU for their GPUs, and a
+    GPU-hungry one towards them. A pod without GPUs also pays ``IDLE_WEIGHT`` cards for a node whose
+    GPUs are all idle (in proportion for fewer), so that it goes where the GPUs are taken.
     """
 
     name = "fgdfit"
@@ -181,21 +194,34 @@ class FgdFit(Fgd):
     def card_keys(
         self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None = None
     ) -> np.ndarray:
+        idle = free.sum(axis=1)
         delta = super().card_keys(capacity, free, take, pod, host)
-        return self._settle(capacity, delta, free.sum(axis=1)[:, None] - take, pod, host)
+        delta = delta + self._starved(capacity, idle[:, None], idle[:, None] - take, host)
+        return self._settle(capacity, delta, idle[:, None] - take, pod, host)
 
     def node_cost(
         self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None = None
     ) -> np.ndarray:
-        delta = super().node_cost(capacity, before, after, pod, host)
-        return self._settle(capacity, delta, after.sum(axis=1), pod, host)
+        idle, rest = before.sum(axis=1), after.sum(axis=1)
+        delta = super().node_cost(capacity, before, after, pod, host) + self._starved(capacity, idle, rest, host)
+        return self._settle(capacity, delta, rest, pod, host)
+
+    def _starved(self, capacity: np.ndarray, idle: np.ndarray, rest: np.ndarray, host: HostFit | None) -> np.ndarray:
+        """How much more idle GPU the node's free CPU and memory can't feed once the pod (taking the GPU
+        from ``idle`` down to ``rest``, and the host's request) is placed."""
+        if host is None or host.cpu is None or host.memory is None or self.workload is None:
+            return np.zeros(rest.shape)
+        card = _card_units(capacity)
+        cpu, memory = host.cpu - host.request[0], host.memory - host.request[1]
+        return self.workload.stranded(rest, card, cpu, memory) - self.workload.stranded(
+            idle, card, host.cpu, host.memory
+        )
 
     def _settle(
         self, capacity: np.ndarray, delta: np.ndarray, idle: np.ndarray, pod: Pod, host: HostFit | None
     ) -> np.ndarray:
         """Quantised fragmentation (plus the idle charge of a pod without GPUs), then the fixed rank."""
-        total = np.maximum(capacity.sum(axis=1), 1)
-        card = total / np.maximum((capacity > 0).sum(axis=1), 1)
+        total, card = np.maximum(capacity.sum(axis=1), 1), _card_units(capacity)
         if delta.ndim == 2:
             total, card = total[:, None], card[:, None]
         cost = np.floor(delta * self.QUANTA / card + 1e-9)
@@ -204,6 +230,11 @@ class FgdFit(Fgd):
         if host is not None and host.order is not None:
             cost = cost + 1e-3 * (host.order if delta.ndim == 1 else host.order[:, None])
         return cost
+
+
+def _card_units(capacity: np.ndarray) -> np.ndarray:
+    """Per node: the units of one of its cards (their mean; at least 1)."""
+    return np.maximum(capacity.sum(axis=1), 1) / np.maximum((capacity > 0).sum(axis=1), 1)
 
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (Binpack(), Spread(), Fgd(), FgdFit())}

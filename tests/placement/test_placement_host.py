@@ -1,4 +1,5 @@
-"""The host-aware policy (fgdfit): CPU and memory strand GPUs, pods without GPUs go where GPUs are taken,
+"""The host-aware policy (fgdfit): CPU and memory strand GPUs (when a typical pod no longer fits, and
+beyond what they can feed at the typical pods' rate), pods without GPUs go where GPUs are taken,
 equal placements keep to a fixed node order; the extender's CPU view and host prioritize verb; and the
 replay's model of kube-scheduler's own scoring for pods without GPUs."""
 
@@ -57,6 +58,21 @@ def test_a_pod_avoids_the_node_whose_cpu_it_would_exhaust() -> None:
     # same cards; on node 0 the pod's 6 CPUs leave 2, too few for any typical pod: its 3 idle cards strand
     cost = costs([[1000, 1000, 1000, 1000]] * 2, [8000, 64000], Shape(500), 6000)
     assert cost[1] < cost[0]
+
+
+def test_idle_cards_the_free_cpu_cannot_feed_at_the_typical_rate_are_stranded() -> None:
+    # the typical GPU pods take 28 CPUs per 2.5 cards: 11.2 CPUs a card
+    workload = policy().workload
+    idle, card = np.array([4000.0, 4000.0, 0.0]), np.full(3, 1000.0)
+    stranded = workload.stranded(idle, card, np.array([22400, 200000, 0]), np.full(3, 1 << 40))
+    assert stranded.tolist() == pytest.approx([2000, 0, 0])
+
+
+def test_a_cpu_hungry_pod_takes_the_node_with_cpu_to_spare_and_a_gpu_hungry_one_the_node_short_of_it() -> None:
+    # the same four idle cards; node 0's 30 CPUs feed fewer than 3 typical cards, node 1's 200 all of them
+    free, cpu = [[1000] * 4] * 2, [30000, 200000]
+    assert np.argmin(costs(free, cpu, Shape(500), 16000)) == 1
+    assert np.argmin(costs(free, cpu, Shape(0, 1, exclusive=True), 1000)) == 0
 
 
 def test_a_pod_without_gpus_goes_where_the_gpus_are_taken_and_strands_none() -> None:
