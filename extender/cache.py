@@ -20,6 +20,7 @@ from kubernetes.utils import parse_quantity
 
 from gpushare import placement
 from gpushare.contract.aliyun import parse_fenced_cards
+from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
 from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import (
@@ -36,6 +37,9 @@ from gpushare.kube.watch import WatchCache
 from gpushare.usage import holds_resources, node_inventory, node_ledger, node_usage
 
 log = logging.getLogger(__name__)
+
+#: one GPU container as the fragmentation-aware policy learns it: (GPU shape, CPU milli, memory bytes, card rule)
+PodShape = tuple[placement.Shape, int, int, placement.CardRule]
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +155,8 @@ class ClusterCache:
         self._allocatable: dict[str, tuple[int, int]] = {}
         self._host_free: dict[str, tuple[int, int]] = {}
         #: the (GPU shape, CPU, memory) of every pod, GPU or not, that the host-aware policy learns from
-        self._pod_shapes: Counter[tuple[placement.Shape, int, int]] = Counter()
-        self._pod_shapes_of_pod: dict[str, tuple[tuple[placement.Shape, int, int], ...]] = {}
+        self._pod_shapes: Counter[PodShape] = Counter()
+        self._pod_shapes_of_pod: dict[str, tuple[PodShape, ...]] = {}
         self._change_listeners: list[Callable[[str], None]] = []
         #: gang holds written on each node (its ledger entries that name a gang), the nodes holding for
         #: each member uid, and per node when the first hold it counts expires
@@ -293,16 +297,18 @@ class ClusterCache:
             self._observe_pod_shapes(key, pod if kind != "DELETED" else None)
 
     def _observe_pod_shapes(self, key: str, pod: Mapping[str, Any] | None) -> None:
-        """Keep the histogram of pod shapes with their CPU and memory (``Shape(0, 0)`` for no GPU)."""
+        """Keep the histogram of pod shapes with their CPU, memory and card rule (``Shape(0, 0)`` for no
+        GPU)."""
         self._pod_shapes.subtract(self._pod_shapes_of_pod.pop(key, ()))
         if pod is None:
             return
         try:
             shapes = tuple(d.shape for d in demands_of(pod)) or (placement.Shape(0, 0),)
+            rule = parse_card_rule(pod).without_topology()
         except (ContractError, ValueError):
             return
         cpu, memory = host_request(pod)
-        entries = tuple((shape, cpu, memory) for shape in shapes)
+        entries = tuple((shape, cpu, memory, rule) for shape in shapes)
         self._pod_shapes.update(entries)
         self._pod_shapes_of_pod[key] = entries
 
@@ -369,8 +375,8 @@ class ClusterCache:
         with self._lock:
             return list(self._shapes.elements())
 
-    def observed_pod_shapes(self) -> list[tuple[placement.Shape, int, int]]:
-        """Every pod's (GPU shape, CPU milli, memory bytes), one entry per GPU container."""
+    def observed_pod_shapes(self) -> list[PodShape]:
+        """Every pod's (GPU shape, CPU milli, memory bytes, card rule), one entry per GPU container."""
         with self._lock:
             return list(self._pod_shapes.elements())
 

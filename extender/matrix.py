@@ -93,7 +93,7 @@ class NodeMatrix:
         with self._lock:
             self._refresh()
             rows = len(self._row)
-            host = (self._cpu[:rows], self._memory[:rows], self._order[:rows])
+            host = self._hosts(rows)
             cost = memo.costs(
                 self._capacity[:rows],
                 self._free[:rows],
@@ -119,12 +119,18 @@ class NodeMatrix:
             self._refresh()
             rows = len(self._row)
             capacity, free = self._capacity[:rows].copy(), self._free[:rows].copy()
-            host = (self._cpu[:rows].copy(), self._memory[:rows].copy(), self._order[:rows].copy())
+            host = self._hosts(rows).rows(np.arange(rows))
             generation = self._generation[:rows].copy()
             allowed = self._allowed(rule, rows)
         memo = CostMemo()
         memo.costs(capacity, free, generation, host, policy, shape, request, allowed)
         return memo
+
+    def _hosts(self, rows: int) -> placement.NodeHosts:
+        """What lies beside the GPUs of the first ``rows`` rows (views of the rows); under the lock."""
+        return placement.NodeHosts(
+            self._cpu[:rows], self._memory[:rows], self._order[:rows], self._model[:rows], tuple(self._models)
+        )
 
     def _lookup(self, names: NodeNames) -> np.ndarray:
         """Row numbers of ``names`` (-1 for unknown names)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpushare.placement.model import Shape
-from gpushare.placement.policies import HostFit, Policy, host_fit
+from gpushare.placement.policies import HostFit, NodeHosts, Policy, host_fit
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,17 +89,17 @@ def batch_costs(
     capacity: np.ndarray,
     free: np.ndarray,
     shape: Shape,
-    host: tuple[np.ndarray, np.ndarray, np.ndarray],
+    host: NodeHosts,
     request: tuple[int, int],
     allowed: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per node: the policy's cost of one demand of ``shape`` (``inf`` where it doesn't fit), for a pod
-    requesting ``request`` (CPU, memory); ``host`` is per node (free CPU, free memory, ``node_order``);
+    requesting ``request`` (CPU, memory); ``host`` says per node what lies beside the GPUs;
     ``allowed`` as for :func:`batch_place`. What the prioritize verb rates nodes with, and the replay too."""
     workload = getattr(policy, "workload", None)
     fit = None
     if policy.uses_host and workload is not None:
-        fit = host_fit(workload, host[0], host[1], request, host[2])
+        fit = host_fit(workload, host, request, capacity)
     return batch_place(policy, capacity, free, shape, fit, allowed).cost
 
 

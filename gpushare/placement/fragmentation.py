@@ -15,13 +15,13 @@ shape whether the node could host it apart from its GPUs; without it only GPUs c
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
-from gpushare.placement.model import Shape
+from gpushare.placement.model import CardRule, Shape
 
 #: threshold for an absent card: nothing fits on it
 _NEVER = 1 << 62
@@ -57,6 +57,8 @@ class Workload:
     counts: tuple[int, ...]
     #: per shape, what a pod of it needs of the node besides GPUs: (CPU milli, memory); empty when unknown
     hosts: tuple[tuple[int, int], ...] = ()
+    #: per shape, the card models its pods accept; empty when unknown (any model)
+    rules: tuple[CardRule, ...] = ()
 
     @classmethod
     def from_shapes(cls, observed: Iterable[Shape], coverage: float = 0.95) -> Workload:
@@ -66,11 +68,39 @@ class Workload:
         return cls(tuple(s for s, _ in kept), tuple(n for _, n in kept))
 
     @classmethod
-    def from_pods(cls, observed: Iterable[tuple[Shape, int, int]], coverage: float = 0.95) -> Workload:
-        """The typical (GPU shape, CPU milli, memory) of the GPU pods among ``observed``, so that a node
-        whose CPU or memory ran out counts its idle GPUs as fragments for the shapes it can't host."""
-        kept = most_common(observed, coverage)
-        return cls(tuple(s for (s, _, _), _ in kept), tuple(n for _, n in kept), tuple((c, m) for (_, c, m), _ in kept))
+    def from_pods(cls, observed: Iterable[tuple[Shape, int, int, CardRule]], coverage: float = 0.95) -> Workload:
+        """The typical (GPU shape, CPU milli, memory, card rule) of the GPU pods among ``observed``, so that
+        a node whose CPU or memory ran out, or whose cards a shape's pods don't accept, counts its idle
+        GPUs as fragments for that shape. Only a rule's models count (not its topology)."""
+        rules: dict[tuple[tuple[str, ...], tuple[str, ...]], CardRule] = {}
+
+        def key(pod: tuple[Shape, int, int, CardRule]) -> tuple[Shape, int, int, tuple[tuple[str, ...], ...]]:
+            shape, cpu, memory, rule = pod
+            named = (tuple(sorted(rule.models)), tuple(sorted(rule.avoid)))
+            rules.setdefault(named, rule.without_topology())
+            return shape, cpu, memory, named
+
+        kept = most_common(map(key, observed), coverage)
+        return cls(
+            tuple(s for (s, _, _, _), _ in kept),
+            tuple(n for _, n in kept),
+            tuple((c, m) for (_, c, m, _), _ in kept),
+            tuple(rules[r] for (_, _, _, r), _ in kept),
+        )
+
+    def access(self, card_models: np.ndarray, models: Sequence[str], capacity: np.ndarray) -> np.ndarray | None:
+        """Per (node, shape): whether the node has a card whose model the shape's pods accept;
+        ``card_models`` numbers each (node, card)'s model in ``models``. None when every shape takes any
+        model."""
+        if not any(rule.picks_models for rule in self.rules):
+            return None
+        real = capacity > 0
+        out = np.ones((len(card_models), len(self)), dtype=bool)
+        for column, rule in enumerate(self.rules):
+            if rule.picks_models:
+                accepted = np.fromiter((rule.accepts(m) for m in models), dtype=bool, count=len(models))
+                out[:, column] = (accepted[card_models] & real).any(axis=1)
+        return out
 
     def __len__(self) -> int:
         return len(self.shapes)

@@ -8,7 +8,7 @@ import numpy as np
 
 from gpushare.placement.batch import batch_costs
 from gpushare.placement.model import Shape
-from gpushare.placement.policies import Policy
+from gpushare.placement.policies import NodeHosts, Policy
 
 #: the generation of a row whose value was never computed (or whose node can't be placed on)
 UNKNOWN = -1
@@ -37,10 +37,6 @@ class RowMemo:
         return self._value[:rows]
 
 
-#: per node: free CPU, free memory and the fixed rank that settles ties (``node_order``)
-Host = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
 class CostMemo(RowMemo):
     """One policy's node costs for one demand shape and CPU/memory request, per row; only rows whose
     node changed since are computed again. How the prioritize verb and the trace replay both get costs."""
@@ -50,14 +46,14 @@ class CostMemo(RowMemo):
         capacity: np.ndarray,
         free: np.ndarray,
         generation: np.ndarray,
-        host: Host,
+        host: NodeHosts,
         policy: Policy,
         shape: Shape,
         request: tuple[int, int] = (0, 0),
         allowed: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Per row: the policy's cost of the demand (``inf`` where it doesn't fit); ``host`` holds per row
-        free CPU, free memory and the fixed rank; ``allowed`` the cards the pod's rule accepts (None:
+        """Per row: the policy's cost of the demand (``inf`` where it doesn't fit); ``host`` says per row
+        what lies beside the GPUs; ``allowed`` the cards the pod's rule accepts (None:
         all). The result is the memo's own array: read it before the memo is asked again."""
         return self.values(
             generation,
@@ -66,7 +62,7 @@ class CostMemo(RowMemo):
                 capacity[stale],
                 free[stale],
                 shape,
-                (host[0][stale], host[1][stale], host[2][stale]),
+                host.rows(stale),
                 request,
                 None if allowed is None else allowed[stale],
             ),

@@ -16,13 +16,13 @@ per (node generation, ``shape_key(demands)``, policy name[, workload version]).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 
 from gpushare.placement.fragmentation import Workload, fragmentation, placement_deltas
-from gpushare.placement.model import Shape
+from gpushare.placement.model import CardRule, Shape
 
 Pod = tuple[Shape, ...]
 
@@ -72,21 +72,36 @@ class HostFit:
         )
 
 
-def host_fit(
-    workload: Workload,
-    cpu: np.ndarray,
-    memory: np.ndarray,
-    request: tuple[int, int],
-    order: np.ndarray | None = None,
-) -> HostFit:
-    """Whether each node (free ``cpu`` and ``memory`` arrays) could host each of the workload's shapes
-    apart from its GPUs, before and after a pod requesting ``request`` (CPU, memory) lands there."""
+@dataclass(frozen=True, slots=True)
+class NodeHosts:
+    """Per node, what a host-aware policy weighs besides the GPUs' free units: free CPU and memory, a
+    fixed rank in [0, 1) that settles otherwise equal costs (``node_order``), and optionally each card's
+    model, as a number into ``models``."""
+
+    cpu: np.ndarray
+    memory: np.ndarray
+    order: np.ndarray
+    card_models: np.ndarray | None = None
+    models: tuple[str, ...] = ()
+
+    def rows(self, rows: np.ndarray) -> NodeHosts:
+        card_models = None if self.card_models is None else self.card_models[rows]
+        return NodeHosts(self.cpu[rows], self.memory[rows], self.order[rows], card_models, self.models)
+
+
+def host_fit(workload: Workload, nodes: NodeHosts, request: tuple[int, int], capacity: np.ndarray) -> HostFit:
+    """Whether each node could host each of the workload's shapes apart from its GPUs (free CPU and
+    memory, and a card of a model the shape accepts), before and after a pod requesting ``request``
+    (CPU, memory) lands there; ``capacity`` is the nodes' (nodes, cards) GPU capacity."""
     need = np.array(workload.hosts, dtype=np.int64).reshape(len(workload), 2)
+    cpu, memory = nodes.cpu, nodes.memory
+    access = None if nodes.card_models is None else workload.access(nodes.card_models, nodes.models, capacity)
 
     def fit(c: np.ndarray, m: np.ndarray) -> np.ndarray:
-        return (c[:, None] >= need[:, 0]) & (m[:, None] >= need[:, 1])
+        ok = (c[:, None] >= need[:, 0]) & (m[:, None] >= need[:, 1])
+        return ok if access is None else ok & access
 
-    return HostFit(fit(cpu, memory), fit(cpu - request[0], memory - request[1]), order, cpu, memory, request)
+    return HostFit(fit(cpu, memory), fit(cpu - request[0], memory - request[1]), nodes.order, cpu, memory, request)
 
 
 class Binpack:
@@ -170,10 +185,10 @@ class FgdFit(Fgd):
     Cost of a placement, lowest first: the GPU it strands, in steps of ``1/QUANTA`` of a card; then the
     node's fixed rank, so that equal placements keep going to the same nodes. Stranded GPU is the
     fragmentation added (GPU the typical pods, weighted by how often each arrives, could no longer use,
-    including a node's idle GPU for shapes whose CPU or memory it can't hold) plus the change in idle
-    GPU that the node's free CPU and memory can't feed at the rate the typical GPU pods consume them
-    (``Workload.stranded``): a CPU-hungry pod steers away from nodes short of CPU for their GPUs, and a
-    GPU-hungry one towards them. A pod without GPUs also pays ``IDLE_WEIGHT`` cards for a node whose
+    including a node's idle GPU for shapes whose CPU, memory or card model doesn't suit it) plus the
+    idle GPU that the placement leaves without enough free CPU and memory to feed it at the rate the
+    typical GPU pods consume them (``Workload.stranded``), so a CPU-hungry pod steers away from nodes
+    short of CPU for their GPUs. A pod without GPUs also pays ``IDLE_WEIGHT`` cards for a node whose
     GPUs are all idle (in proportion for fewer), so that it goes where the GPUs are taken.
     """
 
@@ -184,12 +199,13 @@ class FgdFit(Fgd):
     IDLE_WEIGHT = 8.0
 
     @classmethod
-    def of(cls, observed: Sequence[tuple[Shape, int, int]]) -> FgdFit:
-        """The policy for pods ``observed`` as (GPU shape, CPU, memory). Pods without GPUs count towards
-        which shapes are typical, but weigh nothing: no placement of a GPU changes what they can use."""
+    def of(cls, observed: Sequence[tuple[Shape, int, int, CardRule]]) -> FgdFit:
+        """The policy for pods ``observed`` as (GPU shape, CPU, memory, card rule). Pods without GPUs count
+        towards which shapes are typical, but weigh nothing: no placement of a GPU changes what they can
+        use."""
         workload = Workload.from_pods(observed)
         counts = tuple(n if s.cards else 0 for s, n in zip(workload.shapes, workload.counts, strict=True))
-        return cls(Workload(workload.shapes, counts, workload.hosts) if any(counts) else None)
+        return cls(replace(workload, counts=counts) if any(counts) else None)
 
     def card_keys(
         self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None = None
@@ -208,14 +224,17 @@ class FgdFit(Fgd):
 
     def _starved(self, capacity: np.ndarray, idle: np.ndarray, rest: np.ndarray, host: HostFit | None) -> np.ndarray:
         """How much more idle GPU the node's free CPU and memory can't feed once the pod (taking the GPU
-        from ``idle`` down to ``rest``, and the host's request) is placed."""
+        from ``idle`` down to ``rest``, and the host's request) is placed; never less than 0: taking GPU
+        that was stranded already earns nothing, or GPU-hungry pods would crowd into small CPU-poor pools
+        of a model that other pods can use only there."""
         if host is None or host.cpu is None or host.memory is None or self.workload is None:
             return np.zeros(rest.shape)
         card = _card_units(capacity)
         cpu, memory = host.cpu - host.request[0], host.memory - host.request[1]
-        return self.workload.stranded(rest, card, cpu, memory) - self.workload.stranded(
+        newly = self.workload.stranded(rest, card, cpu, memory) - self.workload.stranded(
             idle, card, host.cpu, host.memory
         )
+        return np.maximum(newly, 0)
 
     def _settle(
         self, capacity: np.ndarray, delta: np.ndarray, idle: np.ndarray, pod: Pod, host: HostFit | None

@@ -36,7 +36,7 @@ def learned(name: str, pods: Sequence[TracePod]) -> placement.Policy:
     if name == "fgd":
         return placement.Fgd(workload(pods))
     if name == "fgdfit":
-        return placement.FgdFit.of([(p.shape, p.cpu_milli, p.memory_mib) for p in pods])
+        return placement.FgdFit.of([(p.shape, p.cpu_milli, p.memory_mib, placement.CardRule(p.models)) for p in pods])
     return placement.POLICIES[name]
 
 
@@ -69,7 +69,7 @@ class ExtenderChooser:
         self.policy = policy
         self.name = policy.name
         self._memos: dict[tuple[placement.Shape, frozenset[str], int, int], placement.CostMemo] = {}
-        self._order: np.ndarray | None = None
+        self._hosts: placement.NodeHosts | None = None
 
     def _costs(self, state: ClusterState, pod: TracePod) -> np.ndarray:
         """Per node: the policy's cost of the pod, from the memo the prioritize verb uses too."""
@@ -79,11 +79,14 @@ class ExtenderChooser:
         memo = self._memos.get(key)
         if memo is None:
             memo = self._memos[key] = placement.CostMemo()
-        if self._order is None:
-            self._order = placement.node_order(state.names)
-        host = (state.cpu, state.memory, self._order)
+        if self._hosts is None:
+            models, numbers = np.unique(state.model.astype(str), return_inverse=True)
+            card_models = np.broadcast_to(numbers[:, None], state.capacity.shape)
+            self._hosts = placement.NodeHosts(
+                state.cpu, state.memory, placement.node_order(state.names), card_models, tuple(models.tolist())
+            )
         return memo.costs(
-            state.capacity, state.free, state.generation, host, self.policy, shape, request, state.allowed(pod)
+            state.capacity, state.free, state.generation, self._hosts, self.policy, shape, request, state.allowed(pod)
         )
 
     def choose(self, state: ClusterState, pod: TracePod, rows: np.ndarray, rng: np.random.Generator) -> Choice:

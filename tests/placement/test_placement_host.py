@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from gpushare.contract.allocation import CardSlice
 from gpushare.contract.inventory import format_inventory
 from gpushare.contract.names import NODE_ANN_INVENTORY
 from gpushare.contract.units import GIB
-from gpushare.placement import Fgd, FgdFit, Shape, batch_costs, node_order
+from gpushare.placement import ANY_CARD, CardRule, Fgd, FgdFit, NodeHosts, Shape, batch_costs, node_order
 from gpushare.simulate.product import HOST_WEIGHT, kube_default_scores
 from gpushare.simulate.replay import ClusterState
 from gpushare.simulate.trace import TraceNode, TracePod
@@ -35,13 +36,17 @@ _versions = itertools.count(1)
 
 def policy() -> FgdFit:
     # typical pods: half a card with 8 CPUs, or a whole card with 4 CPUs; and some without GPUs
-    return FgdFit.of([(Shape(500), 8000, 0)] * 3 + [(Shape(0, 1, exclusive=True), 4000, 0)] + [(Shape(0, 0), 1000, 0)])
+    return FgdFit.of(
+        [(Shape(500), 8000, 0, ANY_CARD)] * 3
+        + [(Shape(0, 1, exclusive=True), 4000, 0, ANY_CARD)]
+        + [(Shape(0, 0), 1000, 0, ANY_CARD)]
+    )
 
 
 def costs(free: list[list[int]], cpu: list[int], shape: Shape, request: int, names: list[str] | None = None):
     free_arr = np.array(free)
     names = names or [f"n{i}" for i in range(len(free))]
-    host = (np.array(cpu), np.full(len(free), 1 << 40), node_order(names))
+    host = NodeHosts(np.array(cpu), np.full(len(free), 1 << 40), node_order(names))
     return batch_costs(policy(), np.full_like(free_arr, 1000), free_arr, shape, host, (request, 0))
 
 
@@ -51,7 +56,7 @@ def test_typical_shapes_are_weighed_by_how_often_they_arrive_and_pods_without_gp
         Shape(0, 1, exclusive=True): 1,
         Shape(0, 0): 0,
     }
-    assert FgdFit.of([(Shape(0, 0), 1000, 0)] * 5).workload is None
+    assert FgdFit.of([(Shape(0, 0), 1000, 0, ANY_CARD)] * 5).workload is None
 
 
 def test_a_pod_avoids_the_node_whose_cpu_it_would_exhaust() -> None:
@@ -68,11 +73,30 @@ def test_idle_cards_the_free_cpu_cannot_feed_at_the_typical_rate_are_stranded() 
     assert stranded.tolist() == pytest.approx([2000, 0, 0])
 
 
-def test_a_cpu_hungry_pod_takes_the_node_with_cpu_to_spare_and_a_gpu_hungry_one_the_node_short_of_it() -> None:
-    # the same four idle cards; node 0's 30 CPUs feed fewer than 3 typical cards, node 1's 200 all of them
-    free, cpu = [[1000] * 4] * 2, [30000, 200000]
-    assert np.argmin(costs(free, cpu, Shape(500), 16000)) == 1
-    assert np.argmin(costs(free, cpu, Shape(0, 1, exclusive=True), 1000)) == 0
+def test_a_cpu_hungry_pod_takes_the_node_with_cpu_to_spare_whichever_node_that_is() -> None:
+    # the same four idle cards; 30 CPUs feed fewer than 3 typical cards, 200 all of them
+    free = [[1000] * 4] * 2
+    assert np.argmin(costs(free, [30000, 200000], Shape(500), 16000)) == 1
+    assert np.argmin(costs(free, [200000, 30000], Shape(500), 16000)) == 0
+
+
+def test_taking_gpu_that_the_cpu_had_stranded_already_earns_nothing() -> None:
+    # a GPU-hungry pod on the CPU-short node feeds a card that was stranded; that isn't worth a step
+    free = [[1000] * 4] * 2
+    short, ample = costs(free, [30000, 200000], Shape(0, 1, exclusive=True), 1000)
+    assert math.floor(short) == math.floor(ample)
+
+
+def test_a_pod_that_takes_any_model_leaves_the_cards_other_pods_can_only_use_to_them() -> None:
+    # most typical pods accept only T4 cards; a pod that takes any model goes to the other node
+    t4_only = CardRule(frozenset({"T4"}))
+    fit = FgdFit.of([(Shape(500), 4000, 0, t4_only)] * 3 + [(Shape(500), 4000, 0, ANY_CARD)])
+    capacity = np.full((2, 2), 1000)
+    for t4 in (0, 1):
+        card_models = np.array([[0, 0], [1, 1]]) if t4 == 0 else np.array([[1, 1], [0, 0]])
+        hosts = NodeHosts(np.full(2, 64000), np.full(2, 1 << 40), node_order(["a", "b"]), card_models, ("T4", "G2"))
+        cost = batch_costs(fit, capacity, capacity.copy(), Shape(500), hosts, (4000, 0))
+        assert np.argmin(cost) == 1 - t4
 
 
 def test_a_pod_without_gpus_goes_where_the_gpus_are_taken_and_strands_none() -> None:
