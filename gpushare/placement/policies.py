@@ -49,30 +49,6 @@ class Policy(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class HostFit:
-    """What a caller knows beyond GPUs (CPU, memory, model): per (node, workload shape), could the node
-    host the shape apart from its GPUs, before and after the placement; optionally per node a fixed
-    rank in [0, 1) that settles otherwise equal costs; and optionally per node the free CPU and memory
-    before the placement, with the pod's (CPU, memory) ``request``. Only the fragmentation-aware
-    policies use it."""
-
-    before: np.ndarray
-    after: np.ndarray
-    order: np.ndarray | None = None
-    cpu: np.ndarray | None = None
-    memory: np.ndarray | None = None
-    request: tuple[int, int] = (0, 0)
-
-    def rows(self, rows: np.ndarray) -> HostFit:
-        def pick(values: np.ndarray | None) -> np.ndarray | None:
-            return None if values is None else values[rows]
-
-        return HostFit(
-            self.before[rows], self.after[rows], pick(self.order), pick(self.cpu), pick(self.memory), self.request
-        )
-
-
-@dataclass(frozen=True, slots=True)
 class NodeHosts:
     """Per node, what a host-aware policy weighs besides the GPUs' free units: free CPU and memory, a
     fixed rank in [0, 1) that settles otherwise equal costs (``node_order``), and optionally each card's
@@ -89,6 +65,23 @@ class NodeHosts:
         return NodeHosts(self.cpu[rows], self.memory[rows], self.order[rows], card_models, self.models)
 
 
+@dataclass(frozen=True, slots=True)
+class HostFit:
+    """What a caller knows beyond GPUs (CPU, memory, model): per (node, workload shape), could the node
+    host the shape apart from its GPUs, before and after the placement; and optionally the ``nodes``
+    themselves (free CPU and memory before the placement, fixed rank) with the pod's (CPU, memory)
+    ``request``. Only the fragmentation-aware policies use it."""
+
+    before: np.ndarray
+    after: np.ndarray
+    nodes: NodeHosts | None = None
+    request: tuple[int, int] = (0, 0)
+
+    def rows(self, rows: np.ndarray) -> HostFit:
+        nodes = None if self.nodes is None else self.nodes.rows(rows)
+        return HostFit(self.before[rows], self.after[rows], nodes, self.request)
+
+
 def host_fit(workload: Workload, nodes: NodeHosts, request: tuple[int, int], capacity: np.ndarray) -> HostFit:
     """Whether each node could host each of the workload's shapes apart from its GPUs (free CPU and
     memory, and a card of a model the shape accepts), before and after a pod requesting ``request``
@@ -101,7 +94,7 @@ def host_fit(workload: Workload, nodes: NodeHosts, request: tuple[int, int], cap
         ok = (c[:, None] >= need[:, 0]) & (m[:, None] >= need[:, 1])
         return ok if access is None else ok & access
 
-    return HostFit(fit(cpu, memory), fit(cpu - request[0], memory - request[1]), nodes.order, cpu, memory, request)
+    return HostFit(fit(cpu, memory), fit(cpu - request[0], memory - request[1]), nodes, request)
 
 
 class Binpack:
@@ -227,12 +220,12 @@ class FgdFit(Fgd):
         from ``idle`` down to ``rest``, and the host's request) is placed; never less than 0: taking GPU
         that was stranded already earns nothing, or GPU-hungry pods would crowd into small CPU-poor pools
         of a model that other pods can use only there."""
-        if host is None or host.cpu is None or host.memory is None or self.workload is None:
+        if host is None or host.nodes is None or self.workload is None:
             return np.zeros(rest.shape)
-        card = _card_units(capacity)
-        cpu, memory = host.cpu - host.request[0], host.memory - host.request[1]
+        card, nodes = _card_units(capacity), host.nodes
+        cpu, memory = nodes.cpu - host.request[0], nodes.memory - host.request[1]
         newly = self.workload.stranded(rest, card, cpu, memory) - self.workload.stranded(
-            idle, card, host.cpu, host.memory
+            idle, card, nodes.cpu, nodes.memory
         )
         return np.maximum(newly, 0)
 
@@ -246,8 +239,9 @@ class FgdFit(Fgd):
         cost = np.floor(delta * self.QUANTA / card + 1e-9)
         if not any(shape.cards for shape in pod):
             cost = cost + self.IDLE_WEIGHT * self.QUANTA * idle / total
-        if host is not None and host.order is not None:
-            cost = cost + 1e-3 * (host.order if delta.ndim == 1 else host.order[:, None])
+        if host is not None and host.nodes is not None:
+            order = host.nodes.order
+            cost = cost + 1e-3 * (order if delta.ndim == 1 else order[:, None])
         return cost
 
 
