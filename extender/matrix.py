@@ -75,8 +75,7 @@ class NodeMatrix:
         Under the lock."""
         if not rule.picks_models:
             return None
-        accepted = np.fromiter((rule.accepts(m) for m in self._models), dtype=bool, count=len(self._models))
-        return accepted[self._model[:rows]]
+        return rule.card_mask(self._model[:rows], tuple(self._models))
 
     def costs(
         self,

@@ -98,8 +98,7 @@ class Workload:
         out = np.ones((len(card_models), len(self)), dtype=bool)
         for column, rule in enumerate(self.rules):
             if rule.picks_models:
-                accepted = np.fromiter((rule.accepts(m) for m in models), dtype=bool, count=len(models))
-                out[:, column] = (accepted[card_models] & real).any(axis=1)
+                out[:, column] = (rule.card_mask(card_models, models) & real).any(axis=1)
         return out
 
     def __len__(self) -> int:

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class CardCapacity:
@@ -124,6 +126,12 @@ class CardRule:
     def accepts(self, model: str) -> bool:
         """Whether a card of ``model`` may be given to the pod."""
         return _accepts(self.models, self.avoid, model)
+
+    def card_mask(self, card_models: np.ndarray, models: Sequence[str]) -> np.ndarray:
+        """Per card of ``card_models`` (any array of numbers into ``models``): whether its model may be
+        given to the pod."""
+        accepted = np.fromiter((self.accepts(m) for m in models), dtype=bool, count=len(models))
+        return accepted[card_models]
 
     @property
     def picks_models(self) -> bool:

@@ -80,10 +80,8 @@ class ExtenderChooser:
         if memo is None:
             memo = self._memos[key] = placement.CostMemo()
         if self._hosts is None:
-            models, numbers = np.unique(state.model.astype(str), return_inverse=True)
-            card_models = np.broadcast_to(numbers[:, None], state.capacity.shape)
             self._hosts = placement.NodeHosts(
-                state.cpu, state.memory, placement.node_order(state.names), card_models, tuple(models.tolist())
+                state.cpu, state.memory, placement.node_order(state.names), state.card_models, state.models
             )
         return memo.costs(
             state.capacity, state.free, state.generation, self._hosts, self.policy, shape, request, state.allowed(pod)

@@ -50,6 +50,9 @@ class ClusterState:
     cpu_allocatable: np.ndarray
     memory_allocatable: np.ndarray
     model: np.ndarray
+    #: per (node, card): its model, as a number into ``models``
+    card_models: np.ndarray
+    models: tuple[str, ...]
     tags: dict[str, int]
     affinity: np.ndarray
     generation: np.ndarray
@@ -66,6 +69,7 @@ class ClusterState:
         tags = {tag: i for i, tag in enumerate(sorted({affinity_tag(p) for p in pods} - {"no-gpu"}))}
         cpu = np.array([n.cpu_milli for n in nodes], dtype=np.int64)
         memory = np.array([n.memory_mib for n in nodes], dtype=np.int64)
+        models, numbers = np.unique([n.model for n in nodes], return_inverse=True)
         return cls(
             names=[n.name for n in nodes],
             capacity=capacity,
@@ -75,6 +79,8 @@ class ClusterState:
             cpu_allocatable=cpu,
             memory_allocatable=memory,
             model=np.array([n.model for n in nodes], dtype=object),
+            card_models=np.broadcast_to(numbers.reshape(-1, 1), capacity.shape),
+            models=tuple(models.tolist()),
             tags=tags,
             affinity=np.zeros((len(nodes), max(len(tags), 1)), dtype=np.int64),
             generation=np.zeros(len(nodes), dtype=np.int64),
@@ -92,11 +98,7 @@ class ClusterState:
             return None
         held = self._allowed.get(pod.models)
         if held is None:
-            rule = CardRule(pod.models)
-            distinct = {m: rule.accepts(m) for m in set(self.model.tolist())}
-            per_node = np.fromiter((distinct[m] for m in self.model), dtype=bool, count=len(self.model))
-            held = np.broadcast_to(per_node[:, None], self.capacity.shape)
-            self._allowed[pod.models] = held
+            held = self._allowed[pod.models] = CardRule(pod.models).card_mask(self.card_models, self.models)
         return held
 
     def able(self, pod: TracePod, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
