@@ -154,7 +154,7 @@ class ClusterCache:
         #: per node: allocatable (CPU milli, memory bytes); and the free amounts per node, until it changes
         self._allocatable: dict[str, tuple[int, int]] = {}
         self._host_free: dict[str, tuple[int, int]] = {}
-        #: the (GPU shape, CPU, memory) of every pod, GPU or not, that the host-aware policy learns from
+        #: the (GPU shape, CPU, memory, card rule) of every pod, GPU or not, that the host-aware policy learns from
         self._pod_shapes: Counter[PodShape] = Counter()
         self._pod_shapes_of_pod: dict[str, tuple[PodShape, ...]] = {}
         self._change_listeners: list[Callable[[str], None]] = []
