@@ -25,8 +25,8 @@ from urllib.parse import parse_qs, urlparse
 
 import yaml
 
-from gpushare.sandbox.patching import APPLY, SUPPORTED, PatchError, apply_patch
-from gpushare.sandbox.realcluster import KUBE_VERSION
+from gpushare.sandbox.binaries import KUBE_VERSION
+from gpushare.sandbox.patching import APPLY, SUPPORTED, PatchError, UndecodablePatch, apply_patch
 from gpushare.sandbox.selectors import Predicate, SelectorError, parse_field_selector, parse_label_selector
 from gpushare.sandbox.store import INDEXED, Event, Key, Store, StoreError, invalid
 
@@ -375,6 +375,8 @@ class ApiServer:
             # tests it (JSON patch) is a precondition, checked by the store against the stored version.
             try:
                 patched = apply_patch(content_type, current, patch)
+            except UndecodablePatch as exc:
+                raise StoreError(400, "BadRequest", str(exc)) from None
             except PatchError as exc:
                 raise invalid(KINDS[res], key[1], str(exc)) from None
             if not isinstance(patched, dict) or not isinstance(patched.get("metadata", {}), dict):
@@ -413,9 +415,22 @@ class ApiServer:
         if ((body.get("metadata") or {}).get("name") or key[1]) != key[1]:
             raise StoreError(400, "BadRequest", "name in URL does not match name in Binding object")
 
+        wanted_uid = (body.get("metadata") or {}).get("uid")
+
         def change(pod: dict[str, Any]) -> dict[str, Any]:
-            # as in kube-apiserver 1.20: binding again, even to the same node, is a conflict, and the
-            # binding's uid is not checked against the pod's
+            # as kube-apiserver does: a binding naming another uid is a conflict (checked since 1.24),
+            # and so is binding again, even to the same node
+            uid = (pod.get("metadata") or {}).get("uid")
+            if wanted_uid and wanted_uid != uid:
+                raise StoreError(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on pods "{key[1]}": StorageError: invalid object, Code: 4, '
+                    f"Key: /registry/pods/{key[0]}/{key[1]}, ResourceVersion: 0, AdditionalErrorMsg: "
+                    f"Precondition failed: UID in precondition: {wanted_uid}, UID in object meta: {uid}",
+                    "pods",
+                    key[1],
+                )
             if bound := (pod.get("spec") or {}).get("nodeName"):
                 raise StoreError(
                     409, "Conflict", f'pod {key[1]} is already assigned to node "{bound}"', "pods/binding", key[1]
@@ -462,6 +477,10 @@ class ApiServer:
                 items, start = self.store.list(res, ns, match, indexed)
                 for obj in items:
                     send("ADDED", self._out(res, obj))
+                if query.get("allowWatchBookmarks") == "true":
+                    # kube-apiserver 1.27+ (not 1.20) marks the end of the replayed state at once
+                    end = {"resourceVersion": str(start), "annotations": {INITIAL_EVENTS_END: "true"}}
+                    send("BOOKMARK", {"kind": KINDS[res], "apiVersion": "v1", "metadata": end})
             else:
                 start = int(requested)
             while time.monotonic() < deadline and generation == self._generation:
@@ -486,6 +505,10 @@ class ApiServer:
             h.wfile.flush()
         except OSError:
             h.close_connection = True
+
+
+#: the annotation of the bookmark that ends a watch's replay of the current state
+INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 
 
 def _grace_period(pod: Mapping[str, Any], requested: Any) -> int:

@@ -1,50 +1,77 @@
 #!/usr/bin/env bash
-# Builds kube-apiserver, kube-scheduler and kubelet v1.20.2 from Debian bookworm's source package, the
-# way debian/rules does, and caches them. Only the first run on a machine pays the build (~10 min on
-# 2 cores); later runs find the cache and return at once. Fetches nothing but Debian packages.
+# Builds the real cluster's binaries from the Go module proxy with the Go on PATH (1.26) and caches them:
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kubectl  k8s.io/kubernetes  $KUBE_VERSION
+#   etcd                                                               go.etcd.io/etcd/server/v3  $ETCD_VERSION
+#   containerd, containerd-shim-runc-v2, ctr                           containerd/v2  $CONTAINERD_VERSION
+# k8s.io/kubernetes and etcd can't be `go install`ed: their go.mod replaces their own sub-modules with
+# relative paths. Each is built from a small wrapper module that requires the release and replaces every
+# such sub-module with its published version at the same tag. The first run on a machine pays for the
+# downloads and the build (see README); later runs find the cache and return at once.
 #
-#   build_kube.sh [CACHE_DIR]     (default: $GPUSHARE_KUBE_BIN or /var/cache/gpushare/kube-v1.20.2)
+#   build_kube.sh [CACHE_DIR]   (default: $GPUSHARE_KUBE_BIN or /var/cache/gpushare/kube-$KUBE_VERSION)
 set -euo pipefail
-version=v1.20.2
-cache=${1:-${GPUSHARE_KUBE_BIN:-/var/cache/gpushare/kube-$version}}
-bins=(kube-apiserver kube-scheduler kubelet)
+KUBE_VERSION=v1.37.2
+ETCD_VERSION=v3.6.16
+CONTAINERD_VERSION=v2.2.9
+cache=${1:-${GPUSHARE_KUBE_BIN:-/var/cache/gpushare/kube-$KUBE_VERSION}}
+bins=(kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl etcd containerd containerd-shim-runc-v2 ctr)
 
 have_all() { for b in "${bins[@]}"; do [ -x "$cache/$b" ] || return 1; done; }
 if have_all; then echo "build_kube: cached in $cache"; exit 0; fi
-if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-  echo "build_kube: need root and apt-get to build Kubernetes $version; real-cluster parts will be skipped" >&2
-  exit 1
-fi
-
-src_list=/etc/apt/sources.list.d/gpushare-bookworm-src.sources
-if [ ! -f "$src_list" ]; then
-  # the same mirror as the machine's own bookworm entry
-  uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
-  cat >"$src_list" <<SRC
-Types: deb-src
-URIs: ${uri:-http://deb.debian.org/debian}
-Suites: bookworm
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-SRC
-fi
-apt-get update -qq
-DEBIAN_FRONTEND=noninteractive apt-get install -y -qq golang-go rsync etcd-server containernetworking-plugins \
-  containerd runc busybox-static >/dev/null
-
+mkdir -p "$cache"
 work=$(mktemp -d /var/tmp/gpushare-kube-build.XXXXXX)
 trap 'rm -rf "$work"' EXIT
-cd "$work"
-apt-get source --download-only kubernetes >/dev/null 2>&1
-dpkg-source --no-check -x kubernetes_*.dsc tree >/dev/null
-tree=$work/tree
-mkdir -p "$tree/.go/src/k8s.io"
-ln -s "$tree" "$tree/.go/src/k8s.io/kubernetes"
-cd "$tree/.go/src/k8s.io/kubernetes"
-echo "build_kube: building ${bins[*]} $version (about 10 minutes on 2 cores)"
-GOPATH=$tree/.go GO111MODULE=off GOFLAGS= CGO_ENABLED=0 GOCACHE=$work/gocache \
-  make WHAT="cmd/kube-apiserver cmd/kube-scheduler cmd/kubelet" KUBE_GIT_VERSION=$version >"$work/build.log" 2>&1 \
-  || { tail -40 "$work/build.log" >&2; exit 1; }
-mkdir -p "$cache"
-for b in "${bins[@]}"; do install -m 0755 "_output/bin/$b" "$cache/$b.tmp" && mv "$cache/$b.tmp" "$cache/$b"; done
-echo "build_kube: built into $cache"
+export GOFLAGS=-mod=mod GOTOOLCHAIN=local CGO_ENABLED=0
+
+# fail WHAT LOG: one line on stderr and in $cache/BUILD-FAILED (the tests' skip reason), then the log's tail
+fail() {
+  echo "build_kube: $1" | tee "$cache/BUILD-FAILED" >&2
+  tail -30 "$2" >&2
+  exit 1
+}
+
+# wrapper MODULE VERSION DIR SUBVERSION: a module in DIR that requires MODULE@VERSION and replaces each of
+# its relative-path replaces (`X => ./...` or `X => ../...`) with X@SUBVERSION.
+wrapper() {
+  local module=$1 version=$2 dir=$3 subversion=$4 gomod
+  mkdir -p "$dir"
+  gomod=$(cd "$dir" && go mod download -json "$module@$version" 2>&1 | sed -n 's/^\s*"GoMod": "\(.*\)",$/\1/p') || true
+  [ -s "$gomod" ] || fail "the Go module proxy has no $module@$version" /dev/null
+  {
+    echo "module gpushare.local/build"
+    echo "go $(go env GOVERSION | sed 's/^go//; s/\.[0-9]*$//')"
+    echo "require $module $version"
+    awk -v v="$subversion" '$2 == "=>" && $3 ~ /^\.\.?\// && $3 !~ /FORBIDDEN/ {print "replace " $1 " => " $1 " " v}' "$gomod"
+  } >"$dir/go.mod"
+}
+
+stamp="-X k8s.io/component-base/version.gitVersion=$KUBE_VERSION -X k8s.io/component-base/version.gitMajor=1
+  -X k8s.io/component-base/version.gitMinor=$(echo "$KUBE_VERSION" | cut -d. -f2)
+  -X k8s.io/component-base/version.gitTreeState=clean
+  -X k8s.io/component-base/version/verflag.programName=kubernetes"
+echo "build_kube: building Kubernetes $KUBE_VERSION, etcd $ETCD_VERSION and containerd $CONTAINERD_VERSION with $(go version | cut -d' ' -f3)"
+start=$SECONDS
+command -v go >/dev/null 2>&1 || fail "no go on PATH (Go 1.26 builds these)" /dev/null
+
+wrapper k8s.io/kubernetes "$KUBE_VERSION" "$work/kube" "v0.${KUBE_VERSION#v1.}"
+( cd "$work/kube"
+  for b in kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do
+    go build -trimpath -ldflags "-s -w $stamp" -o "$cache/$b.tmp" "k8s.io/kubernetes/cmd/$b" && mv "$cache/$b.tmp" "$cache/$b"
+  done ) >"$work/kube.log" 2>&1 || fail "building Kubernetes $KUBE_VERSION failed" "$work/kube.log"
+
+wrapper go.etcd.io/etcd/server/v3 "$ETCD_VERSION" "$work/etcd" "$ETCD_VERSION"
+( cd "$work/etcd"
+  go build -trimpath -ldflags "-s -w" -o "$cache/etcd.tmp" go.etcd.io/etcd/server/v3 && mv "$cache/etcd.tmp" "$cache/etcd"
+) >"$work/etcd.log" 2>&1 || fail "building etcd $ETCD_VERSION failed" "$work/etcd.log"
+
+# containerd 2: kubelet from 1.36 on no longer supports containerd 1.x (Debian bookworm ships 1.6.20)
+mkdir -p "$work/containerd"
+( cd "$work/containerd" && printf 'module gpushare.local/build\ngo 1.26\nrequire github.com/containerd/containerd/v2 %s\n' "$CONTAINERD_VERSION" >go.mod
+  ld="-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION"
+  for b in containerd containerd-shim-runc-v2 ctr; do
+    go build -trimpath -tags "no_btrfs no_zfs no_devmapper no_aufs" -ldflags "$ld" -o "$cache/$b.tmp" \
+      "github.com/containerd/containerd/v2/cmd/$b" && mv "$cache/$b.tmp" "$cache/$b"
+  done ) >"$work/containerd.log" 2>&1 || fail "building containerd $CONTAINERD_VERSION failed" "$work/containerd.log"
+
+rm -f "$cache/BUILD-FAILED"
+echo "build_kube: built into $cache in $((SECONDS - start)) s"

@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 
 from gpushare.pb import cri_pb2, cri_pb2_grpc
+from gpushare.sandbox import binaries
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,8 @@ def containerd_available() -> str | None:
     """None when a private containerd can run here, else why not (a reason to skip)."""
     if os.geteuid() != 0:
         return "containerd needs root"
-    for binary in ("containerd", "ctr", "runc"):
-        if shutil.which(binary) is None:
-            return f"{binary} is not installed (apt-get install -y containerd runc busybox-static)"
+    if reason := binaries.missing(binaries.CONTAINERD_BINARIES) or binaries.host_tool_missing(("runc",)):
+        return reason
     if not BUSYBOX.is_file():
         return f"{BUSYBOX} is missing (apt-get install -y busybox-static)"
     if not is_static_elf(BUSYBOX):
@@ -138,39 +138,42 @@ def build_busybox_image(path: Path, tags: Sequence[str] = (PAUSE_IMAGE, TEST_IMA
 
 
 def render_config(base: Path, sandbox_image: str = PAUSE_IMAGE) -> str:
-    """containerd's TOML configuration, with every path under ``base``."""
-    cri = 'plugins."io.containerd.grpc.v1.cri"'
+    """containerd 2's TOML configuration (version 3), with every path under ``base``."""
+    images, runtime = "plugins.'io.containerd.cri.v1.images'", "plugins.'io.containerd.cri.v1.runtime'"
     return "\n".join(
         [
-            "version = 2",
-            f'root = "{base / "root"}"',
-            f'state = "{base / "state"}"',
+            "version = 3",
+            f"root = '{base / 'root'}'",
+            f"state = '{base / 'state'}'",
             "disabled_plugins = ["
-            '"io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", '
-            '"io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", '
-            '"io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]',
+            "'io.containerd.snapshotter.v1.btrfs', 'io.containerd.snapshotter.v1.devmapper', "
+            "'io.containerd.snapshotter.v1.zfs', 'io.containerd.snapshotter.v1.erofs', "
+            "'io.containerd.tracing.processor.v1.otlp', 'io.containerd.internal.v1.tracing']",
             "[grpc]",
-            f'  address = "{base / "containerd.sock"}"',
+            f"  address = '{base / 'containerd.sock'}'",
             "[ttrpc]",
-            f'  address = "{base / "containerd.sock.ttrpc"}"',
+            f"  address = '{base / 'containerd.sock.ttrpc'}'",
             "[debug]",
-            '  address = ""',
+            "  address = ''",
             "[metrics]",
-            '  address = ""',
-            '[plugins."io.containerd.internal.v1.opt"]',
-            f'  path = "{base / "opt"}"',
-            f"[{cri}]",
-            f'  sandbox_image = "{sandbox_image}"',
+            "  address = ''",
+            "[plugins.'io.containerd.internal.v1.opt']",
+            f"  path = '{base / 'opt'}'",
+            f"[{images}]",
+            "  snapshotter = 'native'",
+            f"[{images}.pinned_images]",
+            f"  sandbox = '{sandbox_image}'",
+            f"[{runtime}]",
             "  restrict_oom_score_adj = true",
             "  enable_selinux = false",
-            f"[{cri}.containerd]",
-            '  snapshotter = "native"',
-            '  default_runtime_name = "runc"',
-            f"[{cri}.containerd.runtimes.runc]",
-            '  runtime_type = "io.containerd.runc.v2"',
-            f"[{cri}.cni]",
-            f'  bin_dir = "{base / "cni-bin"}"',
-            f'  conf_dir = "{base / "cni-conf"}"',
+            "  enable_cdi = false",
+            f"[{runtime}.containerd]",
+            "  default_runtime_name = 'runc'",
+            f"[{runtime}.containerd.runtimes.runc]",
+            "  runtime_type = 'io.containerd.runc.v2'",
+            f"[{runtime}.cni]",
+            f"  bin_dirs = ['{base / 'cni-bin'}']",
+            f"  conf_dir = '{base / 'cni-conf'}'",
             "",
         ]
     )
@@ -206,7 +209,8 @@ class Containerd:
         self.config.write_text(render_config(self.base, self.sandbox_image))
         with self.log_path.open("ab") as log_file:
             self._process = subprocess.Popen(
-                [*self.command_prefix, "containerd", "--config", str(self.config)],
+                [*self.command_prefix, str(binaries.built("containerd")), "--config", str(self.config)],
+                env={**os.environ, "PATH": binaries.path_with_bin_dir()},
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -259,13 +263,15 @@ class Containerd:
         """Load a docker-archive tarball into the CRI namespace, unpacked for the native snapshotter."""
         result = subprocess.run(
             [
-                "ctr",
+                str(binaries.built("ctr")),
                 "-a",
                 str(self.socket),
                 "-n",
                 K8S_NAMESPACE,
                 "images",
                 "import",
+                # containerd 2's transfer service unpacks only for the snapshotters it is configured for
+                "--local",
                 "--snapshotter",
                 "native",
                 str(tarball),

@@ -22,6 +22,11 @@ class PatchError(ValueError):
     """A patch that can't be applied (422), or whose ``test`` operation failed."""
 
 
+class UndecodablePatch(PatchError):
+    """A merge patch that isn't a JSON object: kube-apiserver (1.27+, which validates fields by
+    default) refuses it with 400 BadRequest before looking at the object."""
+
+
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386: objects merge recursively, ``null`` deletes, anything else replaces."""
     if not isinstance(patch, dict):
@@ -195,7 +200,10 @@ def apply_patch(content_type: str, target: Any, patch: Any) -> Any:
     if content_type == JSON_PATCH:
         return json_patch(target, patch)
     if not isinstance(patch, dict):
-        raise PatchError("a merge patch must be a JSON object")
+        kind = "array" if isinstance(patch, list) else type(patch).__name__
+        raise UndecodablePatch(
+            f"error decoding patch: json: cannot unmarshal {kind} into Go value of type map[string]interface {{}}"
+        )
     if content_type == STRATEGIC:
         return strategic_merge_patch(target, patch)
     return merge_patch(target, patch)

@@ -1,6 +1,6 @@
-"""A real Kubernetes v1.20 cluster on this machine: etcd, kube-apiserver, kube-scheduler with the gpushare
-extender, and per simulated node a private containerd, the gpushare node agent (simulated cards, CRI
-shim in front of containerd) and a kubelet.
+"""A real Kubernetes cluster on this machine, at the version ``build_kube.sh`` pins: etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler with the gpushare extender, and per simulated node a private
+containerd, the gpushare node agent (simulated cards, CRI shim in front of containerd) and a kubelet.
 
 Kubelet hard-wires its device-plugin directory to ``/var/lib/kubelet/device-plugins``, so each simulated
 node is a private mount namespace (held open by a sleeping process) with its own directories bound over
@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import ssl
@@ -42,6 +41,8 @@ from gpushare.contract.names import (
     RESOURCE_MEM,
 )
 from gpushare.pb import cri_pb2, cri_pb2_grpc
+from gpushare.sandbox import binaries
+from gpushare.sandbox.binaries import KUBE_BINARIES
 from gpushare.sandbox.certs import Certs, make_certs
 from gpushare.sandbox.containerd import (
     PAUSE_IMAGE,
@@ -56,9 +57,6 @@ from gpushare.sandbox.fakenvml import prepare as prepare_fake_nvml
 
 log = logging.getLogger(__name__)
 
-KUBE_VERSION = "v1.20.2"
-KUBE_BINARIES = ("kube-apiserver", "kube-scheduler", "kubelet")
-DEFAULT_KUBE_BIN = Path(f"/var/cache/gpushare/kube-{KUBE_VERSION}")
 DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 POD_LOG_DIR = Path("/var/log/pods")
 CNI_PLUGINS = Path("/usr/lib/cni")
@@ -81,20 +79,14 @@ class ClusterError(RuntimeError):
     """The cluster could not come up; the message names the part and its log."""
 
 
-def kube_bin_dir() -> Path:
-    return Path(os.environ.get("GPUSHARE_KUBE_BIN") or DEFAULT_KUBE_BIN)
-
-
 def realcluster_available() -> str | None:
     """None when a real cluster can run here, else why not (a reason to skip or fall back)."""
-    if reason := containerd_available():
+    if reason := (
+        containerd_available()
+        or binaries.missing((*KUBE_BINARIES, "etcd"))
+        or binaries.host_tool_missing(("unshare", "nsenter", "mount", "openssl"))
+    ):
         return reason
-    missing = [b for b in KUBE_BINARIES if not os.access(kube_bin_dir() / b, os.X_OK)]
-    if missing:
-        return f"{', '.join(missing)} not built in {kube_bin_dir()} (./install.sh builds them as root)"
-    for tool in ("etcd", "unshare", "nsenter", "mount", "openssl"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed (./install.sh installs it as root)"
     if not (CNI_PLUGINS / "loopback").is_file():
         return f"{CNI_PLUGINS / 'loopback'} is missing (apt-get install -y containernetworking-plugins)"
     return None
@@ -141,29 +133,24 @@ def render_scheduler_config(
     extender_url: str,
     scheduler_name: str,
     template: Mapping[str, Any],
-    healthz: str,
     tls: SchedulerTls | None = None,
+    client_rate: tuple[float, int] | None = None,
 ) -> str:
-    """kube-scheduler 1.20 reads ``v1beta1``; the extender block of ``deploy/scheduler-config.yaml`` is
-    taken unchanged but for its URL and the files of its ``tlsConfig`` (``tls``), or without TLS when
-    ``tls`` is None. ``healthz`` (host:port) also serves metrics; with a config file the scheduler
-    ignores ``--port``, so this is how it stays off the shared default port."""
+    """``deploy/scheduler-config.yaml`` as shipped (``kubescheduler.config.k8s.io/v1``), with only what
+    differs on this machine put in: the kubeconfig, one profile named ``scheduler_name``, no leader
+    election, and each extender's URL and the files of its ``tlsConfig`` (``tls``; without TLS when
+    None). ``client_rate`` sets ``clientConnection``'s ``qps`` and ``burst``."""
     extenders = [_extender_entry(e, extender_url, tls) for e in template.get("extenders") or []]
     if not extenders:
         raise ClusterError(f"{SCHEDULER_CONFIG} has no extenders block")
-    return yaml.safe_dump(
-        {
-            "apiVersion": "kubescheduler.config.k8s.io/v1beta1",
-            "kind": "KubeSchedulerConfiguration",
-            "clientConnection": {"kubeconfig": str(kubeconfig)},
-            "leaderElection": {"leaderElect": False},
-            "healthzBindAddress": healthz,
-            "metricsBindAddress": healthz,
-            "profiles": [{"schedulerName": scheduler_name}],
-            "extenders": extenders,
-        },
-        sort_keys=False,
-    )
+    config = dict(template)
+    config["clientConnection"] = {**(template.get("clientConnection") or {}), "kubeconfig": str(kubeconfig)}
+    if client_rate is not None:
+        config["clientConnection"].update(qps=client_rate[0], burst=client_rate[1])
+    config["leaderElection"] = {"leaderElect": False}
+    config["profiles"] = [{"schedulerName": scheduler_name}]
+    config["extenders"] = extenders
+    return yaml.safe_dump(config, sort_keys=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,13 +176,19 @@ def _extender_entry(template: Mapping[str, Any], url: str, tls: SchedulerTls | N
     return entry
 
 
-def render_kubelet_config(port: int, healthz_port: int) -> str:
+def render_kubelet_config(port: int, healthz_port: int, runtime_socket: Path, taints: Sequence[str] = ()) -> str:
     """Kubelet settings for a node that shares its machine with other simulated nodes: loopback only,
-    no QoS cgroups or node-allocatable enforcement (they would be shared), no evictions."""
+    no QoS cgroups or node-allocatable enforcement (they would be shared), no evictions. The runtime is
+    ``runtime_socket`` (the CRI shim's); ``taints`` (``key=value:Effect``) are registered with the node.
+    These machines run cgroup v1, which kubelet refuses from 1.35 on unless told otherwise."""
     return yaml.safe_dump(
         {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
+            "containerRuntimeEndpoint": f"unix://{runtime_socket}",
+            "failCgroupV1": False,
+            "volumePluginDir": str(runtime_socket.parent / "flexvolume"),
+            "registerWithTaints": [_taint(t) for t in taints],
             "address": "127.0.0.1",
             "port": port,
             "readOnlyPort": 0,
@@ -222,6 +215,15 @@ def render_kubelet_config(port: int, healthz_port: int) -> str:
         },
         sort_keys=False,
     )
+
+
+def _taint(spec: str) -> dict[str, str]:
+    """``key=value:Effect`` (or ``key:Effect``) as a Taint object."""
+    key_value, _, effect = spec.rpartition(":")
+    key, _, value = key_value.partition("=")
+    if not key or not effect:
+        raise ClusterError(f"taint {spec!r}: expected key=value:Effect")
+    return {"key": key, "value": value, "effect": effect} if value else {"key": key, "effect": effect}
 
 
 def render_loopback_conflist() -> str:
@@ -316,6 +318,18 @@ class Process:
         log.info("stopped %s (pid %d)", self.name, self.popen.pid)
 
 
+def scheduler_argv(config: Path, port: int) -> list[str]:
+    """kube-scheduler reading ``config``, serving /healthz and /metrics on 127.0.0.1:``port`` over HTTPS
+    (its only listener since 1.23; /healthz needs no credentials)."""
+    return [
+        str(binaries.built("kube-scheduler")),
+        f"--config={config}",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={port}",
+        "--v=2",
+    ]
+
+
 def _get(url: str, token: str = "", timeout: float = 1.0) -> int:
     """HTTP(S) status of a GET, 0 when nothing answers; certificates are not checked (loopback, self-signed)."""
     context = ssl.create_default_context()
@@ -405,7 +419,7 @@ class Control:
                 proc.check()
         return (
             _get(f"{self.extender_health_url}/readyz") == 200
-            and _get(f"http://127.0.0.1:{self.healthz_port}/healthz") == 200
+            and _get(f"https://127.0.0.1:{self.healthz_port}/healthz") == 200
         )
 
 
@@ -426,7 +440,6 @@ class RealCluster:
     #: per node name, taints its kubelet registers with (``key=value:Effect``), so only pods that
     #: tolerate them land there
     node_taints: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    bin_dir: Path = field(default_factory=kube_bin_dir)
     nodes: dict[str, RealNode] = field(default_factory=dict)
     controls: list[Control] = field(default_factory=list)
     processes: list[Process] = field(default_factory=list)
@@ -478,22 +491,24 @@ class RealCluster:
             raise
 
     def start_api_server(self) -> None:
-        """Only etcd and kube-apiserver, for clients of the API alone; :meth:`stop` ends them."""
+        """Only etcd and kube-apiserver, for clients of the API alone, with kube-controller-manager
+        running nothing but what admits pods (each namespace's default ServiceAccount), so no controller
+        touches the clients' objects; :meth:`stop` ends them."""
         self._started = True
         try:
-            self._start_control_plane()
+            self._start_control_plane(controllers=("serviceaccount-controller",))
         except BaseException:
             self.stop()
             raise
 
-    def _start_control_plane(self) -> None:
+    def _start_control_plane(self, controllers: Sequence[str] = ("*",)) -> None:
         from gpushare.kube.transport import load_api
 
         etcd_port, peer_port = free_port(), free_port()
         self._spawn(
             "etcd",
             [
-                "etcd",
+                str(binaries.built("etcd")),
                 "--data-dir", str(self._path("etcd")),
                 "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
                 "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
@@ -507,6 +522,7 @@ class RealCluster:
         self.identities = [
             self.admin,
             Identity("system:kube-scheduler", os.urandom(16).hex()),
+            Identity("system:kube-controller-manager", os.urandom(16).hex()),
             *(Identity(f"system:node:{n}", os.urandom(16).hex(), ("system:nodes", "system:masters"))
               for n, _ in self.nodes_spec),
         ]  # fmt: skip
@@ -518,11 +534,10 @@ class RealCluster:
         self.apiserver = self._spawn(
             "kube-apiserver",
             [
-                str(self.bin_dir / "kube-apiserver"),
+                str(binaries.built("kube-apiserver")),
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
                 "--bind-address=127.0.0.1",
                 f"--secure-port={self.api_port}",
-                "--insecure-port=0",
                 f"--cert-dir={self._path('apiserver-certs')}",
                 f"--token-auth-file={self._path('tokens.csv')}",
                 f"--authorization-mode={'RBAC' if self.rbac else 'AlwaysAllow'}",
@@ -531,8 +546,6 @@ class RealCluster:
                 "--service-account-issuer=https://kubernetes.default.svc",
                 "--service-cluster-ip-range=10.96.0.0/24",
                 "--allow-privileged=true",
-                # no kube-controller-manager, so no default ServiceAccount to admit pods with
-                "--disable-admission-plugins=ServiceAccount",
                 "--enable-priority-and-fairness=false",
             ],
         )
@@ -545,8 +558,57 @@ class RealCluster:
         for who in self.identities:
             self.write_kubeconfig(who.user, who.token)
         self.api = load_api(str(self.kubeconfig))
+        self._start_controller_manager(sa_key, controllers)
         if self.rbac:
             self._apply_rbac()
+
+    def _start_controller_manager(self, sa_key: Path, controllers: Sequence[str]) -> None:
+        """kube-controller-manager with its default controllers, as on any cluster: it lifts a node's
+        not-ready taint once the node is Ready, makes each namespace's ``default`` ServiceAccount and
+        publishes ``kube-root-ca.crt`` (which pods' token volumes need), and collects pods as a real
+        cluster does. Each controller calls the API server with its own service account's token.
+        ``controllers`` is its ``--controllers``."""
+        healthz = free_port()
+        self.controller_manager = self._spawn(
+            "kube-controller-manager",
+            [
+                str(binaries.built("kube-controller-manager")),
+                f"--kubeconfig={self.kubeconfig_of('system:kube-controller-manager')}",
+                f"--authentication-kubeconfig={self.kubeconfig_of('system:kube-controller-manager')}",
+                f"--authorization-kubeconfig={self.kubeconfig_of('system:kube-controller-manager')}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={healthz}",
+                "--leader-elect=false",
+                "--use-service-account-credentials=true",
+                f"--controllers={','.join(controllers)}",
+                f"--service-account-private-key-file={sa_key}",
+                f"--root-ca-file={self._path('apiserver-certs') / 'apiserver.crt'}",
+                "--service-cluster-ip-range=10.96.0.0/24",
+                # else it creates /usr/libexec/kubernetes/kubelet-plugins on the host
+                f"--flex-volume-plugin-dir={self._path('flexvolume')}",
+                "--v=1",
+            ],
+        )
+        wait_for(
+            lambda: self.controller_manager.check() or _get(f"https://127.0.0.1:{healthz}/healthz") == 200,
+            60,
+            f"kube-controller-manager to answer /healthz (log {self.controller_manager.log_path})",
+            0.2,
+        )
+        self.wait_default_service_account("default")
+
+    def wait_default_service_account(self, namespace: str, timeout: float = 60) -> None:
+        """Wait for kube-controller-manager to make ``namespace``'s ``default`` ServiceAccount: until it
+        has, the ServiceAccount admission plugin refuses every pod created there."""
+        from kubernetes import client
+
+        core = client.CoreV1Api(self.api)
+
+        def made() -> bool:
+            self.controller_manager.check()
+            return bool(core.list_namespaced_service_account(namespace, field_selector="metadata.name=default").items)
+
+        wait_for(made, timeout, f"the default ServiceAccount of namespace {namespace}", 0.1)
 
     def _apply_rbac(self) -> None:
         """Apply deploy/namespace.yaml and deploy/rbac.yaml, then mint tokens for their service accounts."""
@@ -639,33 +701,28 @@ class RealCluster:
     def start_kubelet(self, node: RealNode) -> None:
         port, node.kubelet_healthz_port = free_port(), free_port()
         config = node.base / "kubelet.yaml"
-        config.write_text(render_kubelet_config(port, node.kubelet_healthz_port))
+        config.write_text(
+            render_kubelet_config(port, node.kubelet_healthz_port, node.cri_socket, self.node_taints.get(node.name, ()))
+        )
         node.kubelet = self._spawn(
             f"kubelet-{node.name}",
             [
                 *node.in_namespace,
-                str(self.bin_dir / "kubelet"),
+                str(binaries.built("kubelet")),
                 f"--config={config}",
                 f"--kubeconfig={self.kubeconfig_of(f'system:node:{node.name}')}",
-                "--container-runtime=remote",
-                f"--container-runtime-endpoint=unix://{node.cri_socket}",
                 f"--root-dir={node.base / 'kubelet'}",
                 f"--cert-dir={node.base / 'kubelet-pki'}",
                 f"--hostname-override={node.name}",
                 "--node-ip=127.0.0.1",
                 "--v=2",
-                *(
-                    [f"--register-with-taints={','.join(taints)}"]
-                    if (taints := self.node_taints.get(node.name))
-                    else []
-                ),
             ],
         )
 
     def wait_node_ready(self, node: RealNode, timeout: float = 60, reported_after: float = 0.0) -> None:
         """Wait for Ready, gpu-mem on offer and the node agent ready, in a status kubelet reported after
-        ``reported_after`` (epoch seconds) when given; then lift the not-ready taint, which only
-        kube-controller-manager would otherwise remove."""
+        ``reported_after`` (epoch seconds) when given, and for kube-controller-manager to have lifted
+        the node's not-ready taint (until then kube-scheduler places nothing there)."""
         from kubernetes import client
 
         core = client.CoreV1Api(self.api)
@@ -675,19 +732,19 @@ class RealCluster:
                 if proc is not None:
                     proc.check()
             try:
-                status = core.read_node(node.name).status
+                current = core.read_node(node.name)
             except client.ApiException:
                 return False
+            status = current.status
             ready = next((cond for cond in status.conditions or [] if cond.type == "Ready"), None)
             if ready is None or ready.status != "True" or ready.last_heartbeat_time.timestamp() < reported_after:
                 return False
+            if any(taint.key == NOT_READY_TAINT for taint in current.spec.taints or []):
+                return False
             return int((status.allocatable or {}).get(RESOURCE_MEM, "0")) > 0 and node.agent_ready()
 
-        wait_for(ready, timeout, f"node {node.name} to be Ready with {RESOURCE_MEM} (logs in {self.workdir})", 0.2)
-        taints = core.read_node(node.name).spec.taints or []
-        kept = [t.to_dict() for t in taints if t.key != NOT_READY_TAINT]
-        if len(kept) != len(taints):
-            core.patch_node(node.name, {"spec": {"taints": kept or None}})
+        what = f"node {node.name} to be Ready and untainted with {RESOURCE_MEM} (logs in {self.workdir})"
+        wait_for(ready, timeout, what, 0.2)
 
     def _start_schedulers(self) -> None:
         template = yaml.safe_load(SCHEDULER_CONFIG.read_text())
@@ -715,18 +772,10 @@ class RealCluster:
             control.healthz_port = free_port()
             config.write_text(
                 render_scheduler_config(
-                    self.kubeconfig_of("system:kube-scheduler"),
-                    control.extender_url,
-                    name,
-                    template,
-                    f"127.0.0.1:{control.healthz_port}",
-                    tls,
+                    self.kubeconfig_of("system:kube-scheduler"), control.extender_url, name, template, tls
                 )
             )
-            control.scheduler = self._spawn(
-                f"kube-scheduler-{name}",
-                [str(self.bin_dir / "kube-scheduler"), f"--config={config}", "--secure-port=0", "--v=2"],
-            )
+            control.scheduler = self._spawn(f"kube-scheduler-{name}", scheduler_argv(config, control.healthz_port))
         for control in self.controls:
             wait_for(lambda ctl=control: ctl.ready(), 30, f"scheduler {control.scheduler_name} and its extender")
 

@@ -16,10 +16,10 @@ from gpushare.inspection.model import build_cluster
 from gpushare.inspection.render import render_details
 from gpushare.kube.objects import get_pod, list_nodes, list_pods
 from gpushare.placement import DEFAULT_POLICY
+from gpushare.sandbox.binaries import KUBE_VERSION
 from gpushare.sandbox.cluster import NodeSpec
 from gpushare.sandbox.examples import EXAMPLES, load_examples
 from gpushare.sandbox.realcluster import (
-    KUBE_VERSION,
     NVML_PREFIX,
     ClusterError,
     RealCluster,

@@ -1,0 +1,142 @@
+"""deploy/admission-policy.yaml on the real API server, with no webhook running: the ValidatingAdmissionPolicy
+alone keeps a tenant from forging gpushare's annotations, lets the tenant's own card rule through, and
+lets the extender's and the node agent's writes through (a GPU pod placed by them runs).
+
+The shipped binding applies to every namespace; here its ``matchResources`` is narrowed to one namespace,
+so the other e2e tests (which forge annotations as the cluster admin on purpose) keep their setting."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from gpushare.contract.allocation import CardSlice, format_allocation, parse_allocation
+from gpushare.contract.names import ANN_ALLOCATION, ANN_GPU_MODEL, ANN_MEM_ASSIGNED, ANN_MEM_IDX, RESOURCE_MEM
+from gpushare.kube.transport import load_api
+from gpushare.sandbox.realcluster import SCHEDULER_CONFIG, RealCluster
+
+from .conftest import API_POLL, pod_manifest, wait_until
+
+POLICY_FILE = SCHEDULER_CONFIG.parent / "admission-policy.yaml"
+NAMESPACE = "gpushare-e2e-policy"
+TENANT = "tenant"
+
+
+def shipped_policy() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The policy and its binding as deploy/ ships them."""
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(POLICY_FILE.read_text()) if doc}
+    return docs["ValidatingAdmissionPolicy"], docs["ValidatingAdmissionPolicyBinding"]
+
+
+def denial(call: Any) -> str:
+    """The API server's message when ``call`` is refused; fails the test if it succeeds."""
+    try:
+        call()
+    except client.ApiException as exc:
+        assert exc.status == 403, exc
+        return json.loads(exc.body).get("message", "") if exc.body else str(exc)
+    raise AssertionError("the API server accepted what the admission policy should have denied")
+
+
+def policy_enforced(tenant: client.CoreV1Api) -> bool:
+    """Whether the API server has picked up the policy: a dry run of a forged pod is denied by it."""
+    forged = pod_manifest("probe", annotations={ANN_MEM_IDX: "0"}, namespace=NAMESPACE)
+    try:
+        tenant.create_namespaced_pod(NAMESPACE, forged, dry_run="All")
+    except client.ApiException as exc:
+        return "ValidatingAdmissionPolicy" in (exc.body or "")
+    return False
+
+
+@pytest.fixture(scope="module")
+def tenant(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.CoreV1Api]:
+    """The shipped policy, bound to NAMESPACE; yields the client of a service account there that may
+    create, get, patch and delete pods."""
+    admission = client.AdmissionregistrationV1Api(cluster.api)
+    rbac = client.RbacAuthorizationV1Api(cluster.api)
+    policy, binding = shipped_policy()
+    binding["spec"]["matchResources"] = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}
+    }
+    core.create_namespace({"metadata": {"name": NAMESPACE}})
+    # the ServiceAccount admission plugin admits pods only once kube-controller-manager made "default"
+    wait_until(
+        lambda: any(a.metadata.name == "default" for a in core.list_namespaced_service_account(NAMESPACE).items),
+        30, f"kube-controller-manager to make {NAMESPACE}'s default service account", API_POLL,
+    )  # fmt: skip
+    core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": TENANT}})
+    rbac.create_namespaced_role(NAMESPACE, {
+        "metadata": {"name": TENANT},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "patch", "delete"]}],
+    })  # fmt: skip
+    rbac.create_namespaced_role_binding(NAMESPACE, {
+        "metadata": {"name": TENANT},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": TENANT},
+        "subjects": [{"kind": "ServiceAccount", "name": TENANT, "namespace": NAMESPACE}],
+    })  # fmt: skip
+    token = core.create_namespaced_service_account_token(
+        TENANT, NAMESPACE, {"spec": {"audiences": [], "expirationSeconds": 3600}}
+    ).status.token
+    api = load_api(str(cluster.write_kubeconfig(f"system:serviceaccount:{NAMESPACE}:{TENANT}", token)))
+    admission.create_validating_admission_policy(policy)
+    admission.create_validating_admission_policy_binding(binding)
+    try:
+        wait_until(lambda: policy_enforced(client.CoreV1Api(api)), 30, "the API server to enforce the policy",
+                   API_POLL)  # fmt: skip
+        yield client.CoreV1Api(api)
+    finally:
+        admission.delete_validating_admission_policy_binding(binding["metadata"]["name"])
+        admission.delete_validating_admission_policy(policy["metadata"]["name"])
+        core.delete_namespace(NAMESPACE, grace_period_seconds=0)
+        wait_until(lambda: not core.list_namespaced_pod(NAMESPACE).items, 60, f"the pods in {NAMESPACE} to go",
+                   API_POLL)  # fmt: skip
+        api.close()
+
+
+def test_the_policy_refuses_a_tenants_forged_allocation(
+    tenant: client.CoreV1Api, core: client.CoreV1Api, cluster: RealCluster
+) -> None:
+    card = cluster.node_inventory("node-a").cards[0]
+    forged = format_allocation({"main": (CardSlice(card.index, card.uuid, 4),)})
+    manifest = pod_manifest("forged", annotations={ANN_ALLOCATION: forged}, namespace=NAMESPACE)
+    message = denial(lambda: tenant.create_namespaced_pod(NAMESPACE, manifest))
+    assert "only the gpushare scheduler extender and node agent may set or change" in message, message
+    assert not core.list_namespaced_pod(NAMESPACE).items
+
+
+def test_the_tenants_card_rule_passes_and_gpushares_own_writes_pass(
+    tenant: client.CoreV1Api, core: client.CoreV1Api, cluster: RealCluster
+) -> None:
+    manifest = pod_manifest(
+        "ruled", ({RESOURCE_MEM: 4},), node="node-a", annotations={ANN_GPU_MODEL: "A100-80GB"}, namespace=NAMESPACE
+    )
+    tenant.create_namespaced_pod(NAMESPACE, manifest)
+
+    def running() -> Any:
+        pod = core.read_namespaced_pod("ruled", NAMESPACE)
+        return pod if pod.status.phase == "Running" else None
+
+    pod = wait_until(running, 60, "the tenant's GPU pod to run", API_POLL)
+    annotations = pod.metadata.annotations
+    # written by the extender (its card choice) and by the node agent (Allocate's mark), both admitted
+    assert ANN_ALLOCATION in annotations, annotations
+    assert annotations.get(ANN_MEM_ASSIGNED) == "true", annotations
+    ((held,),) = parse_allocation(annotations[ANN_ALLOCATION], "ruled").values()
+    card = next(c for c in cluster.node_inventory("node-a").cards if c.uuid == held.uuid)
+    assert card.model == "A100-80GB", card
+
+    # the tenant still can't move its own pod to another card
+    other = next(c for c in cluster.node_inventory("node-a").cards if c.uuid != card.uuid)
+    claim = format_allocation({"main": (CardSlice(other.index, other.uuid, 4),)})
+    message = denial(
+        lambda: tenant.patch_namespaced_pod("ruled", NAMESPACE, {"metadata": {"annotations": {ANN_ALLOCATION: claim}}})
+    )
+    assert "may set or change gpushare's pod annotations" in message, message
+    assert (
+        core.read_namespaced_pod("ruled", NAMESPACE).metadata.annotations[ANN_ALLOCATION] == annotations[ANN_ALLOCATION]
+    )
