@@ -12,8 +12,9 @@ Correctness, also with two extender replicas:
 A write whose answer was lost (a timeout while the API server paused) may still have landed; its retry
 then conflicts with its own success. So a failed binding is checked against what the pod now carries
 before it counts: bound here with our own annotations is taken as done, not as a failure.
-Only pods that request a gpushare resource are bound, and only onto nodes whose cards fit them and
-whose labels match the pod's nodeSelector, so the bind verb can't place a pod the filter would refuse.
+Only pods that request a gpushare resource are bound, and only onto nodes whose cards fit them and that
+the pod's nodeSelector, required node affinity and tolerations allow, so the bind verb can't place a pod
+the filter would refuse.
 Kubelet's device plugin re-checks every assignment against the node's live pods before a container
 starts, so even a stale writer can never over-commit a card.
 """
@@ -51,6 +52,7 @@ from gpushare.contract.names import (
     NODE_ANN_PENDING_BINDS,
     PLACEMENT_ANNOTATIONS,
 )
+from gpushare.contract.nodeselection import node_refusal, parse_node_facts, parse_pod_nodes
 from gpushare.contract.pending import Ledger, PendingBind, format_pending_binds
 from gpushare.contract.request import annotations_of, parse_pod_request
 from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
@@ -63,15 +65,6 @@ log = logging.getLogger(__name__)
 
 COMPONENT = "gpushare-extender"
 ATTEMPTS = 8
-
-
-def selector_mismatch(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | None:
-    """The first nodeSelector term ``node``'s labels don't satisfy, or None."""
-    labels = (node.get("metadata") or {}).get("labels") or {}
-    for key, value in sorted(((pod.get("spec") or {}).get("nodeSelector") or {}).items()):
-        if labels.get(key) != value:
-            return f"{quoted(key)}={quoted(value)}"
-    return None
 
 
 class BindError(Exception):
@@ -185,9 +178,9 @@ class Binder:
                 if inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(demands)):
                     BIND_FAILURES.labels(reason="original-plugin").inc()
                     raise BindError(f"bind {where}: node {node} {refusal}")
-                if mismatch := selector_mismatch(pod, node_obj):
+                if refusal := node_refusal(parse_pod_nodes(pod), parse_node_facts(node_obj)):
                     BIND_FAILURES.labels(reason="node-selector").inc()
-                    raise BindError(f"bind {where}: the node doesn't match the pod's nodeSelector ({mismatch})")
+                    raise BindError(f"bind {where}: {refusal}")
                 ledger, cards = self.fresh_cards(node_obj, inventory, {uid})
                 if (gang := parse_gang(pod)) is not None:
                     hold = ledger.get(uid)

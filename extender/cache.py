@@ -31,6 +31,7 @@ from gpushare.contract.names import (
     RESOURCE_CPU,
     RESOURCE_MEMORY,
 )
+from gpushare.contract.nodeselection import NodeFacts, parse_node_facts
 from gpushare.contract.pending import Ledger, PendingBind
 from gpushare.contract.request import annotations_of, effective_request, parse_pod_request, pod_key
 from gpushare.kube.watch import WatchCache
@@ -153,6 +154,8 @@ class ClusterCache:
         self.shapes_version = 0
         #: per node: allocatable (CPU milli, memory bytes); and the free amounts per node, until it changes
         self._allocatable: dict[str, tuple[int, int]] = {}
+        #: per node: its name, labels and taints, which decide the pods it may take
+        self._facts: dict[str, NodeFacts] = {}
         self._host_free: dict[str, tuple[int, int]] = {}
         #: the (GPU shape, CPU, memory, card rule) of every pod, GPU or not, that the host-aware policy learns from
         self._pod_shapes: Counter[PodShape] = Counter()
@@ -212,8 +215,10 @@ class ClusterCache:
                 self._inventory.pop(name, None)
                 self._ledgers.pop(name, None)
                 self._allocatable.pop(name, None)
+                self._facts.pop(name, None)
             else:
                 self._allocatable[name] = host_allocatable(node)
+                self._facts[name] = parse_node_facts(node)
                 try:
                     self._inventory[name] = node_inventory(node)
                 except ContractError as exc:
@@ -361,6 +366,11 @@ class ClusterCache:
             view = CachedNode(node, inventory, cards, self._generation.get(node, 0))
             self._views[node] = view
             return view
+
+    def node_facts(self, node: str) -> NodeFacts | None:
+        """The node's name, labels and taints as last seen, or None for a node not seen."""
+        with self._lock:
+            return self._facts.get(node)
 
     def ledger(self, node: str) -> Ledger:
         """The node's ledger as last seen."""

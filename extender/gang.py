@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from gpushare.extender.bind import ATTEMPTS, Binder, selector_mismatch
+from gpushare.extender.bind import ATTEMPTS, Binder
 from gpushare.extender.cache import ClusterCache, demands_of, host_request
 from gpushare.extender.engine import PlacementEngine
 
@@ -39,6 +39,7 @@ from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
 from gpushare.contract.gang import Gang, parse_gang
 from gpushare.contract.names import ANN_GANG_HOLD, ANN_GANG_RETRY, NODE_ANN_PENDING_BINDS
+from gpushare.contract.nodeselection import NodeFacts, PodNodes, node_refusal, parse_pod_nodes
 from gpushare.contract.pending import HOLD_SECONDS, PendingBind, format_pending_binds
 from gpushare.contract.request import annotations_of, pod_key
 from gpushare.kube.errors import KubeConflict, KubeError
@@ -233,18 +234,21 @@ class Gangs:
                         ours[uuid] = ours.get(uuid, 0) + units
             cards = tuple(replace(c, used=max(c.used - ours[c.uuid], 0)) if c.uuid in ours else c for c in view.cards)
             rooms.append(Room(name, cards, self._cache.host_free(name), view.inventory.unit.name))
+        facts = [f for room in rooms if (f := self._cache.node_facts(room.name)) is not None]
+        allowed_for: dict[PodNodes, tuple[frozenset[str], str]] = {}
         members, problems = [], []
         for member in waiting:
             try:
-                demands, rule = demands_of(member), parse_card_rule(member)
+                demands, rule, nodes = demands_of(member), parse_card_rule(member), parse_pod_nodes(member)
             except (ContractError, ValueError) as exc:
                 problems.append(str(exc))
                 continue
-            allowed = frozenset(
-                room.name
-                for room in rooms
-                if (node := self._cache.nodes.get(room.name)) is not None and selector_mismatch(member, node) is None
-            )
+            if nodes not in allowed_for:
+                allowed_for[nodes] = _allowed(nodes, facts)
+            allowed, refusal = allowed_for[nodes]
+            if not allowed:
+                problems.append(f"pod {pod_key(member)} may go to none of {len(rooms)} node(s): {refusal}")
+                continue
             members.append(Member(_uid(member), pod_key(member), demands, host_request(member), allowed, rule))
         previous = {uid: Spot(node, hold.held) for uid, (node, hold) in held.items()}
         return plan_gang(members, rooms, policy, previous), problems
@@ -346,6 +350,13 @@ def _shortfall(cards: Sequence[placement.CardCapacity], entries: Mapping[str, Pe
             free = 0 if card is None else card.free
             return f"card {uuid} has {free} units free, the plan holds {units} there"
     return None
+
+
+def _allowed(nodes: PodNodes, facts: Sequence[NodeFacts]) -> tuple[frozenset[str], str]:
+    """The nodes a member with ``nodes`` may go to, and the first refusal (when it may go nowhere)."""
+    refusals = {f.name: node_refusal(nodes, f) for f in facts}
+    first = next((r for r in refusals.values() if r), "no node is known")
+    return frozenset(name for name, refusal in refusals.items() if refusal is None), first
 
 
 def _by_node(held: Mapping[str, tuple[str, PendingBind]]) -> Holds:

@@ -97,6 +97,10 @@ NODE_ANN_BIND_SEQUENCE = "gpushare.io/bind-sequence"
 #: can't write nodes, so every component counts a pod's cards from here over its own annotations.
 NODE_ANN_PENDING_BINDS = "gpushare.io/pending-binds"
 NODE_LABEL_MODEL = "gpushare.io/gpu-model"
+#: the taint kube-scheduler reads into a cordoned node (``spec.unschedulable``)
+TAINT_UNSCHEDULABLE = "node.kubernetes.io/unschedulable"
+#: the one field a node affinity's ``matchFields`` may name
+FIELD_NODE_NAME = "metadata.name"
 
 # --- pod labels (the pod's owner sets them) -------------------------------------------------------
 

@@ -26,8 +26,17 @@ def cluster(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> Iterator[C
     cl.extender.stop()
 
 
-def member(cluster: Cluster, name: str, gang: str, minimum: int, gib: int = 40, rule: CardRule = ANY_CARD) -> dict:
+def member(
+    cluster: Cluster,
+    name: str,
+    gang: str,
+    minimum: int,
+    gib: int = 40,
+    rule: CardRule = ANY_CARD,
+    spec: dict | None = None,
+) -> dict:
     pod = gpu_pod(name, [container("main", gib)], node=None)
+    pod["spec"].update(spec or {})
     pod["metadata"]["labels"] = format_gang(gang, minimum)
     pod["metadata"].setdefault("annotations", {}).update(card_rule_annotations(rule))
     return cluster.pod(pod)
@@ -70,6 +79,43 @@ def test_a_gang_that_cannot_all_fit_holds_nothing_and_small_pods_still_run(clust
     assert holds(cluster) == {}
     small = cluster.pod(gpu_pod("small", [container("main", 70)], node=None))
     assert cluster.filter(small)["NodeNames"] == ["n1"]
+
+
+#: a required node affinity no node of the cluster satisfies
+NOWHERE = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["nowhere"]}]}]
+        }
+    }
+}
+
+
+def test_a_member_no_node_admits_keeps_the_rest_of_its_gang_from_being_bound(cluster: Cluster) -> None:
+    a = member(cluster, "a", "pair", 2, gib=10)
+    b = member(cluster, "b", "pair", 2, gib=10, spec={"affinity": NOWHERE})
+    seen(cluster, [a, b])
+    for pod in (a, b):
+        assert reason(cluster.filter(pod)) == (
+            "gang pair: 2 members present, 1 can be placed, 2 needed "
+            "(pod default/b may go to none of 2 node(s): node n1 doesn't satisfy the pod's required node affinity)"
+        )
+    assert holds(cluster) == {}
+    assert "no cards are held" in cluster.bind(a, "n1")["Error"]
+
+
+def test_members_go_only_to_nodes_whose_taints_they_tolerate(cluster: Cluster) -> None:
+    cluster.core.patch_node("n1", {"spec": {"taints": [{"key": "team", "value": "vision", "effect": "NoSchedule"}]}})
+    tolerates = {"tolerations": [{"key": "team", "value": "vision", "effect": "NoSchedule"}]}
+    pods = seen(cluster, [member(cluster, f"w{i}", "duo", 2, gib=10) for i in range(2)])
+    wait_until(lambda: cluster.extender.cache.nodes.get("n1")["spec"].get("taints"), what="the taint in the cache")
+    # 10 GiB each: the A10 on n2 takes two, and the tainted n1 is left alone
+    assert cluster.filter(pods[0])["NodeNames"] == ["n2"]
+    assert holds(cluster, "n1") == {} and len(holds(cluster, "n2")) == 2
+    big = seen(cluster, [member(cluster, f"b{i}", "big", 2, gib=20, spec=tolerates) for i in range(2)])
+    assert cluster.filter(big[0])["NodeNames"] == ["n1"], "only the tolerating gang gets the tainted node"
+    assert cluster.bind(big[0], "n1")["Error"] == ""
+    assert "taint 'team'='vision':NoSchedule" in cluster.bind(pods[1], "n1")["Error"]
 
 
 def marks(cluster: Cluster, *names: str, key: str = ANN_GANG_HOLD) -> dict[str, str | None]:
