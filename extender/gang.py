@@ -110,6 +110,8 @@ class Gangs:
         self._stalled: dict[str, tuple[str, str]] = {}
         #: bound pods seen ending or going, so a refusal can tell whether it missed one
         self._ended = 0
+        #: unbound member uid -> the nodes kube-scheduler offered for it at its last filter
+        self._offered: dict[str, frozenset[str]] = {}
         self._nudges: queue.SimpleQueue[tuple[str, tuple[str, str]] | None] = queue.SimpleQueue()
         self._nudger = threading.Thread(target=self._nudge_loop, name="gang-nudge", daemon=True)
         self._nudger.start()
@@ -122,7 +124,11 @@ class Gangs:
     def _on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
         """A bound pod ending or going may free the room a stalled gang waits for: nudge each one. Called
         after the cache has applied the event, so the retry it causes sees the room."""
-        if not (pod.get("spec") or {}).get("nodeName") or (kind != "DELETED" and holds_resources(pod)):
+        bound = bool((pod.get("spec") or {}).get("nodeName"))
+        if kind == "DELETED" or bound:
+            with self._lock:
+                self._offered.pop(_uid(pod), None)
+        if not bound or (kind != "DELETED" and holds_resources(pod)):
             return
         with self._lock:
             self._ended += 1
@@ -160,10 +166,11 @@ class Gangs:
     def filter(self, pod: Mapping[str, Any], gang: Gang, names: Sequence[str]) -> Verdict:
         """Passing nodes, failed nodes and unresolvable nodes for member ``pod``: its planned node alone
         once a plan for enough members is held, else none, every node with the reason."""
+        uid = _uid(pod)
         with self._lock:
             ended = self._ended
+            self._offered[uid] = frozenset(names)
         members = self.index.members(gang)
-        uid = (pod.get("metadata") or {}).get("uid", "")
         if uid not in {(m.get("metadata") or {}).get("uid") for m in members}:
             members.append(pod)  # the watch may not have brought it yet
         present = len(members)
@@ -195,8 +202,6 @@ class Gangs:
         self._unstall(gang)
         self._mark(gang, [m for m in waiting if _uid(m) != uid], {u: s.node for u, s in plan.spots.items()})
         where = f"gang {gang.name}: this member's cards are held on node {spot.node}"
-        if spot.node not in names:
-            return self._refuse(pod, names, f"{where}, which kube-scheduler did not offer for it")
         cards = ", ".join(f"{uuid} ({units})" for uuid, units in sorted(spot.held.items()))
         log.info(
             "filter pod %s: gang %s holds node %s for it, cards %s; %d of %d members placeable",
@@ -219,11 +224,19 @@ class Gangs:
         names: Sequence[str],
         held: Mapping[str, tuple[str, PendingBind]],
     ) -> tuple[GangPlan, list[str]]:
-        """The plan for the unbound members over the offered nodes and those the gang holds cards on,
-        with the problems of members that can't take part at all."""
+        """The plan for the unbound members, with the problems of members that can't take part at all.
+
+        Each member may go where its nodeSelector, node affinity and tolerations let it, and only to
+        the nodes kube-scheduler offered for it at its last filter (``names`` for ``pod``); a member
+        not filtered yet, to any of those nodes and the ones the gang holds cards on. A hold on a node
+        the member may not go to is not kept: the member is planned afresh."""
         _, policy = self._engine.policy_for(pod)
+        with self._lock:
+            offered = {_uid(m): self._offered[_uid(m)] for m in waiting if _uid(m) in self._offered}
+        candidates = set(names) | {node for node, _ in held.values()}
+        candidates.update(*offered.values())
         rooms = []
-        for name in sorted(set(names) | {node for node, _ in held.values()}):
+        for name in sorted(candidates):
             view = self._cache.view(name)
             if view is None:
                 continue
@@ -245,9 +258,12 @@ class Gangs:
                 continue
             if nodes not in allowed_for:
                 allowed_for[nodes] = _allowed(nodes, facts)
-            allowed, refusal = allowed_for[nodes]
+            eligible, refusal = allowed_for[nodes]
+            where = offered.get(_uid(member))
+            allowed = eligible if where is None else eligible & where
             if not allowed:
-                problems.append(f"pod {pod_key(member)} may go to none of {len(rooms)} node(s): {refusal}")
+                why = refusal if not eligible else "kube-scheduler offered it none of the nodes it may go to"
+                problems.append(f"pod {pod_key(member)} may go to none of {len(rooms)} node(s): {why}")
                 continue
             members.append(Member(_uid(member), pod_key(member), demands, host_request(member), allowed, rule))
         previous = {uid: Spot(node, hold.held) for uid, (node, hold) in held.items()}

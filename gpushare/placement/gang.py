@@ -2,9 +2,10 @@
 one node, with every member's cards and CPU/memory taken before the next is placed.
 
 Pure: plain data in, a plan out. Members that held a place in the previous plan are placed first and
-keep that place while it still fits (so a plan two extender replicas see stays the plan); the others
-go largest first, each to the node where the policy's cost of its cards is lowest (equal costs: the
-node's name). It is greedy: a gang is judged by the first plan found, not by every combination.
+keep that place while it still fits and is among the member's nodes (so a plan two extender replicas see
+stays the plan); the others go largest first, each to the node where the policy's cost of its cards is
+lowest (equal costs: the node's name). It is greedy: a gang is judged by the first plan found, not by
+every combination.
 """
 
 from __future__ import annotations

@@ -118,6 +118,27 @@ def test_members_go_only_to_nodes_whose_taints_they_tolerate(cluster: Cluster) -
     assert "taint 'team'='vision':NoSchedule" in cluster.bind(pods[1], "n1")["Error"]
 
 
+def test_a_hold_on_a_node_kube_scheduler_does_not_offer_the_member_is_dropped_and_planned_again(
+    cluster: Cluster,
+) -> None:
+    blocker = cluster.pod(gpu_pod("blocker", [container("main", 10)], node=None))
+    assert cluster.bind(blocker, "n2")["Error"] == ""  # the A10 has 14 GiB left
+    x, y = seen(cluster, [member(cluster, "x", "xy", 2, gib=10), member(cluster, "y", "xy", 2, gib=20)])
+    assert cluster.filter(x)["NodeNames"]
+    assert {e.pod for e in holds(cluster, "n1").values()} >= {"default/y"}, "y fits only on n1's A100s"
+    # kube-scheduler offers y only n2 (its affinity, say, or n1's CPU): the hold on n1 is no use to it
+    refused = cluster.filter(y, ["n2"])
+    assert refused["NodeNames"] == [] and refused["FailedNodes"]["n2"].startswith(
+        "gang xy: 2 members present, 1 can be placed, 2 needed (default/y: node n2: no single card has 20 GiB free"
+    )
+    assert holds(cluster, "n1") == {} and holds(cluster, "n2") == {}
+    cluster.core.delete_namespaced_pod("blocker", "default", grace_period_seconds=0)
+    result = wait_until(lambda: (r := cluster.filter(y, ["n2"]))["NodeNames"] and r, what="room for y on n2")
+    assert result["NodeNames"] == ["n2"]
+    assert [e.pod for e in holds(cluster, "n2").values()] == ["default/y"]
+    assert cluster.bind(y, "n2")["Error"] == ""
+
+
 def marks(cluster: Cluster, *names: str, key: str = ANN_GANG_HOLD) -> dict[str, str | None]:
     """Each pod's annotation ``key`` (``gpushare.io/gang-hold`` unless said), as the API server has it."""
     pods = {name: cluster.core.read_namespaced_pod(name, "default") for name in names}
