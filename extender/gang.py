@@ -26,18 +26,19 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpushare.extender.bind import ATTEMPTS, Binder
-from gpushare.extender.cache import ClusterCache, demands_of, host_request
+from gpushare.extender.cache import CachedNode, ClusterCache, demands_of, host_request
 from gpushare.extender.engine import PlacementEngine
 
 from gpushare import placement
 from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
-from gpushare.contract.gang import Gang, parse_gang
+from gpushare.contract.gang import MAX_GANG_MEMBERS, Gang, parse_gang
 from gpushare.contract.names import ANN_GANG_HOLD, ANN_GANG_RETRY, NODE_ANN_PENDING_BINDS
 from gpushare.contract.nodeselection import NodeFacts, PodNodes, node_refusal, parse_pod_nodes
 from gpushare.contract.pending import HOLD_SECONDS, PendingBind, format_pending_binds
@@ -45,6 +46,7 @@ from gpushare.contract.request import annotations_of, pod_key
 from gpushare.kube.errors import KubeConflict, KubeError
 from gpushare.kube.objects import get_node, patch_node, patch_pod_annotations
 from gpushare.kube.watch import WatchCache
+from gpushare.placement import CardRule, Demand, Policy
 from gpushare.placement.gang import GangPlan, Member, Room, Spot, plan_gang
 from gpushare.usage import holds_resources, node_inventory
 
@@ -53,7 +55,12 @@ log = logging.getLogger(__name__)
 #: holds older than this are written again when the plan is confirmed, so they don't expire under it
 RENEW_AFTER = HOLD_SECONDS / 3
 
+#: how many gangs' last plans are kept for their next filter
+PLANS_KEPT = 256
+
 Holds = dict[str, dict[str, PendingBind]]
+#: a member's hold: the node, and its entry there
+Hold = tuple[str, PendingBind]
 Verdict = tuple[list[str], dict[str, str], dict[str, str]]
 
 
@@ -93,14 +100,32 @@ class GangIndex:
             return sorted(self._members.get(gang.key, {}).values(), key=pod_key)
 
 
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    """What the planner reads of a member."""
+
+    demands: tuple[Demand, ...]
+    rule: CardRule
+    nodes: PodNodes
+    host: tuple[int, int]
+
+
 def _same(a: Mapping[str, PendingBind], b: Mapping[str, PendingBind]) -> bool:
     """The same members holding the same units (when they were written aside)."""
     return a.keys() == b.keys() and all(dict(a[uid].held) == dict(b[uid].held) for uid in a)
 
 
 class Gangs:
-    def __init__(self, api: Any, cache: ClusterCache, engine: PlacementEngine, binder: Binder) -> None:
+    def __init__(
+        self,
+        api: Any,
+        cache: ClusterCache,
+        engine: PlacementEngine,
+        binder: Binder,
+        max_members: int = MAX_GANG_MEMBERS,
+    ) -> None:
         self._api = api
+        self._max_members = max_members
         self._cache = cache
         self._engine = engine
         self._binder = binder
@@ -112,6 +137,11 @@ class Gangs:
         self._ended = 0
         #: unbound member uid -> the nodes kube-scheduler offered for it at its last filter
         self._offered: dict[str, frozenset[str]] = {}
+        #: unbound member uid -> (its resourceVersion, what the planner reads of it or why it can't)
+        self._parsed: dict[str, tuple[str | None, _Parsed | str]] = {}
+        #: gang key -> (what its last plan was made from, the policy, the plan, its problems)
+        self._plans: OrderedDict[str, tuple[tuple, Policy, GangPlan, list[str]]] = OrderedDict()
+        self._plan_locks = tuple(threading.Lock() for _ in range(16))
         self._nudges: queue.SimpleQueue[tuple[str, tuple[str, str]] | None] = queue.SimpleQueue()
         self._nudger = threading.Thread(target=self._nudge_loop, name="gang-nudge", daemon=True)
         self._nudger.start()
@@ -128,6 +158,7 @@ class Gangs:
         if kind == "DELETED" or bound:
             with self._lock:
                 self._offered.pop(_uid(pod), None)
+                self._parsed.pop(_uid(pod), None)
         if not bound or (kind != "DELETED" and holds_resources(pod)):
             return
         with self._lock:
@@ -165,26 +196,41 @@ class Gangs:
 
     def filter(self, pod: Mapping[str, Any], gang: Gang, names: Sequence[str]) -> Verdict:
         """Passing nodes, failed nodes and unresolvable nodes for member ``pod``: its planned node alone
-        once a plan for enough members is held, else none, every node with the reason."""
+        once a plan for enough members is held, else none, every node with the reason. One gang's
+        filters run one at a time, so a second one finds the first one's plan."""
+        with self._plan_locks[hash(gang.key) % len(self._plan_locks)]:
+            return self._filter(pod, gang, names)
+
+    def _filter(self, pod: Mapping[str, Any], gang: Gang, names: Sequence[str]) -> Verdict:
         uid = _uid(pod)
         with self._lock:
             ended = self._ended
             self._offered[uid] = frozenset(names)
         members = self.index.members(gang)
-        if uid not in {(m.get("metadata") or {}).get("uid") for m in members}:
+        if uid not in {_uid(m) for m in members}:
             members.append(pod)  # the watch may not have brought it yet
         present = len(members)
         held = self._cache.gang_holds(gang.key)
         assumed = self._cache.assumed_uids()
-        bound = [m for m in members if (m.get("spec") or {}).get("nodeName") or _uid(m) in assumed]
-        waiting = [m for m in members if m not in bound]
+        bound, waiting = [], []
+        for m in members:
+            (bound if (m.get("spec") or {}).get("nodeName") or _uid(m) in assumed else waiting).append(m)
+        if present > self._max_members:
+            self._release(gang, held, waiting)
+            reason = (
+                f"gang {gang.name}: {present} members present, more than the {self._max_members} the extender "
+                "plans for one gang (its --max-gang-members)"
+            )
+            return self._refuse(pod, names, reason)
         if present < gang.minimum:
             self._unstall(gang)
             self._release(gang, held, waiting)
             missing = gang.minimum - present
             reason = f"gang {gang.name}: {present} of {gang.minimum} members present, waiting for {missing} more"
             return self._refuse(pod, names, reason)
-        plan, problems = self._plan(pod, waiting, names, held)
+        plan, problems = self._held_plan(gang, uid, len(bound), waiting, held) or self._plan(
+            gang, pod, waiting, names, held
+        )
         placeable = len(bound) + len(plan.spots)
         counts = f"gang {gang.name}: {present} members present, {placeable} can be placed"
         if placeable < gang.minimum:
@@ -217,14 +263,61 @@ class Gangs:
         every = dict.fromkeys(names, reason)
         return [], every, {} if resolvable else dict(every)
 
+    def _held_plan(
+        self, gang: Gang, uid: str, bound: int, waiting: Sequence[Mapping[str, Any]], held: Mapping[str, Hold]
+    ) -> tuple[GangPlan, list[str]] | None:
+        """The gang's holds as its plan, without planning, when this member holds cards on a node offered
+        for it and, with the ``bound`` members, enough of the others hold cards on nodes they may still go
+        to (holds that don't are left out, and so released); else None."""
+        spots = {}
+        for member in waiting:
+            hold = held.get(_uid(member))
+            if hold is not None and self._may_use(member, hold):
+                spots[_uid(member)] = Spot(hold[0], hold[1].held)
+        if uid not in spots or bound + len(spots) < gang.minimum:
+            return None
+        return GangPlan(spots), []
+
+    def _may_use(self, member: Mapping[str, Any], hold: Hold) -> bool:
+        """Whether the member may still go to the node it holds cards on: offered for it at its last
+        filter, allowed by its constraints, and its held cards healthy there."""
+        node, entry = hold
+        parsed, facts, view = self._parsed_member(member), self._cache.node_facts(node), self._cache.view(node)
+        with self._lock:
+            offered = self._offered.get(_uid(member))
+        if isinstance(parsed, str) or facts is None or view is None or (offered is not None and node not in offered):
+            return False
+        healthy = {c.uuid for c in view.cards if c.healthy}
+        return node_refusal(parsed.nodes, facts) is None and set(entry.held) <= healthy
+
+    def _parsed_member(self, member: Mapping[str, Any]) -> _Parsed | str:
+        """What the planner reads of a member, or why it can't be read; parsed once per version of the pod."""
+        meta = member.get("metadata") or {}
+        uid, version = meta.get("uid", ""), meta.get("resourceVersion")
+        with self._lock:
+            known = self._parsed.get(uid)
+        if known is not None and known[0] == version and version is not None:
+            return known[1]
+        try:
+            parsed: _Parsed | str = _Parsed(
+                demands_of(member), parse_card_rule(member), parse_pod_nodes(member), host_request(member)
+            )
+        except (ContractError, ValueError) as exc:
+            parsed = str(exc)
+        with self._lock:
+            self._parsed[uid] = (version, parsed)
+        return parsed
+
     def _plan(
         self,
+        gang: Gang,
         pod: Mapping[str, Any],
         waiting: Sequence[Mapping[str, Any]],
         names: Sequence[str],
-        held: Mapping[str, tuple[str, PendingBind]],
+        held: Mapping[str, Hold],
     ) -> tuple[GangPlan, list[str]]:
-        """The plan for the unbound members, with the problems of members that can't take part at all.
+        """The plan for the unbound members, with the problems of members that can't take part at all;
+        the gang's last plan again while nothing it was made from has changed.
 
         Each member may go where its nodeSelector, node affinity and tolerations let it, and only to
         the nodes kube-scheduler offered for it at its last filter (``names`` for ``pod``); a member
@@ -235,9 +328,40 @@ class Gangs:
             offered = {_uid(m): self._offered[_uid(m)] for m in waiting if _uid(m) in self._offered}
         candidates = set(names) | {node for node, _ in held.values()}
         candidates.update(*offered.values())
+        views = {name: self._cache.view(name) for name in sorted(candidates)}
+        key = (
+            tuple(
+                ((m.get("metadata") or {}).get("uid"), (m.get("metadata") or {}).get("resourceVersion"))
+                for m in waiting
+            ),
+            tuple(offered.get(_uid(m)) for m in waiting),
+            frozenset(names),
+            tuple((name, view.generation if view is not None else -1) for name, view in views.items()),
+            tuple(sorted((uid, node, entry.at) for uid, (node, entry) in held.items())),
+        )
+        with self._lock:
+            memo = self._plans.get(gang.key)
+        if memo is not None and memo[0] == key and memo[1] is policy:
+            return memo[2], memo[3]
+        plan, problems = self._plan_afresh(policy, waiting, names, held, offered, views)
+        with self._lock:
+            self._plans[gang.key] = (key, policy, plan, problems)
+            self._plans.move_to_end(gang.key)
+            while len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        return plan, problems
+
+    def _plan_afresh(
+        self,
+        policy: Policy,
+        waiting: Sequence[Mapping[str, Any]],
+        names: Sequence[str],
+        held: Mapping[str, Hold],
+        offered: Mapping[str, frozenset[str]],
+        views: Mapping[str, CachedNode | None],
+    ) -> tuple[GangPlan, list[str]]:
         rooms = []
-        for name in sorted(candidates):
-            view = self._cache.view(name)
+        for name, view in views.items():
             if view is None:
                 continue
             ours: dict[str, int] = {}
@@ -251,27 +375,24 @@ class Gangs:
         allowed_for: dict[PodNodes, tuple[frozenset[str], str]] = {}
         members, problems = [], []
         for member in waiting:
-            try:
-                demands, rule, nodes = demands_of(member), parse_card_rule(member), parse_pod_nodes(member)
-            except (ContractError, ValueError) as exc:
-                problems.append(str(exc))
+            parsed = self._parsed_member(member)
+            if isinstance(parsed, str):
+                problems.append(parsed)
                 continue
-            if nodes not in allowed_for:
-                allowed_for[nodes] = _allowed(nodes, facts)
-            eligible, refusal = allowed_for[nodes]
+            if parsed.nodes not in allowed_for:
+                allowed_for[parsed.nodes] = _allowed(parsed.nodes, facts)
+            eligible, refusal = allowed_for[parsed.nodes]
             where = offered.get(_uid(member))
             allowed = eligible if where is None else eligible & where
             if not allowed:
                 why = refusal if not eligible else "kube-scheduler offered it none of the nodes it may go to"
                 problems.append(f"pod {pod_key(member)} may go to none of {len(rooms)} node(s): {why}")
                 continue
-            members.append(Member(_uid(member), pod_key(member), demands, host_request(member), allowed, rule))
+            members.append(Member(_uid(member), pod_key(member), parsed.demands, parsed.host, allowed, parsed.rule))
         previous = {uid: Spot(node, hold.held) for uid, (node, hold) in held.items()}
         return plan_gang(members, rooms, policy, previous), problems
 
-    def _hold(
-        self, gang: Gang, plan: GangPlan, keys: Mapping[str, str], held: Mapping[str, tuple[str, PendingBind]]
-    ) -> str | None:
+    def _hold(self, gang: Gang, plan: GangPlan, keys: Mapping[str, str], held: Mapping[str, Hold]) -> str | None:
         """Write the plan's holds node by node (and drop the gang's holds it no longer needs); on the first
         node that refuses, put back what was there on the nodes already written. None when all is held."""
         now = time.time()
@@ -280,9 +401,7 @@ class Gangs:
             want.setdefault(spot.node, {})[uid] = PendingBind(keys[uid], dict(spot.held), now, gang.key)
         return self._write(gang, want, _by_node(held))
 
-    def _release(
-        self, gang: Gang, held: Mapping[str, tuple[str, PendingBind]], unbound: Sequence[Mapping[str, Any]]
-    ) -> None:
+    def _release(self, gang: Gang, held: Mapping[str, Hold], unbound: Sequence[Mapping[str, Any]]) -> None:
         if held:
             failure = self._write(gang, {}, _by_node(held))
             log.info("gang %s: holds released%s", gang.key, f" in part ({failure})" if failure else "")
@@ -375,7 +494,7 @@ def _allowed(nodes: PodNodes, facts: Sequence[NodeFacts]) -> tuple[frozenset[str
     return frozenset(name for name, refusal in refusals.items() if refusal is None), first
 
 
-def _by_node(held: Mapping[str, tuple[str, PendingBind]]) -> Holds:
+def _by_node(held: Mapping[str, Hold]) -> Holds:
     nodes: Holds = {}
     for uid, (node, hold) in held.items():
         nodes.setdefault(node, {})[uid] = hold

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import wait_until
+from gpushare.extender import gang as gang_module
 from gpushare.extender.wiring import start_extender
 from kubernetes import client
 from podfactory import container, gpu_pod
@@ -257,3 +258,46 @@ def test_two_replicas_agree_on_one_plan_and_never_overcommit(cluster: Cluster) -
         assert sorted(used.values()) == [80, 80], used
     finally:
         second.stop()
+
+
+def test_member_filters_reuse_the_gangs_plan_until_something_changes(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plans = []
+    real = gang_module.plan_gang
+    monkeypatch.setattr(gang_module, "plan_gang", lambda *args: plans.append(args) or real(*args))
+    # 40 GiB members: 4 of 5 can be placed, so every filter refuses and nothing is written
+    pods = seen(cluster, [member(cluster, f"w{i}", "big", 5) for i in range(5)])
+    for pod in pods:
+        assert "4 can be placed" in reason(cluster.filter(pod))
+    first_round = len(plans)
+    assert first_round <= len(pods)
+    for _ in range(3):
+        for pod in pods:
+            assert "4 can be placed" in reason(cluster.filter(pod))
+    assert len(plans) == first_round, "nothing changed: the gang's plan is reused"
+    # a gang whose members all hold cards passes its members without planning again
+    trio = seen(cluster, [member(cluster, f"t{i}", "trio", 3, gib=10) for i in range(3)])
+    assert cluster.filter(trio[0])["NodeNames"]
+    wait_until(lambda: len(cluster.extender.cache.gang_holds("default/trio")) == 3, what="the holds in the cache")
+    planned = len(plans)
+    for pod in trio:
+        assert len(cluster.filter(pod)["NodeNames"]) == 1
+    assert len(plans) == planned
+
+
+def test_a_gang_larger_than_the_cap_is_refused_naming_the_gang_and_the_cap(cluster: Cluster) -> None:
+    capped = start_extender(cluster.api, 0, "binpack", host="127.0.0.1", max_gang_members=3)
+    try:
+        assert capped.cache.wait_synced(5)
+        other = Cluster.__new__(Cluster)
+        other.api, other.core, other.extender = cluster.api, cluster.core, capped
+        other.url = f"http://127.0.0.1:{capped.server.port}"
+        pods = [member(cluster, f"w{i}", "wide", 2, gib=1) for i in range(4)]
+        wait_until(lambda: len(capped.gangs.index.members(parse_gang(pods[0]))) == 4, what="the members")
+        assert reason(other.filter(pods[0])) == (
+            "gang wide: 4 members present, more than the 3 the extender plans for one gang (its --max-gang-members)"
+        )
+        assert holds(cluster) == {}
+    finally:
+        capped.stop()
