@@ -53,7 +53,7 @@ from gpushare.contract.names import (
     PLACEMENT_ANNOTATIONS,
 )
 from gpushare.contract.nodeselection import node_refusal, parse_node_facts, parse_pod_nodes
-from gpushare.contract.pending import Ledger, PendingBind, format_pending_binds
+from gpushare.contract.pending import LEDGER_BYTES, Ledger, PendingBind, format_pending_binds
 from gpushare.contract.request import annotations_of, parse_pod_request
 from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
 from gpushare.kube.events import EventRecorder
@@ -181,7 +181,7 @@ class Binder:
                 if refusal := node_refusal(parse_pod_nodes(pod), parse_node_facts(node_obj)):
                     BIND_FAILURES.labels(reason="node-selector").inc()
                     raise BindError(f"bind {where}: {refusal}")
-                ledger, cards = self.fresh_cards(node_obj, inventory, {uid})
+                ledger, cards, _ = self.fresh_cards(node_obj, inventory, {uid})
                 if (gang := parse_gang(pod)) is not None:
                     hold = ledger.get(uid)
                     if hold is None or hold.gang != gang.key:
@@ -227,6 +227,14 @@ class Binder:
         self._cache.assume(uid, node, held)
         sequence = int(annotations_of(node_obj).get(NODE_ANN_BIND_SEQUENCE) or 0) + 1
         ledger = {**ledger, uid: PendingBind(f"{namespace}/{name}", held, time.time())}
+        text = format_pending_binds(ledger)
+        if len(text) > LEDGER_BYTES:
+            BIND_FAILURES.labels(reason="ledger-full").inc()
+            self._cache.forget(uid)
+            raise BindError(
+                f"bind {where}: node {node} annotation {NODE_ANN_PENDING_BINDS} would take {len(text)} bytes "
+                f"with {len(ledger)} entries, more than the {LEDGER_BYTES} allowed"
+            )
         try:
             patch_node(
                 self._api,
@@ -235,7 +243,7 @@ class Binder:
                     "metadata": {
                         "annotations": {
                             NODE_ANN_BIND_SEQUENCE: str(sequence),
-                            NODE_ANN_PENDING_BINDS: format_pending_binds(ledger),
+                            NODE_ANN_PENDING_BINDS: text,
                         }
                     }
                 },
@@ -268,17 +276,16 @@ class Binder:
 
     def fresh_cards(
         self, node_obj: Mapping[str, Any], inventory: NodeInventory, own: set[str]
-    ) -> tuple[dict[str, PendingBind], tuple[placement.CardCapacity, ...]]:
-        """The node's ledger entries that stay (see :meth:`_ledger`), and its cards as the API server has
-        them with every pod, in-flight bind and gang hold counted except those of the pods ``own``."""
+    ) -> tuple[dict[str, PendingBind], tuple[placement.CardCapacity, ...], set[str]]:
+        """The node's ledger entries that stay (see :meth:`_ledger`), its cards as the API server has
+        them with every pod, in-flight bind and gang hold counted except those of the pods ``own``, and
+        which of ``own`` the same read shows bound to the node."""
         node = node_obj["metadata"]["name"]
         # not older than the node as read: see "Running two replicas" in docs/extender.md
         node_version = (node_obj.get("metadata") or {}).get("resourceVersion")
-        others = [
-            p
-            for p in list_pods(self._api, field_selector=f"spec.nodeName={node}", resource_version=node_version)
-            if (p.get("metadata") or {}).get("uid") not in own
-        ]
+        listed = list_pods(self._api, field_selector=f"spec.nodeName={node}", resource_version=node_version)
+        others = [p for p in listed if (p.get("metadata") or {}).get("uid") not in own]
+        bound = {uid for p in listed if (uid := (p.get("metadata") or {}).get("uid")) in own}
         # a pod the fresh read shows placed is counted from its annotations, not again as in flight
         placed = {
             (p.get("metadata") or {}).get("uid")
@@ -290,7 +297,7 @@ class Binder:
         ledger, unlisted = self._ledger(node_obj, node, others)
         mine = {other for other, _ in assumed} | own
         in_flight += [entry.held for other, entry in unlisted.items() if other not in mine]
-        return ledger, placement_cards(inventory, others, in_flight, self._cache.fenced(node), ledger)
+        return ledger, placement_cards(inventory, others, in_flight, self._cache.fenced(node), ledger), bound
 
     def _ledger(
         self, node_obj: Mapping[str, Any], node: str, listed: Sequence[Mapping[str, Any]]

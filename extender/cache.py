@@ -30,6 +30,7 @@ from gpushare.contract.names import (
     PLACEMENT_ANNOTATIONS,
     RESOURCE_CPU,
     RESOURCE_MEMORY,
+    RESOURCE_PODS,
 )
 from gpushare.contract.nodeselection import NodeFacts, parse_node_facts
 from gpushare.contract.pending import Ledger, PendingBind
@@ -89,6 +90,14 @@ def host_request(pod: Mapping[str, Any]) -> tuple[int, int]:
         effective_request((a[0] for a in apps), (i[0] for i in inits)),
         effective_request((a[1] for a in apps), (i[1] for i in inits)),
     )
+
+
+def pods_allocatable(node: Mapping[str, Any]) -> int:
+    """How many pods the node takes (``status.allocatable.pods``); ``UNLIMITED`` when it doesn't say."""
+    try:
+        return int(parse_quantity(((node.get("status") or {}).get("allocatable") or {})[RESOURCE_PODS]))
+    except (KeyError, ValueError, TypeError, ArithmeticError):
+        return UNLIMITED
 
 
 def host_allocatable(node: Mapping[str, Any]) -> tuple[int, int]:
@@ -154,6 +163,8 @@ class ClusterCache:
         self.shapes_version = 0
         #: per node: allocatable (CPU milli, memory bytes); and the free amounts per node, until it changes
         self._allocatable: dict[str, tuple[int, int]] = {}
+        #: per node: how many pods it takes
+        self._pods_allocatable: dict[str, int] = {}
         #: per node: its name, labels and taints, which decide the pods it may take
         self._facts: dict[str, NodeFacts] = {}
         self._host_free: dict[str, tuple[int, int]] = {}
@@ -216,7 +227,9 @@ class ClusterCache:
                 self._ledgers.pop(name, None)
                 self._allocatable.pop(name, None)
                 self._facts.pop(name, None)
+                self._pods_allocatable.pop(name, None)
             else:
+                self._pods_allocatable[name] = pods_allocatable(node)
                 self._allocatable[name] = host_allocatable(node)
                 self._facts[name] = parse_node_facts(node)
                 try:
@@ -403,6 +416,14 @@ class ClusterCache:
                         cpu, memory = cpu - pod_cpu, memory - pod_memory
                 held = self._host_free[node] = (cpu, memory)
             return held
+
+    def pod_room(self, node: str) -> int:
+        """How many more pods the node takes: its allocatable pods less the pods holding resources on it
+        and the gang holds that count there."""
+        with self._lock:
+            taken = sum(1 for pod in self._pods_by_node.get(node, {}).values() if holds_resources(pod))
+            holds = len(self._counted_holds(node, time.time()))
+            return self._pods_allocatable.get(node, UNLIMITED) - taken - holds
 
     # --- gang holds -----------------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from gpushare.contract.errors import ContractError
 from gpushare.contract.gang import MAX_GANG_MEMBERS, Gang, parse_gang
 from gpushare.contract.names import ANN_GANG_HOLD, ANN_GANG_RETRY, NODE_ANN_PENDING_BINDS
 from gpushare.contract.nodeselection import NodeFacts, PodNodes, node_refusal, parse_pod_nodes
-from gpushare.contract.pending import HOLD_SECONDS, PendingBind, format_pending_binds
+from gpushare.contract.pending import HOLD_BYTES, HOLD_SECONDS, PendingBind, format_pending_binds
 from gpushare.contract.request import annotations_of, pod_key
 from gpushare.kube.errors import KubeConflict, KubeError
 from gpushare.kube.objects import get_node, patch_node, patch_pod_annotations
@@ -370,7 +370,8 @@ class Gangs:
                     for uuid, units in hold.held.items():
                         ours[uuid] = ours.get(uuid, 0) + units
             cards = tuple(replace(c, used=max(c.used - ours[c.uuid], 0)) if c.uuid in ours else c for c in view.cards)
-            rooms.append(Room(name, cards, self._cache.host_free(name), view.inventory.unit.name))
+            pods = self._cache.pod_room(name) + sum(1 for node, _ in held.values() if node == name)
+            rooms.append(Room(name, cards, self._cache.host_free(name), view.inventory.unit.name, pods))
         facts = [f for room in rooms if (f := self._cache.node_facts(room.name)) is not None]
         allowed_for: dict[PodNodes, tuple[frozenset[str], str]] = {}
         members, problems = [], []
@@ -448,7 +449,13 @@ class Gangs:
                     node_obj = get_node(self._api, node)
                     inventory = node_inventory(node_obj)
                     # the members held here are unbound, so leaving them out leaves out no pod on the node
-                    pending, cards = self._binder.fresh_cards(node_obj, inventory, set(expected_) | set(entries_))
+                    own = set(expected_) | set(entries_)
+                    pending, cards, bound = self._binder.fresh_cards(node_obj, inventory, own)
+                    # a member bound meanwhile (a replica whose pod cache lags sees it unbound) keeps its entry
+                    bound = {uid for uid in entries_ if uid in bound or (uid in pending and not pending[uid].gang)}
+                    if bound:
+                        keys = ", ".join(sorted(entries_[uid].pod for uid in bound))
+                        return f"node {node}: member(s) {keys} were bound meanwhile"
                     ours = {uid: e for uid, e in pending.items() if e.gang == gang.key}
                     if not _same(ours, expected_):
                         return f"node {node}: the gang's holds there changed meanwhile"
@@ -456,10 +463,17 @@ class Gangs:
                     if short:
                         return f"node {node}: {short}"
                     rest = {uid: e for uid, e in pending.items() if e.gang != gang.key}
+                    text = format_pending_binds(rest | entries_)
+                    if entries_ and len(text) > HOLD_BYTES:
+                        return (
+                            f"node {node}: with {len(entries_)} hold(s) of the gang its annotation "
+                            f"{NODE_ANN_PENDING_BINDS} would take {len(text)} bytes, more than the {HOLD_BYTES} "
+                            "gang holds may fill"
+                        )
                     written = patch_node(
                         self._api,
                         node,
-                        {"metadata": {"annotations": {NODE_ANN_PENDING_BINDS: format_pending_binds(rest | entries_)}}},
+                        {"metadata": {"annotations": {NODE_ANN_PENDING_BINDS: text}}},
                         resource_version=(node_obj.get("metadata") or {}).get("resourceVersion"),
                     )
                 except KubeConflict:

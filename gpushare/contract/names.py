@@ -16,6 +16,8 @@ RESOURCES = (RESOURCE_MEM, RESOURCE_COUNT)
 #: Kubernetes' own resources, read for the host-aware placement policy
 RESOURCE_CPU = "cpu"
 RESOURCE_MEMORY = "memory"
+#: how many pods a node takes (kubelet's --max-pods, 110 by default)
+RESOURCE_PODS = "pods"
 
 # --- pod annotations (original gpushare keys) -----------------------------------------------------
 

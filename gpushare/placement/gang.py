@@ -52,6 +52,8 @@ class Room:
     cards: tuple[CardCapacity, ...]
     host: tuple[int, int]
     unit: str = "GiB"
+    #: how many more pods the node takes (its allocatable pods less its pods and other gangs' holds)
+    pods: int = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,7 @@ class _Node:
         self.name, self.unit = room.name, room.unit
         self.cards = list(room.cards)
         self.cpu, self.memory = room.host
+        self.pods = room.pods
         self.costs: dict[tuple[tuple[Demand, ...], tuple[int, int], CardRule], float | str] = {}
 
     def cost(self, member: Member, policy: Policy) -> float | str:
@@ -108,11 +111,12 @@ class _Node:
         return known
 
     def host_fits(self, member: Member) -> bool:
-        return member.host[0] <= self.cpu and member.host[1] <= self.memory
+        return self.pods > 0 and member.host[0] <= self.cpu and member.host[1] <= self.memory
 
     def take(self, member: Member, held: Mapping[str, int]) -> None:
         self.cards = [replace(c, used=c.used + held.get(c.uuid, 0)) for c in self.cards]
         self.cpu, self.memory = self.cpu - member.host[0], self.memory - member.host[1]
+        self.pods -= 1
         self.costs.clear()
 
 
@@ -161,7 +165,8 @@ def _best(member: Member, allowed: Sequence[_Node], policy: Policy) -> tuple[Spo
     why = f"{member.key}: no node to try" if not allowed else ""
     for node in allowed:
         if not node.host_fits(member):
-            why = f"{member.key}: node {node.name} has not enough CPU or memory left"
+            left = "room for no more pods" if node.pods <= 0 else "not enough CPU or memory left"
+            why = f"{member.key}: node {node.name} has {left}"
             continue
         cost = node.cost(member, policy)
         if isinstance(cost, str):

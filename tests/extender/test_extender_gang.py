@@ -301,3 +301,54 @@ def test_a_gang_larger_than_the_cap_is_refused_naming_the_gang_and_the_cap(clust
         assert holds(cluster) == {}
     finally:
         capped.stop()
+
+
+def test_holds_on_a_node_stop_at_the_pods_it_takes(cluster: Cluster) -> None:
+    cluster.core.patch_node_status("n1", {"status": {"allocatable": {"pods": "2"}}})
+    wait_until(
+        lambda: (cluster.extender.cache.nodes.get("n1").get("status") or {}).get("allocatable"),
+        what="n1's pod count in the cache",
+    )
+    # 10 GiB members: n2's A10 takes two, n1 has cards for many more but room for two pods
+    pods = seen(cluster, [member(cluster, f"w{i}", "five", 5, gib=10) for i in range(5)])
+    assert reason(cluster.filter(pods[0])).startswith("gang five: 5 members present, 4 can be placed, 5 needed")
+    assert holds(cluster, "n1") == {}
+
+
+def test_gang_holds_never_fill_the_ledger_so_binds_keep_working(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gang_module, "HOLD_BYTES", 600, raising=False)  # one entry with these names, not two
+    pods = seen(cluster, [member(cluster, f"{'w' * 200}-{i}", "many", 4, gib=10) for i in range(4)])
+    result = cluster.filter(pods[0])
+    text = result["FailedNodes"]["n1"]
+    assert result["NodeNames"] == [] and result["FailedAndUnresolvableNodes"] == {}, result
+    assert text.startswith("gang many: holding the plan's cards failed, will try again (node n")
+    assert f"annotation {NODE_ANN_PENDING_BINDS} would take" in text and "more than the 600 gang holds may fill" in text
+    assert holds(cluster, "n1") == {} and holds(cluster, "n2") == {}
+    plain = cluster.pod(gpu_pod("plain", [container("main", 10)], node=None))
+    assert cluster.bind(plain, "n1")["Error"] == ""
+
+
+def test_a_replica_whose_pod_cache_lags_cannot_overwrite_a_bound_members_entry(cluster: Cluster) -> None:
+    second = start_extender(cluster.api, 0, "binpack", host="127.0.0.1")
+    try:
+        assert second.cache.wait_synced(5)
+        other = Cluster.__new__(Cluster)
+        other.api, other.core, other.extender = cluster.api, cluster.core, second
+        other.url = f"http://127.0.0.1:{second.server.port}"
+        w0, w1 = [member(cluster, f"w{i}", "pair", 2, gib=60) for i in range(2)]
+        wait_until(lambda: len(second.gangs.index.members(parse_gang(w0))) == 2, what="the members")
+        second.cache.pods.stop()  # from here on the second replica sees both members unbound
+        assert cluster.filter(w0)["NodeNames"] == ["n1"] and cluster.bind(w0, "n1")["Error"] == ""
+        uid = w0["metadata"]["uid"]
+        annotations = cluster.core.read_node("n1").metadata.annotations
+        recorded = parse_pending_binds(annotations[NODE_ANN_PENDING_BINDS])[uid]
+        assert recorded.gang == ""
+        wait_until(lambda: uid in second.cache.ledger("n1"), what="the bind in the second replica's node cache")
+        result = other.filter(w1)
+        assert result["NodeNames"] == [] and "member(s) default/w0 were bound meanwhile" in result["FailedNodes"]["n1"]
+        annotations = cluster.core.read_node("n1").metadata.annotations
+        assert parse_pending_binds(annotations[NODE_ANN_PENDING_BINDS])[uid] == recorded
+    finally:
+        second.stop()

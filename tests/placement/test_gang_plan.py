@@ -153,3 +153,10 @@ def test_a_thousand_alike_members_over_a_hundred_nodes_cost_each_node_once_per_c
     assert len(plan.spots) == 1000
     # each node once for the first member, then only the node the last member went to: not 1000 x 100
     assert calls <= 1000 + 100, calls
+
+
+def test_a_node_takes_no_more_members_than_it_has_room_for_pods() -> None:
+    rooms = [Room("a", cards(80), FREE, pods=2), Room("b", cards(80), FREE, pods=1)]
+    plan = plan_gang(members(4, 10), rooms, BINPACK)
+    assert sorted(spot.node for spot in plan.spots.values()) == ["a", "a", "b"]
+    assert len(plan.unplaced) == 1 and "room for no more pods" in plan.reason
