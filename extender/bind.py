@@ -53,7 +53,7 @@ from gpushare.contract.names import (
     PLACEMENT_ANNOTATIONS,
 )
 from gpushare.contract.nodeselection import node_refusal, parse_node_facts, parse_pod_nodes
-from gpushare.contract.pending import LEDGER_BYTES, Ledger, PendingBind, format_pending_binds
+from gpushare.contract.pending import LEDGER_BYTES, Ledger, LedgerError, PendingBind, format_pending_binds
 from gpushare.contract.request import annotations_of, parse_pod_request
 from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
 from gpushare.kube.events import EventRecorder
@@ -313,8 +313,14 @@ class Binder:
         try:
             ledger = node_ledger(node_obj)
         except ContractError as exc:
-            log.warning("%s; the next bind onto node %s rewrites it", exc, node)
-            return {}, {}
+            trusted = self._cache.trusted_ledger(node)
+            if trusted is None:
+                raise LedgerError(
+                    f"{exc}; no ledger of the node was read before to rebuild it from, so binds onto node {node} "
+                    "are refused until it is repaired (see docs/operations.md)"
+                ) from None
+            log.error("%s; rebuilt from the %d entries last read, which this write puts back", exc, len(trusted))
+            ledger = dict(trusted)
         uids = {(p.get("metadata") or {}).get("uid"): p for p in listed}
         kept: dict[str, PendingBind] = {}
         unlisted: dict[str, PendingBind] = {}
