@@ -63,6 +63,14 @@ class Cluster:
         wait_until(lambda: all(self.extender.cache.view(n) for n in NODES), what="the inventories in the cache")
         self.url = f"http://127.0.0.1:{self.extender.server.port}"
 
+    @classmethod
+    def beside(cls, cluster: Cluster, extender: RunningExtender) -> Cluster:
+        """The same cluster through another extender replica."""
+        other = cls.__new__(cls)
+        other.api, other.core, other.backends, other.extender = cluster.api, cluster.core, cluster.backends, extender
+        other.url = f"http://127.0.0.1:{extender.server.port}"
+        return other
+
     def post(self, verb: str, body: Any, raw: bytes | None = None) -> Any:
         data = raw if raw is not None else json.dumps(body).encode()
         request = urllib.request.Request(f"{self.url}/{verb}", data=data, headers={"Content-Type": "application/json"})
@@ -832,9 +840,7 @@ def test_without_a_ledger_read_before_the_damage_binds_onto_the_node_are_refused
     fresh = start_extender(cluster.api, 0, "binpack", host="127.0.0.1")  # started after the damage
     try:
         assert fresh.cache.wait_synced(5)
-        other = Cluster.__new__(Cluster)
-        other.api, other.core, other.extender = cluster.api, cluster.core, fresh
-        other.url = f"http://127.0.0.1:{fresh.server.port}"
+        other = Cluster.beside(cluster, fresh)
         wait_until(lambda: fresh.cache.problem("n1"), what="the damage in the new replica's cache")
         l2 = cluster.pod(gpu_pod("l2", [container("main", 80)], node=None))
         error = other.bind(l2, "n1")["Error"]

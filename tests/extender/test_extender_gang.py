@@ -236,9 +236,7 @@ def test_two_replicas_agree_on_one_plan_and_never_overcommit(cluster: Cluster) -
     second = start_extender(cluster.api, 0, "binpack", host="127.0.0.1")
     try:
         assert second.cache.wait_synced(5)
-        other = Cluster.__new__(Cluster)
-        other.api, other.core, other.extender = cluster.api, cluster.core, second
-        other.url = f"http://127.0.0.1:{second.server.port}"
+        other = Cluster.beside(cluster, second)
         pods = [member(cluster, f"w{i}", "duo", 4, gib=40) for i in range(4)]
         replicas = [cluster, other]
         placed: dict[str, str] = {}
@@ -290,9 +288,7 @@ def test_a_gang_larger_than_the_cap_is_refused_naming_the_gang_and_the_cap(clust
     capped = start_extender(cluster.api, 0, "binpack", host="127.0.0.1", max_gang_members=3)
     try:
         assert capped.cache.wait_synced(5)
-        other = Cluster.__new__(Cluster)
-        other.api, other.core, other.extender = cluster.api, cluster.core, capped
-        other.url = f"http://127.0.0.1:{capped.server.port}"
+        other = Cluster.beside(cluster, capped)
         pods = [member(cluster, f"w{i}", "wide", 2, gib=1) for i in range(4)]
         wait_until(lambda: len(capped.gangs.index.members(parse_gang(pods[0]))) == 4, what="the members")
         assert reason(other.filter(pods[0])) == (
@@ -334,9 +330,7 @@ def test_a_replica_whose_pod_cache_lags_cannot_overwrite_a_bound_members_entry(c
     second = start_extender(cluster.api, 0, "binpack", host="127.0.0.1")
     try:
         assert second.cache.wait_synced(5)
-        other = Cluster.__new__(Cluster)
-        other.api, other.core, other.extender = cluster.api, cluster.core, second
-        other.url = f"http://127.0.0.1:{second.server.port}"
+        other = Cluster.beside(cluster, second)
         w0, w1 = [member(cluster, f"w{i}", "pair", 2, gib=60) for i in range(2)]
         wait_until(lambda: len(second.gangs.index.members(parse_gang(w0))) == 2, what="the members")
         second.cache.pods.stop()  # from here on the second replica sees both members unbound
