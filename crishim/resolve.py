@@ -330,8 +330,7 @@ class CachedPods:
         except KubeError as exc:
             log.warning("node %s: reading its ledger failed, using the one last read: %s", self._node, exc)
         except ContractError as exc:
-            log.warning("%s; pods are checked against their annotations alone", exc)
-            self._ledger = {}
+            log.error("%s; pods are checked against the ledger last read (%d entries)", exc, len(self._ledger))
         return self._ledger
 
 

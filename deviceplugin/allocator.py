@@ -175,8 +175,7 @@ class Allocator:
         try:
             self._ledger = node_ledger(node)
         except ContractError as exc:
-            log.warning("%s; pods are checked against their annotations alone", exc)
-            self._ledger = {}
+            log.error("%s; pods are checked against the ledger last read (%d entries)", exc, len(self._ledger))
 
     def _allocate(self, resource: str, units: int) -> Decision:
         cards = self._cards()

@@ -12,8 +12,9 @@ Correctness, also with two extender replicas:
 A write whose answer was lost (a timeout while the API server paused) may still have landed; its retry
 then conflicts with its own success. So a failed binding is checked against what the pod now carries
 before it counts: bound here with our own annotations is taken as done, not as a failure.
-Only pods that request a gpushare resource are bound, and only onto nodes whose cards fit them and
-whose labels match the pod's nodeSelector, so the bind verb can't place a pod the filter would refuse.
+Only pods that request a gpushare resource are bound, and only onto nodes whose cards fit them and that
+the pod's nodeSelector, required node affinity and tolerations allow, so the bind verb can't place a pod
+the filter would refuse.
 Kubelet's device plugin re-checks every assignment against the node's live pods before a container
 starts, so even a stale writer can never over-commit a card.
 """
@@ -51,7 +52,8 @@ from gpushare.contract.names import (
     NODE_ANN_PENDING_BINDS,
     PLACEMENT_ANNOTATIONS,
 )
-from gpushare.contract.pending import Ledger, PendingBind, format_pending_binds
+from gpushare.contract.nodeselection import node_refusal, parse_node_facts, parse_pod_nodes
+from gpushare.contract.pending import LEDGER_BYTES, Ledger, LedgerError, PendingBind, format_pending_binds
 from gpushare.contract.request import annotations_of, parse_pod_request
 from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
 from gpushare.kube.events import EventRecorder
@@ -63,15 +65,6 @@ log = logging.getLogger(__name__)
 
 COMPONENT = "gpushare-extender"
 ATTEMPTS = 8
-
-
-def selector_mismatch(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | None:
-    """The first nodeSelector term ``node``'s labels don't satisfy, or None."""
-    labels = (node.get("metadata") or {}).get("labels") or {}
-    for key, value in sorted(((pod.get("spec") or {}).get("nodeSelector") or {}).items()):
-        if labels.get(key) != value:
-            return f"{quoted(key)}={quoted(value)}"
-    return None
 
 
 class BindError(Exception):
@@ -185,10 +178,10 @@ class Binder:
                 if inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(demands)):
                     BIND_FAILURES.labels(reason="original-plugin").inc()
                     raise BindError(f"bind {where}: node {node} {refusal}")
-                if mismatch := selector_mismatch(pod, node_obj):
+                if refusal := node_refusal(parse_pod_nodes(pod), parse_node_facts(node_obj)):
                     BIND_FAILURES.labels(reason="node-selector").inc()
-                    raise BindError(f"bind {where}: the node doesn't match the pod's nodeSelector ({mismatch})")
-                ledger, cards = self.fresh_cards(node_obj, inventory, {uid})
+                    raise BindError(f"bind {where}: {refusal}")
+                ledger, cards, _ = self.fresh_cards(node_obj, inventory, {uid})
                 if (gang := parse_gang(pod)) is not None:
                     hold = ledger.get(uid)
                     if hold is None or hold.gang != gang.key:
@@ -234,6 +227,14 @@ class Binder:
         self._cache.assume(uid, node, held)
         sequence = int(annotations_of(node_obj).get(NODE_ANN_BIND_SEQUENCE) or 0) + 1
         ledger = {**ledger, uid: PendingBind(f"{namespace}/{name}", held, time.time())}
+        text = format_pending_binds(ledger)
+        if len(text) > LEDGER_BYTES:
+            BIND_FAILURES.labels(reason="ledger-full").inc()
+            self._cache.forget(uid)
+            raise BindError(
+                f"bind {where}: node {node} annotation {NODE_ANN_PENDING_BINDS} would take {len(text)} bytes "
+                f"with {len(ledger)} entries, more than the {LEDGER_BYTES} allowed"
+            )
         try:
             patch_node(
                 self._api,
@@ -242,7 +243,7 @@ class Binder:
                     "metadata": {
                         "annotations": {
                             NODE_ANN_BIND_SEQUENCE: str(sequence),
-                            NODE_ANN_PENDING_BINDS: format_pending_binds(ledger),
+                            NODE_ANN_PENDING_BINDS: text,
                         }
                     }
                 },
@@ -275,17 +276,16 @@ class Binder:
 
     def fresh_cards(
         self, node_obj: Mapping[str, Any], inventory: NodeInventory, own: set[str]
-    ) -> tuple[dict[str, PendingBind], tuple[placement.CardCapacity, ...]]:
-        """The node's ledger entries that stay (see :meth:`_ledger`), and its cards as the API server has
-        them with every pod, in-flight bind and gang hold counted except those of the pods ``own``."""
+    ) -> tuple[dict[str, PendingBind], tuple[placement.CardCapacity, ...], set[str]]:
+        """The node's ledger entries that stay (see :meth:`_ledger`), its cards as the API server has
+        them with every pod, in-flight bind and gang hold counted except those of the pods ``own``, and
+        which of ``own`` the same read shows bound to the node."""
         node = node_obj["metadata"]["name"]
         # not older than the node as read: see "Running two replicas" in docs/extender.md
         node_version = (node_obj.get("metadata") or {}).get("resourceVersion")
-        others = [
-            p
-            for p in list_pods(self._api, field_selector=f"spec.nodeName={node}", resource_version=node_version)
-            if (p.get("metadata") or {}).get("uid") not in own
-        ]
+        listed = list_pods(self._api, field_selector=f"spec.nodeName={node}", resource_version=node_version)
+        others = [p for p in listed if (p.get("metadata") or {}).get("uid") not in own]
+        bound = {uid for p in listed if (uid := (p.get("metadata") or {}).get("uid")) in own}
         # a pod the fresh read shows placed is counted from its annotations, not again as in flight
         placed = {
             (p.get("metadata") or {}).get("uid")
@@ -297,7 +297,7 @@ class Binder:
         ledger, unlisted = self._ledger(node_obj, node, others)
         mine = {other for other, _ in assumed} | own
         in_flight += [entry.held for other, entry in unlisted.items() if other not in mine]
-        return ledger, placement_cards(inventory, others, in_flight, self._cache.fenced(node), ledger)
+        return ledger, placement_cards(inventory, others, in_flight, self._cache.fenced(node), ledger), bound
 
     def _ledger(
         self, node_obj: Mapping[str, Any], node: str, listed: Sequence[Mapping[str, Any]]
@@ -313,8 +313,14 @@ class Binder:
         try:
             ledger = node_ledger(node_obj)
         except ContractError as exc:
-            log.warning("%s; the next bind onto node %s rewrites it", exc, node)
-            return {}, {}
+            trusted = self._cache.trusted_ledger(node)
+            if trusted is None:
+                raise LedgerError(
+                    f"{exc}; no ledger of the node was read before to rebuild it from, so binds onto node {node} "
+                    "are refused until it is repaired (see docs/operations.md)"
+                ) from None
+            log.error("%s; rebuilt from the %d entries last read, which this write puts back", exc, len(trusted))
+            ledger = dict(trusted)
         uids = {(p.get("metadata") or {}).get("uid"): p for p in listed}
         kept: dict[str, PendingBind] = {}
         unlisted: dict[str, PendingBind] = {}

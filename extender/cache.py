@@ -27,10 +27,13 @@ from gpushare.contract.names import (
     FENCE_CONFIGMAP_KEY,
     FENCE_CONFIGMAP_NAMESPACE,
     FENCE_CONFIGMAP_PREFIX,
+    NODE_ANN_PENDING_BINDS,
     PLACEMENT_ANNOTATIONS,
     RESOURCE_CPU,
     RESOURCE_MEMORY,
+    RESOURCE_PODS,
 )
+from gpushare.contract.nodeselection import NodeFacts, parse_node_facts
 from gpushare.contract.pending import Ledger, PendingBind
 from gpushare.contract.request import annotations_of, effective_request, parse_pod_request, pod_key
 from gpushare.kube.watch import WatchCache
@@ -90,6 +93,14 @@ def host_request(pod: Mapping[str, Any]) -> tuple[int, int]:
     )
 
 
+def pods_allocatable(node: Mapping[str, Any]) -> int:
+    """How many pods the node takes (``status.allocatable.pods``); ``UNLIMITED`` when it doesn't say."""
+    try:
+        return int(parse_quantity(((node.get("status") or {}).get("allocatable") or {})[RESOURCE_PODS]))
+    except (KeyError, ValueError, TypeError, ArithmeticError):
+        return UNLIMITED
+
+
 def host_allocatable(node: Mapping[str, Any]) -> tuple[int, int]:
     """The node's allocatable (CPU milli, memory bytes); ``UNLIMITED`` for a figure the node doesn't give."""
     allocatable = (node.get("status") or {}).get("allocatable") or {}
@@ -140,8 +151,10 @@ class ClusterCache:
         self._counter = itertools.count(1)
         self._generation: dict[str, int] = {}
         self._inventory: dict[str, NodeInventory | str] = {}
-        #: node -> its ledger (see gpushare.contract.pending), as last seen
+        #: node -> its ledger (see gpushare.contract.pending), as last read while it could be read
         self._ledgers: dict[str, Ledger] = {}
+        #: node -> why its ledger can't be read now
+        self._damaged: dict[str, str] = {}
         self._pods_by_node: dict[str, dict[str, Mapping[str, Any]]] = {}
         self._node_of_pod: dict[str, str] = {}
         self._assumed: dict[str, tuple[str, Mapping[str, int]]] = {}
@@ -153,6 +166,10 @@ class ClusterCache:
         self.shapes_version = 0
         #: per node: allocatable (CPU milli, memory bytes); and the free amounts per node, until it changes
         self._allocatable: dict[str, tuple[int, int]] = {}
+        #: per node: how many pods it takes
+        self._pods_allocatable: dict[str, int] = {}
+        #: per node: its name, labels and taints, which decide the pods it may take
+        self._facts: dict[str, NodeFacts] = {}
         self._host_free: dict[str, tuple[int, int]] = {}
         #: the (GPU shape, CPU, memory, card rule) of every pod, GPU or not, that the host-aware policy learns from
         self._pod_shapes: Counter[PodShape] = Counter()
@@ -211,24 +228,50 @@ class ClusterCache:
             if kind == "DELETED":
                 self._inventory.pop(name, None)
                 self._ledgers.pop(name, None)
+                self._damaged.pop(name, None)
                 self._allocatable.pop(name, None)
+                self._facts.pop(name, None)
+                self._pods_allocatable.pop(name, None)
             else:
+                self._pods_allocatable[name] = pods_allocatable(node)
                 self._allocatable[name] = host_allocatable(node)
+                self._facts[name] = parse_node_facts(node)
                 try:
                     self._inventory[name] = node_inventory(node)
                 except ContractError as exc:
                     self._inventory[name] = str(exc)
-                try:
-                    self._ledgers[name] = node_ledger(node)
-                except ContractError as exc:
-                    log.warning(
-                        "%s; its pods are counted from their annotations and its gang holds not at all until the "
-                        "next bind rewrites it",
-                        exc,
-                    )
-                    self._ledgers[name] = {}
+                self._note_ledger(name, node)
             self._note_holds(name, self._ledgers.get(name, {}))
             self._bump(name)
+
+    def _note_ledger(self, name: str, node: Mapping[str, Any]) -> None:
+        """Keep the node's ledger; one that can't be read leaves the last one read in place (what the pods
+        were recorded to hold, which their owners can't rewrite), and with none the node takes no GPU pods
+        until the ledger is repaired; under the lock."""
+        try:
+            ledger = node_ledger(node)
+        except ContractError as exc:
+            problem = str(exc)
+            if self._damaged.get(name) != problem:
+                trusted = self._ledgers.get(name)
+                then = (
+                    f"its pods are counted by the {len(trusted)} entries last read, and its next bind rewrites it "
+                    "from them"
+                    if trusted is not None
+                    else "no ledger of it was read before, so it takes no GPU pods until it is repaired "
+                    "(see docs/operations.md)"
+                )
+                log.error("%s; %s", problem, then)
+            self._damaged[name] = problem
+            return
+        if self._damaged.pop(name, None) is not None:
+            log.info("node %s: its ledger (annotation %s) is readable again", name, NODE_ANN_PENDING_BINDS)
+        self._ledgers[name] = ledger
+
+    def trusted_ledger(self, node: str) -> Ledger | None:
+        """The node's ledger as last read while it could be read, or None when it never could."""
+        with self._lock:
+            return self._ledgers.get(node)
 
     def _note_holds(self, name: str, ledger: Ledger) -> None:
         """Keep the gang holds among the node's ledger entries (those naming a gang); under the lock."""
@@ -339,9 +382,12 @@ class ClusterCache:
         """Why ``node`` can't take GPU pods at all, or None."""
         with self._lock:
             inventory = self._inventory.get(node)
+            untrusted = self._damaged.get(node) if node not in self._ledgers else None
         if inventory is None:
             return "is not known to the gpushare extender"
-        return inventory if isinstance(inventory, str) else None
+        if isinstance(inventory, str):
+            return inventory
+        return f"takes no GPU pods until its ledger is repaired: {untrusted}" if untrusted else None
 
     def view(self, node: str) -> CachedNode | None:
         with self._lock:
@@ -349,7 +395,7 @@ class ClusterCache:
             if cached is not None:
                 return cached
             inventory = self._inventory.get(node)
-            if not isinstance(inventory, NodeInventory):
+            if not isinstance(inventory, NodeInventory) or node not in self._ledgers:
                 return None
             pods = list(self._pods_by_node.get(node, {}).values())
             extra = [alloc for (n, alloc) in self._assumed.values() if n == node]
@@ -361,6 +407,11 @@ class ClusterCache:
             view = CachedNode(node, inventory, cards, self._generation.get(node, 0))
             self._views[node] = view
             return view
+
+    def node_facts(self, node: str) -> NodeFacts | None:
+        """The node's name, labels and taints as last seen, or None for a node not seen."""
+        with self._lock:
+            return self._facts.get(node)
 
     def ledger(self, node: str) -> Ledger:
         """The node's ledger as last seen."""
@@ -393,6 +444,14 @@ class ClusterCache:
                         cpu, memory = cpu - pod_cpu, memory - pod_memory
                 held = self._host_free[node] = (cpu, memory)
             return held
+
+    def pod_room(self, node: str) -> int:
+        """How many more pods the node takes: its allocatable pods less the pods holding resources on it
+        and the gang holds that count there."""
+        with self._lock:
+            taken = sum(1 for pod in self._pods_by_node.get(node, {}).values() if holds_resources(pod))
+            holds = len(self._counted_holds(node, time.time()))
+            return self._pods_allocatable.get(node, UNLIMITED) - taken - holds
 
     # --- gang holds -----------------------------------------------------------------------------------
 

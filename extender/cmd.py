@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from gpushare.contract.gang import MAX_GANG_MEMBERS
 from gpushare.settings import UsageError
 from gpushare.tlshttp import DEFAULT_LIMITS, Limits, ServerTLS, TLSFilesError
 
@@ -30,10 +31,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--health-port", type=int, default=None, help="plain HTTP port for /healthz, /readyz and /metrics only"
     )
+    parser.add_argument(
+        "--max-gang-members",
+        type=_positive,
+        default=MAX_GANG_MEMBERS,
+        help=f"refuse gangs with more members than this (default: {MAX_GANG_MEMBERS}); "
+        "the work of a member's filter grows with its gang's size",
+    )
     limits = parser.add_argument_group("limits")
     limits.add_argument("--max-body-bytes", type=int, default=DEFAULT_LIMITS.max_body)
     limits.add_argument("--read-timeout", type=float, default=DEFAULT_LIMITS.read_timeout, help="seconds per request")
     limits.add_argument("--workers", type=int, default=DEFAULT_LIMITS.workers)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
 
 
 def serving(args: argparse.Namespace) -> Serving:
@@ -57,4 +75,4 @@ def serving(args: argparse.Namespace) -> Serving:
 def run(args: argparse.Namespace) -> int:
     from gpushare.extender.wiring import run_extender
 
-    return run_extender(args.kubeconfig, args.policy, serving(args))
+    return run_extender(args.kubeconfig, args.policy, serving(args), args.max_gang_members)

@@ -26,24 +26,27 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from gpushare.extender.bind import ATTEMPTS, Binder, selector_mismatch
-from gpushare.extender.cache import ClusterCache, demands_of, host_request
+from gpushare.extender.bind import ATTEMPTS, Binder
+from gpushare.extender.cache import CachedNode, ClusterCache, demands_of, host_request
 from gpushare.extender.engine import PlacementEngine
 
 from gpushare import placement
 from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
-from gpushare.contract.gang import Gang, parse_gang
+from gpushare.contract.gang import MAX_GANG_MEMBERS, Gang, parse_gang
 from gpushare.contract.names import ANN_GANG_HOLD, ANN_GANG_RETRY, NODE_ANN_PENDING_BINDS
-from gpushare.contract.pending import HOLD_SECONDS, PendingBind, format_pending_binds
+from gpushare.contract.nodeselection import NodeFacts, PodNodes, node_refusal, parse_pod_nodes
+from gpushare.contract.pending import HOLD_BYTES, HOLD_SECONDS, PendingBind, format_pending_binds
 from gpushare.contract.request import annotations_of, pod_key
 from gpushare.kube.errors import KubeConflict, KubeError
 from gpushare.kube.objects import get_node, patch_node, patch_pod_annotations
 from gpushare.kube.watch import WatchCache
+from gpushare.placement import CardRule, Demand, Policy
 from gpushare.placement.gang import GangPlan, Member, Room, Spot, plan_gang
 from gpushare.usage import holds_resources, node_inventory
 
@@ -52,7 +55,12 @@ log = logging.getLogger(__name__)
 #: holds older than this are written again when the plan is confirmed, so they don't expire under it
 RENEW_AFTER = HOLD_SECONDS / 3
 
+#: how many gangs' last plans are kept for their next filter
+PLANS_KEPT = 256
+
 Holds = dict[str, dict[str, PendingBind]]
+#: a member's hold: the node, and its entry there
+Hold = tuple[str, PendingBind]
 Verdict = tuple[list[str], dict[str, str], dict[str, str]]
 
 
@@ -92,14 +100,32 @@ class GangIndex:
             return sorted(self._members.get(gang.key, {}).values(), key=pod_key)
 
 
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    """What the planner reads of a member."""
+
+    demands: tuple[Demand, ...]
+    rule: CardRule
+    nodes: PodNodes
+    host: tuple[int, int]
+
+
 def _same(a: Mapping[str, PendingBind], b: Mapping[str, PendingBind]) -> bool:
     """The same members holding the same units (when they were written aside)."""
     return a.keys() == b.keys() and all(dict(a[uid].held) == dict(b[uid].held) for uid in a)
 
 
 class Gangs:
-    def __init__(self, api: Any, cache: ClusterCache, engine: PlacementEngine, binder: Binder) -> None:
+    def __init__(
+        self,
+        api: Any,
+        cache: ClusterCache,
+        engine: PlacementEngine,
+        binder: Binder,
+        max_members: int = MAX_GANG_MEMBERS,
+    ) -> None:
         self._api = api
+        self._max_members = max_members
         self._cache = cache
         self._engine = engine
         self._binder = binder
@@ -109,6 +135,13 @@ class Gangs:
         self._stalled: dict[str, tuple[str, str]] = {}
         #: bound pods seen ending or going, so a refusal can tell whether it missed one
         self._ended = 0
+        #: unbound member uid -> the nodes kube-scheduler offered for it at its last filter
+        self._offered: dict[str, frozenset[str]] = {}
+        #: unbound member uid -> (its resourceVersion, what the planner reads of it or why it can't)
+        self._parsed: dict[str, tuple[str | None, _Parsed | str]] = {}
+        #: gang key -> (what its last plan was made from, the policy, the plan, its problems)
+        self._plans: OrderedDict[str, tuple[tuple, Policy, GangPlan, list[str]]] = OrderedDict()
+        self._plan_locks = tuple(threading.Lock() for _ in range(16))
         self._nudges: queue.SimpleQueue[tuple[str, tuple[str, str]] | None] = queue.SimpleQueue()
         self._nudger = threading.Thread(target=self._nudge_loop, name="gang-nudge", daemon=True)
         self._nudger.start()
@@ -121,7 +154,12 @@ class Gangs:
     def _on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
         """A bound pod ending or going may free the room a stalled gang waits for: nudge each one. Called
         after the cache has applied the event, so the retry it causes sees the room."""
-        if not (pod.get("spec") or {}).get("nodeName") or (kind != "DELETED" and holds_resources(pod)):
+        bound = bool((pod.get("spec") or {}).get("nodeName"))
+        if kind == "DELETED" or bound:
+            with self._lock:
+                self._offered.pop(_uid(pod), None)
+                self._parsed.pop(_uid(pod), None)
+        if not bound or (kind != "DELETED" and holds_resources(pod)):
             return
         with self._lock:
             self._ended += 1
@@ -158,25 +196,41 @@ class Gangs:
 
     def filter(self, pod: Mapping[str, Any], gang: Gang, names: Sequence[str]) -> Verdict:
         """Passing nodes, failed nodes and unresolvable nodes for member ``pod``: its planned node alone
-        once a plan for enough members is held, else none, every node with the reason."""
+        once a plan for enough members is held, else none, every node with the reason. One gang's
+        filters run one at a time, so a second one finds the first one's plan."""
+        with self._plan_locks[hash(gang.key) % len(self._plan_locks)]:
+            return self._filter(pod, gang, names)
+
+    def _filter(self, pod: Mapping[str, Any], gang: Gang, names: Sequence[str]) -> Verdict:
+        uid = _uid(pod)
         with self._lock:
             ended = self._ended
+            self._offered[uid] = frozenset(names)
         members = self.index.members(gang)
-        uid = (pod.get("metadata") or {}).get("uid", "")
-        if uid not in {(m.get("metadata") or {}).get("uid") for m in members}:
+        if uid not in {_uid(m) for m in members}:
             members.append(pod)  # the watch may not have brought it yet
         present = len(members)
         held = self._cache.gang_holds(gang.key)
         assumed = self._cache.assumed_uids()
-        bound = [m for m in members if (m.get("spec") or {}).get("nodeName") or _uid(m) in assumed]
-        waiting = [m for m in members if m not in bound]
+        bound, waiting = [], []
+        for m in members:
+            (bound if (m.get("spec") or {}).get("nodeName") or _uid(m) in assumed else waiting).append(m)
+        if present > self._max_members:
+            self._release(gang, held, waiting)
+            reason = (
+                f"gang {gang.name}: {present} members present, more than the {self._max_members} the extender "
+                "plans for one gang (its --max-gang-members)"
+            )
+            return self._refuse(pod, names, reason)
         if present < gang.minimum:
             self._unstall(gang)
             self._release(gang, held, waiting)
             missing = gang.minimum - present
             reason = f"gang {gang.name}: {present} of {gang.minimum} members present, waiting for {missing} more"
             return self._refuse(pod, names, reason)
-        plan, problems = self._plan(pod, waiting, names, held)
+        plan, problems = self._held_plan(gang, uid, len(bound), waiting, held) or self._plan(
+            gang, pod, waiting, names, held
+        )
         placeable = len(bound) + len(plan.spots)
         counts = f"gang {gang.name}: {present} members present, {placeable} can be placed"
         if placeable < gang.minimum:
@@ -194,8 +248,6 @@ class Gangs:
         self._unstall(gang)
         self._mark(gang, [m for m in waiting if _uid(m) != uid], {u: s.node for u, s in plan.spots.items()})
         where = f"gang {gang.name}: this member's cards are held on node {spot.node}"
-        if spot.node not in names:
-            return self._refuse(pod, names, f"{where}, which kube-scheduler did not offer for it")
         cards = ", ".join(f"{uuid} ({units})" for uuid, units in sorted(spot.held.items()))
         log.info(
             "filter pod %s: gang %s holds node %s for it, cards %s; %d of %d members placeable",
@@ -211,19 +263,105 @@ class Gangs:
         every = dict.fromkeys(names, reason)
         return [], every, {} if resolvable else dict(every)
 
+    def _held_plan(
+        self, gang: Gang, uid: str, bound: int, waiting: Sequence[Mapping[str, Any]], held: Mapping[str, Hold]
+    ) -> tuple[GangPlan, list[str]] | None:
+        """The gang's holds as its plan, without planning, when this member holds cards on a node offered
+        for it and, with the ``bound`` members, enough of the others hold cards on nodes they may still go
+        to (holds that don't are left out, and so released); else None."""
+        spots = {}
+        for member in waiting:
+            hold = held.get(_uid(member))
+            if hold is not None and self._may_use(member, hold):
+                spots[_uid(member)] = Spot(hold[0], hold[1].held)
+        if uid not in spots or bound + len(spots) < gang.minimum:
+            return None
+        return GangPlan(spots), []
+
+    def _may_use(self, member: Mapping[str, Any], hold: Hold) -> bool:
+        """Whether the member may still go to the node it holds cards on: offered for it at its last
+        filter, allowed by its constraints, and its held cards healthy there."""
+        node, entry = hold
+        parsed, facts, view = self._parsed_member(member), self._cache.node_facts(node), self._cache.view(node)
+        with self._lock:
+            offered = self._offered.get(_uid(member))
+        if isinstance(parsed, str) or facts is None or view is None or (offered is not None and node not in offered):
+            return False
+        healthy = {c.uuid for c in view.cards if c.healthy}
+        return node_refusal(parsed.nodes, facts) is None and set(entry.held) <= healthy
+
+    def _parsed_member(self, member: Mapping[str, Any]) -> _Parsed | str:
+        """What the planner reads of a member, or why it can't be read; parsed once per version of the pod."""
+        meta = member.get("metadata") or {}
+        uid, version = meta.get("uid", ""), meta.get("resourceVersion")
+        with self._lock:
+            known = self._parsed.get(uid)
+        if known is not None and known[0] == version and version is not None:
+            return known[1]
+        try:
+            parsed: _Parsed | str = _Parsed(
+                demands_of(member), parse_card_rule(member), parse_pod_nodes(member), host_request(member)
+            )
+        except (ContractError, ValueError) as exc:
+            parsed = str(exc)
+        with self._lock:
+            self._parsed[uid] = (version, parsed)
+        return parsed
+
     def _plan(
         self,
+        gang: Gang,
         pod: Mapping[str, Any],
         waiting: Sequence[Mapping[str, Any]],
         names: Sequence[str],
-        held: Mapping[str, tuple[str, PendingBind]],
+        held: Mapping[str, Hold],
     ) -> tuple[GangPlan, list[str]]:
-        """The plan for the unbound members over the offered nodes and those the gang holds cards on,
-        with the problems of members that can't take part at all."""
+        """The plan for the unbound members, with the problems of members that can't take part at all;
+        the gang's last plan again while nothing it was made from has changed.
+
+        Each member may go where its nodeSelector, node affinity and tolerations let it, and only to
+        the nodes kube-scheduler offered for it at its last filter (``names`` for ``pod``); a member
+        not filtered yet, to any of those nodes and the ones the gang holds cards on. A hold on a node
+        the member may not go to is not kept: the member is planned afresh."""
         _, policy = self._engine.policy_for(pod)
+        with self._lock:
+            offered = {_uid(m): self._offered[_uid(m)] for m in waiting if _uid(m) in self._offered}
+        candidates = set(names) | {node for node, _ in held.values()}
+        candidates.update(*offered.values())
+        views = {name: self._cache.view(name) for name in sorted(candidates)}
+        key = (
+            tuple(
+                ((m.get("metadata") or {}).get("uid"), (m.get("metadata") or {}).get("resourceVersion"))
+                for m in waiting
+            ),
+            tuple(offered.get(_uid(m)) for m in waiting),
+            frozenset(names),
+            tuple((name, view.generation if view is not None else -1) for name, view in views.items()),
+            tuple(sorted((uid, node, entry.at) for uid, (node, entry) in held.items())),
+        )
+        with self._lock:
+            memo = self._plans.get(gang.key)
+        if memo is not None and memo[0] == key and memo[1] is policy:
+            return memo[2], memo[3]
+        plan, problems = self._plan_afresh(policy, waiting, names, held, offered, views)
+        with self._lock:
+            self._plans[gang.key] = (key, policy, plan, problems)
+            self._plans.move_to_end(gang.key)
+            while len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        return plan, problems
+
+    def _plan_afresh(
+        self,
+        policy: Policy,
+        waiting: Sequence[Mapping[str, Any]],
+        names: Sequence[str],
+        held: Mapping[str, Hold],
+        offered: Mapping[str, frozenset[str]],
+        views: Mapping[str, CachedNode | None],
+    ) -> tuple[GangPlan, list[str]]:
         rooms = []
-        for name in sorted(set(names) | {node for node, _ in held.values()}):
-            view = self._cache.view(name)
+        for name, view in views.items():
             if view is None:
                 continue
             ours: dict[str, int] = {}
@@ -232,26 +370,30 @@ class Gangs:
                     for uuid, units in hold.held.items():
                         ours[uuid] = ours.get(uuid, 0) + units
             cards = tuple(replace(c, used=max(c.used - ours[c.uuid], 0)) if c.uuid in ours else c for c in view.cards)
-            rooms.append(Room(name, cards, self._cache.host_free(name), view.inventory.unit.name))
+            pods = self._cache.pod_room(name) + sum(1 for node, _ in held.values() if node == name)
+            rooms.append(Room(name, cards, self._cache.host_free(name), view.inventory.unit.name, pods))
+        facts = [f for room in rooms if (f := self._cache.node_facts(room.name)) is not None]
+        allowed_for: dict[PodNodes, tuple[frozenset[str], str]] = {}
         members, problems = [], []
         for member in waiting:
-            try:
-                demands, rule = demands_of(member), parse_card_rule(member)
-            except (ContractError, ValueError) as exc:
-                problems.append(str(exc))
+            parsed = self._parsed_member(member)
+            if isinstance(parsed, str):
+                problems.append(parsed)
                 continue
-            allowed = frozenset(
-                room.name
-                for room in rooms
-                if (node := self._cache.nodes.get(room.name)) is not None and selector_mismatch(member, node) is None
-            )
-            members.append(Member(_uid(member), pod_key(member), demands, host_request(member), allowed, rule))
+            if parsed.nodes not in allowed_for:
+                allowed_for[parsed.nodes] = _allowed(parsed.nodes, facts)
+            eligible, refusal = allowed_for[parsed.nodes]
+            where = offered.get(_uid(member))
+            allowed = eligible if where is None else eligible & where
+            if not allowed:
+                why = refusal if not eligible else "kube-scheduler offered it none of the nodes it may go to"
+                problems.append(f"pod {pod_key(member)} may go to none of {len(rooms)} node(s): {why}")
+                continue
+            members.append(Member(_uid(member), pod_key(member), parsed.demands, parsed.host, allowed, parsed.rule))
         previous = {uid: Spot(node, hold.held) for uid, (node, hold) in held.items()}
         return plan_gang(members, rooms, policy, previous), problems
 
-    def _hold(
-        self, gang: Gang, plan: GangPlan, keys: Mapping[str, str], held: Mapping[str, tuple[str, PendingBind]]
-    ) -> str | None:
+    def _hold(self, gang: Gang, plan: GangPlan, keys: Mapping[str, str], held: Mapping[str, Hold]) -> str | None:
         """Write the plan's holds node by node (and drop the gang's holds it no longer needs); on the first
         node that refuses, put back what was there on the nodes already written. None when all is held."""
         now = time.time()
@@ -260,9 +402,7 @@ class Gangs:
             want.setdefault(spot.node, {})[uid] = PendingBind(keys[uid], dict(spot.held), now, gang.key)
         return self._write(gang, want, _by_node(held))
 
-    def _release(
-        self, gang: Gang, held: Mapping[str, tuple[str, PendingBind]], unbound: Sequence[Mapping[str, Any]]
-    ) -> None:
+    def _release(self, gang: Gang, held: Mapping[str, Hold], unbound: Sequence[Mapping[str, Any]]) -> None:
         if held:
             failure = self._write(gang, {}, _by_node(held))
             log.info("gang %s: holds released%s", gang.key, f" in part ({failure})" if failure else "")
@@ -309,7 +449,13 @@ class Gangs:
                     node_obj = get_node(self._api, node)
                     inventory = node_inventory(node_obj)
                     # the members held here are unbound, so leaving them out leaves out no pod on the node
-                    pending, cards = self._binder.fresh_cards(node_obj, inventory, set(expected_) | set(entries_))
+                    own = set(expected_) | set(entries_)
+                    pending, cards, bound = self._binder.fresh_cards(node_obj, inventory, own)
+                    # a member bound meanwhile (a replica whose pod cache lags sees it unbound) keeps its entry
+                    bound = {uid for uid in entries_ if uid in bound or (uid in pending and not pending[uid].gang)}
+                    if bound:
+                        keys = ", ".join(sorted(entries_[uid].pod for uid in bound))
+                        return f"node {node}: member(s) {keys} were bound meanwhile"
                     ours = {uid: e for uid, e in pending.items() if e.gang == gang.key}
                     if not _same(ours, expected_):
                         return f"node {node}: the gang's holds there changed meanwhile"
@@ -317,10 +463,17 @@ class Gangs:
                     if short:
                         return f"node {node}: {short}"
                     rest = {uid: e for uid, e in pending.items() if e.gang != gang.key}
+                    text = format_pending_binds(rest | entries_)
+                    if entries_ and len(text) > HOLD_BYTES:
+                        return (
+                            f"node {node}: with {len(entries_)} hold(s) of the gang its annotation "
+                            f"{NODE_ANN_PENDING_BINDS} would take {len(text)} bytes, more than the {HOLD_BYTES} "
+                            "gang holds may fill"
+                        )
                     written = patch_node(
                         self._api,
                         node,
-                        {"metadata": {"annotations": {NODE_ANN_PENDING_BINDS: format_pending_binds(rest | entries_)}}},
+                        {"metadata": {"annotations": {NODE_ANN_PENDING_BINDS: text}}},
                         resource_version=(node_obj.get("metadata") or {}).get("resourceVersion"),
                     )
                 except KubeConflict:
@@ -348,7 +501,14 @@ def _shortfall(cards: Sequence[placement.CardCapacity], entries: Mapping[str, Pe
     return None
 
 
-def _by_node(held: Mapping[str, tuple[str, PendingBind]]) -> Holds:
+def _allowed(nodes: PodNodes, facts: Sequence[NodeFacts]) -> tuple[frozenset[str], str]:
+    """The nodes a member with ``nodes`` may go to, and the first refusal (when it may go nowhere)."""
+    refusals = {f.name: node_refusal(nodes, f) for f in facts}
+    first = next((r for r in refusals.values() if r), "no node is known")
+    return frozenset(name for name, refusal in refusals.items() if refusal is None), first
+
+
+def _by_node(held: Mapping[str, Hold]) -> Holds:
     nodes: Holds = {}
     for uid, (node, hold) in held.items():
         nodes.setdefault(node, {})[uid] = hold

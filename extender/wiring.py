@@ -15,6 +15,7 @@ from gpushare.extender.gang import Gangs
 from gpushare.extender.server import ExtenderServer, refresh_card_gauges
 
 from gpushare import placement
+from gpushare.contract.gang import MAX_GANG_MEMBERS
 from gpushare.kube.transport import load_api
 from gpushare.observability import ObservabilityServer, serve_http
 from gpushare.process import wait_for_termination
@@ -55,7 +56,12 @@ class Serving:
 
 
 def start_extender(
-    api: Any, port: int, policy: str, host: str | None = None, serving: Serving | None = None
+    api: Any,
+    port: int,
+    policy: str,
+    host: str | None = None,
+    serving: Serving | None = None,
+    max_gang_members: int = MAX_GANG_MEMBERS,
 ) -> RunningExtender:
     serving = serving or Serving(port, host=host)
     host = serving.host or ("0.0.0.0" if serving.tls is not None else "127.0.0.1")
@@ -69,7 +75,7 @@ def start_extender(
     settled = threading.Event()
     threading.Thread(target=_settle, args=(cache, engine, settled), name="settle", daemon=True).start()
     binder = Binder(api, cache, engine)
-    gangs = Gangs(api, cache, engine, binder)
+    gangs = Gangs(api, cache, engine, binder, max_gang_members)
     try:
         server = ExtenderServer(
             serving.port, cache, engine, binder, settled.is_set, host, serving.tls, serving.limits, gangs
@@ -107,8 +113,12 @@ def _settle(cache: ClusterCache, engine: PlacementEngine, settled: threading.Eve
     settled.set()
 
 
-def run_extender(kubeconfig: str | None, policy: str, serving: Serving) -> int:
-    running = start_extender(load_api(kubeconfig), serving.port, policy, serving=serving)
+def run_extender(
+    kubeconfig: str | None, policy: str, serving: Serving, max_gang_members: int = MAX_GANG_MEMBERS
+) -> int:
+    running = start_extender(
+        load_api(kubeconfig), serving.port, policy, serving=serving, max_gang_members=max_gang_members
+    )
     try:
         wait_for_termination()
     finally:

@@ -45,12 +45,13 @@ from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_FRAMEWORK_ALLOCATION,
     ANN_MEM_IDX,
+    NODE_ANN_BIND_SEQUENCE,
     NODE_ANN_INVENTORY,
     NODE_ANN_PENDING_BINDS,
     RESOURCE_COUNT,
     RESOURCE_MEM,
 )
-from gpushare.contract.pending import Ledger, PendingBind, parse_pending_binds
+from gpushare.contract.pending import Ledger, LedgerError, PendingBind, parse_pending_binds
 from gpushare.contract.request import PodRequest, annotations_of, effective_request, parse_pod_request, pod_key
 from gpushare.contract.units import GIB, MemoryUnit
 
@@ -127,10 +128,19 @@ def node_inventory(node: Mapping[str, Any]) -> NodeInventory:
 
 
 def node_ledger(node: Mapping[str, Any]) -> dict[str, PendingBind]:
-    """The node's ledger (pod uid -> entry); LedgerError (naming the node) when it can't be read."""
-    return parse_pending_binds(
-        annotations_of(node).get(NODE_ANN_PENDING_BINDS), (node.get("metadata") or {}).get("name", "?")
-    )
+    """The node's ledger (pod uid -> entry); LedgerError (naming the node and annotation) when it can't be
+    read, or is missing though the node's bind sequence shows the extender has bound pods there: a ledger
+    that was damaged never reads as empty, since pods would then count by annotations their owners can
+    rewrite."""
+    annotations = annotations_of(node)
+    name = (node.get("metadata") or {}).get("name", "?")
+    text = annotations.get(NODE_ANN_PENDING_BINDS)
+    if text is None and NODE_ANN_BIND_SEQUENCE in annotations:
+        raise LedgerError(
+            f"node {name} annotation {NODE_ANN_PENDING_BINDS} is missing, though {NODE_ANN_BIND_SEQUENCE}="
+            f"{quoted(annotations[NODE_ANN_BIND_SEQUENCE])} shows the extender has bound pods there"
+        )
+    return parse_pending_binds(text, name)
 
 
 def alibaba_total_per_card(inventory: NodeInventory) -> int:

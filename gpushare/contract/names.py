@@ -16,6 +16,8 @@ RESOURCES = (RESOURCE_MEM, RESOURCE_COUNT)
 #: Kubernetes' own resources, read for the host-aware placement policy
 RESOURCE_CPU = "cpu"
 RESOURCE_MEMORY = "memory"
+#: how many pods a node takes (kubelet's --max-pods, 110 by default)
+RESOURCE_PODS = "pods"
 
 # --- pod annotations (original gpushare keys) -----------------------------------------------------
 
@@ -97,6 +99,10 @@ NODE_ANN_BIND_SEQUENCE = "gpushare.io/bind-sequence"
 #: can't write nodes, so every component counts a pod's cards from here over its own annotations.
 NODE_ANN_PENDING_BINDS = "gpushare.io/pending-binds"
 NODE_LABEL_MODEL = "gpushare.io/gpu-model"
+#: the taint kube-scheduler reads into a cordoned node (``spec.unschedulable``)
+TAINT_UNSCHEDULABLE = "node.kubernetes.io/unschedulable"
+#: the one field a node affinity's ``matchFields`` may name
+FIELD_NODE_NAME = "metadata.name"
 
 # --- pod labels (the pod's owner sets them) -------------------------------------------------------
 

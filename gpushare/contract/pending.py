@@ -21,6 +21,11 @@ PENDING_SECONDS = 60.0
 #: how long a gang hold counts while its member is unbound; the gang's filter renews it while the plan
 #: still fits, so only a gang nobody schedules any more loses its cards this way
 HOLD_SECONDS = 180.0
+#: the most the ledger annotation may take: all of a node's annotations share 256 KiB, and 110 pods'
+#: entries take about 19 KB, so this leaves room for far more pods and the node's other annotations
+LEDGER_BYTES = 128 * 1024
+#: the most the ledger may take with gang holds written into it: the rest stays free for binds
+HOLD_BYTES = 64 * 1024
 
 
 class LedgerError(AnnotationError):

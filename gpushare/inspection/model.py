@@ -121,7 +121,8 @@ def build_node(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> No
     try:
         ledger = node_ledger(node)
     except ContractError as exc:
-        ledger, ledger_problems = {}, (str(exc),)
+        reason = f"{exc}; its pods are counted by their own annotations, which their owners can rewrite"
+        ledger, ledger_problems = {}, (reason,)
     else:
         ledger_problems = ()
     used, counted, bad = node_usage(gpu_pods, inventory, ledger=ledger)

@@ -2,9 +2,10 @@
 one node, with every member's cards and CPU/memory taken before the next is placed.
 
 Pure: plain data in, a plan out. Members that held a place in the previous plan are placed first and
-keep that place while it still fits (so a plan two extender replicas see stays the plan); the others
-go largest first, each to the node where the policy's cost of its cards is lowest (equal costs: the
-node's name). It is greedy: a gang is judged by the first plan found, not by every combination.
+keep that place while it still fits and is among the member's nodes (so a plan two extender replicas see
+stays the plan); the others go largest first, each to the node where the policy's cost of its cards is
+lowest (equal costs: the node's name). It is greedy: a gang is judged by the first plan found, not by
+every combination.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class Member:
     def size(self) -> int:
         return sum(d.cards * (_WHOLE_CARD if d.exclusive else d.units) for d in self.demands)
 
+    @property
+    def shape(self) -> tuple[tuple[Demand, ...], tuple[int, int], CardRule]:
+        """What a node's answer for the member depends on: members of one shape get the same answer."""
+        return self.demands, self.host, self.rule
+
 
 @dataclass(frozen=True, slots=True)
 class Room:
@@ -46,6 +52,8 @@ class Room:
     cards: tuple[CardCapacity, ...]
     host: tuple[int, int]
     unit: str = "GiB"
+    #: how many more pods the node takes (its allocatable pods less its pods and other gangs' holds)
+    pods: int = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,19 +88,36 @@ def held_of(assignments: Iterable[Assignment]) -> dict[str, int]:
 
 
 class _Node:
-    """A room as the plan fills it."""
+    """A room as the plan fills it, with the policy's cost (or why not) per member shape while the node
+    is unchanged: a gang's members are mostly alike, so each node is costed once per shape and again
+    only after it takes a member."""
 
     def __init__(self, room: Room) -> None:
         self.name, self.unit = room.name, room.unit
         self.cards = list(room.cards)
         self.cpu, self.memory = room.host
+        self.pods = room.pods
+        self.costs: dict[tuple[tuple[Demand, ...], tuple[int, int], CardRule], float | str] = {}
+
+    def cost(self, member: Member, policy: Policy) -> float | str:
+        """The policy's cost of the member's cards here, or why they don't fit."""
+        known = self.costs.get(member.shape)
+        if known is None:
+            try:
+                known = node_cost(self.cards, member.demands, policy, unit=self.unit, rule=member.rule)
+            except NoFit as nofit:
+                known = nofit.reason
+            self.costs[member.shape] = known
+        return known
 
     def host_fits(self, member: Member) -> bool:
-        return member.host[0] <= self.cpu and member.host[1] <= self.memory
+        return self.pods > 0 and member.host[0] <= self.cpu and member.host[1] <= self.memory
 
     def take(self, member: Member, held: Mapping[str, int]) -> None:
         self.cards = [replace(c, used=c.used + held.get(c.uuid, 0)) for c in self.cards]
         self.cpu, self.memory = self.cpu - member.host[0], self.memory - member.host[1]
+        self.pods -= 1
+        self.costs.clear()
 
 
 def plan_gang(
@@ -105,8 +130,9 @@ def plan_gang(
     spots: dict[str, Spot] = {}
     unplaced: list[str] = []
     reason = ""
+    by_name = [nodes[name] for name in sorted(nodes)]
     for member in order:
-        allowed = [n for name, n in sorted(nodes.items()) if member.nodes is None or name in member.nodes]
+        allowed = [n for n in by_name if member.nodes is None or n.name in member.nodes]
         spot = _keep(member, previous.get(member.uid), nodes, policy)
         if spot is None:
             spot, why = _best(member, allowed, policy)
@@ -139,12 +165,12 @@ def _best(member: Member, allowed: Sequence[_Node], policy: Policy) -> tuple[Spo
     why = f"{member.key}: no node to try" if not allowed else ""
     for node in allowed:
         if not node.host_fits(member):
-            why = f"{member.key}: node {node.name} has not enough CPU or memory left"
+            left = "room for no more pods" if node.pods <= 0 else "not enough CPU or memory left"
+            why = f"{member.key}: node {node.name} has {left}"
             continue
-        try:
-            cost = node_cost(node.cards, member.demands, policy, unit=node.unit, rule=member.rule)
-        except NoFit as nofit:
-            why = f"{member.key}: node {node.name}: {nofit.reason}"
+        cost = node.cost(member, policy)
+        if isinstance(cost, str):
+            why = f"{member.key}: node {node.name}: {cost}"
             continue
         if best is None or cost < best[0]:
             best = (cost, node)

@@ -9,6 +9,7 @@ import pytest
 from kubernetes import client
 
 from gpushare.cli import main
+from gpushare.contract import names
 from gpushare.contract.allocation import CardSlice, format_allocation
 from gpushare.contract.inventory import format_inventory
 from gpushare.contract.names import ANN_ALLOCATION, ANN_MEM_IDX, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
@@ -200,3 +201,18 @@ def test_inspect_through_the_api(
     assert "node nowhere: not found" in capsys.readouterr().err
     assert main(["inspect", "cpu-only", "--kubeconfig", str(kubeconfig)]) == 1
     assert "node cpu-only has no gpushare GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("ledger", "fault"),
+    [(None, "is missing, though gpushare.io/bind-sequence='3'"), ("{not json", "expected an object")],
+)
+def test_a_damaged_ledger_is_warned_about(ledger: str | None, fault: str) -> None:
+    damaged = node("b", "10.0.0.2", SMALL)
+    damaged["metadata"]["annotations"][names.NODE_ANN_BIND_SEQUENCE] = "3"
+    if ledger is not None:
+        damaged["metadata"]["annotations"][names.NODE_ANN_PENDING_BINDS] = ledger
+    pods = [pod("x", "b", {"main": mem(12)}, placed(main=[(SMALL[1], 12)]))]
+    text = render_summary(build_cluster([damaged], pods))
+    assert f"warning: node b: node b annotation {names.NODE_ANN_PENDING_BINDS}" in text and fault in text
+    assert "counted by their own annotations, which their owners can rewrite" in text

@@ -26,7 +26,7 @@ from support.original import original_inspect_usage, original_node
 
 from gpushare.cards import Card
 from gpushare.contract.aliyun import format_framework_allocation
-from gpushare.contract.allocation import CardSlice, parse_allocation, validate_allocation
+from gpushare.contract.allocation import CardSlice, format_allocation, parse_allocation, validate_allocation
 from gpushare.contract.errors import AnnotationError, ContractError
 from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import (
@@ -62,6 +62,14 @@ class Cluster:
         assert self.extender.cache.wait_synced(5)
         wait_until(lambda: all(self.extender.cache.view(n) for n in NODES), what="the inventories in the cache")
         self.url = f"http://127.0.0.1:{self.extender.server.port}"
+
+    @classmethod
+    def beside(cls, cluster: Cluster, extender: RunningExtender) -> Cluster:
+        """The same cluster through another extender replica."""
+        other = cls.__new__(cls)
+        other.api, other.core, other.backends, other.extender = cluster.api, cluster.core, cluster.backends, extender
+        other.url = f"http://127.0.0.1:{extender.server.port}"
+        return other
 
     def post(self, verb: str, body: Any, raw: bytes | None = None) -> Any:
         data = raw if raw is not None else json.dumps(body).encode()
@@ -787,3 +795,58 @@ def test_an_init_container_runs_inside_the_app_containers_share(ext: Extender) -
     allocation = pod_allocation(bound, ext.backends["small"].cards())
     assert sum(held_units(allocation, parse_pod_request(bound)).values()) == 6
     assert parse_pod_request(bound).effective_mem == 6
+
+
+def _forge_and_damage(cluster: Cluster, damage: str | None) -> tuple[dict, str, str]:
+    """l1 takes all 80 GiB of an A100 of n1, then claims the other in its annotation; n1's ledger is then damaged
+    (``damage`` written over it, or removed when None). Returns l1, its card and the one it claims."""
+    l1 = cluster.pod(gpu_pod("l1", [container("main", 80)], node=None))
+    cards = [c for c in cluster.backends["n1"].cards() if c.model.startswith("A100")]
+    assert cluster.bind(l1, "n1")["Error"] == ""
+    (mine,) = cluster.allocation("l1")["main"]
+    other = next(c for c in cards if c.uuid != mine.uuid)
+    forged = format_allocation({"main": (CardSlice(other.index, other.uuid, 80),)})
+    cluster.core.patch_namespaced_pod("l1", "default", {"metadata": {"annotations": {ANN_ALLOCATION: forged}}})
+    wait_until(lambda: cluster.extender.cache.ledger("n1"), what="the ledger in the cache")
+    cluster.core.patch_node("n1", {"metadata": {"annotations": {NODE_ANN_PENDING_BINDS: damage}}})
+    return l1, mine.uuid, other.uuid
+
+
+@pytest.mark.parametrize("damage", ["{not json", None])
+def test_a_damaged_ledger_is_rebuilt_from_the_last_one_read_and_a_forgery_gains_nothing(
+    cluster: Cluster, damage: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    l1, held, claimed = _forge_and_damage(cluster, damage)
+    wait_until(
+        lambda: any(
+            r.levelname == "ERROR" and f"node n1 annotation {NODE_ANN_PENDING_BINDS}" in r.getMessage()
+            for r in caplog.records
+        ),
+        what="the damage logged",
+    )
+    l2 = cluster.pod(gpu_pod("l2", [container("main", 80)], node=None))
+    assert cluster.bind(l2, "n1")["Error"] == ""
+    (card,) = cluster.allocation("l2")["main"]
+    assert card.uuid == claimed != held, "l2 must not share the card l1 really holds"
+    ledger = parse_pending_binds(cluster.core.read_node("n1").metadata.annotations[NODE_ANN_PENDING_BINDS])
+    assert dict(ledger[l1["metadata"]["uid"]].held) == {held: 80}, "the ledger is repaired with l1's true card"
+
+
+@pytest.mark.parametrize("damage", ["{not json", None])
+def test_without_a_ledger_read_before_the_damage_binds_onto_the_node_are_refused(
+    cluster: Cluster, damage: str | None
+) -> None:
+    _forge_and_damage(cluster, damage)
+    fresh = start_extender(cluster.api, 0, "binpack", host="127.0.0.1")  # started after the damage
+    try:
+        assert fresh.cache.wait_synced(5)
+        other = Cluster.beside(cluster, fresh)
+        wait_until(lambda: fresh.cache.problem("n1"), what="the damage in the new replica's cache")
+        l2 = cluster.pod(gpu_pod("l2", [container("main", 80)], node=None))
+        error = other.bind(l2, "n1")["Error"]
+        assert f"node n1 annotation {NODE_ANN_PENDING_BINDS}" in error and "refused until it is repaired" in error
+        assert cluster.core.read_namespaced_pod("l2", "default").spec.node_name is None
+        reasons = other.filter(l2)["FailedAndUnresolvableNodes"]
+        assert "takes no GPU pods until its ledger is repaired" in reasons["n1"]
+    finally:
+        fresh.stop()

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import wait_until
+from gpushare.extender import gang as gang_module
 from gpushare.extender.wiring import start_extender
 from kubernetes import client
 from podfactory import container, gpu_pod
@@ -26,8 +27,17 @@ def cluster(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> Iterator[C
     cl.extender.stop()
 
 
-def member(cluster: Cluster, name: str, gang: str, minimum: int, gib: int = 40, rule: CardRule = ANY_CARD) -> dict:
+def member(
+    cluster: Cluster,
+    name: str,
+    gang: str,
+    minimum: int,
+    gib: int = 40,
+    rule: CardRule = ANY_CARD,
+    spec: dict | None = None,
+) -> dict:
     pod = gpu_pod(name, [container("main", gib)], node=None)
+    pod["spec"].update(spec or {})
     pod["metadata"]["labels"] = format_gang(gang, minimum)
     pod["metadata"].setdefault("annotations", {}).update(card_rule_annotations(rule))
     return cluster.pod(pod)
@@ -70,6 +80,64 @@ def test_a_gang_that_cannot_all_fit_holds_nothing_and_small_pods_still_run(clust
     assert holds(cluster) == {}
     small = cluster.pod(gpu_pod("small", [container("main", 70)], node=None))
     assert cluster.filter(small)["NodeNames"] == ["n1"]
+
+
+#: a required node affinity no node of the cluster satisfies
+NOWHERE = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["nowhere"]}]}]
+        }
+    }
+}
+
+
+def test_a_member_no_node_admits_keeps_the_rest_of_its_gang_from_being_bound(cluster: Cluster) -> None:
+    a = member(cluster, "a", "pair", 2, gib=10)
+    b = member(cluster, "b", "pair", 2, gib=10, spec={"affinity": NOWHERE})
+    seen(cluster, [a, b])
+    for pod in (a, b):
+        assert reason(cluster.filter(pod)) == (
+            "gang pair: 2 members present, 1 can be placed, 2 needed "
+            "(pod default/b may go to none of 2 node(s): node n1 doesn't satisfy the pod's required node affinity)"
+        )
+    assert holds(cluster) == {}
+    assert "no cards are held" in cluster.bind(a, "n1")["Error"]
+
+
+def test_members_go_only_to_nodes_whose_taints_they_tolerate(cluster: Cluster) -> None:
+    cluster.core.patch_node("n1", {"spec": {"taints": [{"key": "team", "value": "vision", "effect": "NoSchedule"}]}})
+    tolerates = {"tolerations": [{"key": "team", "value": "vision", "effect": "NoSchedule"}]}
+    pods = seen(cluster, [member(cluster, f"w{i}", "duo", 2, gib=10) for i in range(2)])
+    wait_until(lambda: cluster.extender.cache.nodes.get("n1")["spec"].get("taints"), what="the taint in the cache")
+    # 10 GiB each: the A10 on n2 takes two, and the tainted n1 is left alone
+    assert cluster.filter(pods[0])["NodeNames"] == ["n2"]
+    assert holds(cluster, "n1") == {} and len(holds(cluster, "n2")) == 2
+    big = seen(cluster, [member(cluster, f"b{i}", "big", 2, gib=20, spec=tolerates) for i in range(2)])
+    assert cluster.filter(big[0])["NodeNames"] == ["n1"], "only the tolerating gang gets the tainted node"
+    assert cluster.bind(big[0], "n1")["Error"] == ""
+    assert "taint 'team'='vision':NoSchedule" in cluster.bind(pods[1], "n1")["Error"]
+
+
+def test_a_hold_on_a_node_kube_scheduler_does_not_offer_the_member_is_dropped_and_planned_again(
+    cluster: Cluster,
+) -> None:
+    blocker = cluster.pod(gpu_pod("blocker", [container("main", 10)], node=None))
+    assert cluster.bind(blocker, "n2")["Error"] == ""  # the A10 has 14 GiB left
+    x, y = seen(cluster, [member(cluster, "x", "xy", 2, gib=10), member(cluster, "y", "xy", 2, gib=20)])
+    assert cluster.filter(x)["NodeNames"]
+    assert {e.pod for e in holds(cluster, "n1").values()} >= {"default/y"}, "y fits only on n1's A100s"
+    # kube-scheduler offers y only n2 (its affinity, say, or n1's CPU): the hold on n1 is no use to it
+    refused = cluster.filter(y, ["n2"])
+    assert refused["NodeNames"] == [] and refused["FailedNodes"]["n2"].startswith(
+        "gang xy: 2 members present, 1 can be placed, 2 needed (default/y: node n2: no single card has 20 GiB free"
+    )
+    assert holds(cluster, "n1") == {} and holds(cluster, "n2") == {}
+    cluster.core.delete_namespaced_pod("blocker", "default", grace_period_seconds=0)
+    result = wait_until(lambda: (r := cluster.filter(y, ["n2"]))["NodeNames"] and r, what="room for y on n2")
+    assert result["NodeNames"] == ["n2"]
+    assert [e.pod for e in holds(cluster, "n2").values()] == ["default/y"]
+    assert cluster.bind(y, "n2")["Error"] == ""
 
 
 def marks(cluster: Cluster, *names: str, key: str = ANN_GANG_HOLD) -> dict[str, str | None]:
@@ -168,9 +236,7 @@ def test_two_replicas_agree_on_one_plan_and_never_overcommit(cluster: Cluster) -
     second = start_extender(cluster.api, 0, "binpack", host="127.0.0.1")
     try:
         assert second.cache.wait_synced(5)
-        other = Cluster.__new__(Cluster)
-        other.api, other.core, other.extender = cluster.api, cluster.core, second
-        other.url = f"http://127.0.0.1:{second.server.port}"
+        other = Cluster.beside(cluster, second)
         pods = [member(cluster, f"w{i}", "duo", 4, gib=40) for i in range(4)]
         replicas = [cluster, other]
         placed: dict[str, str] = {}
@@ -188,5 +254,95 @@ def test_two_replicas_agree_on_one_plan_and_never_overcommit(cluster: Cluster) -
             for s in cluster.allocation(name)["main"]:
                 used[s.uuid] = used.get(s.uuid, 0) + s.units
         assert sorted(used.values()) == [80, 80], used
+    finally:
+        second.stop()
+
+
+def test_member_filters_reuse_the_gangs_plan_until_something_changes(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plans = []
+    real = gang_module.plan_gang
+    monkeypatch.setattr(gang_module, "plan_gang", lambda *args: plans.append(args) or real(*args))
+    # 40 GiB members: 4 of 5 can be placed, so every filter refuses and nothing is written
+    pods = seen(cluster, [member(cluster, f"w{i}", "big", 5) for i in range(5)])
+    for pod in pods:
+        assert "4 can be placed" in reason(cluster.filter(pod))
+    first_round = len(plans)
+    assert first_round <= len(pods)
+    for _ in range(3):
+        for pod in pods:
+            assert "4 can be placed" in reason(cluster.filter(pod))
+    assert len(plans) == first_round, "nothing changed: the gang's plan is reused"
+    # a gang whose members all hold cards passes its members without planning again
+    trio = seen(cluster, [member(cluster, f"t{i}", "trio", 3, gib=10) for i in range(3)])
+    assert cluster.filter(trio[0])["NodeNames"]
+    wait_until(lambda: len(cluster.extender.cache.gang_holds("default/trio")) == 3, what="the holds in the cache")
+    planned = len(plans)
+    for pod in trio:
+        assert len(cluster.filter(pod)["NodeNames"]) == 1
+    assert len(plans) == planned
+
+
+def test_a_gang_larger_than_the_cap_is_refused_naming_the_gang_and_the_cap(cluster: Cluster) -> None:
+    capped = start_extender(cluster.api, 0, "binpack", host="127.0.0.1", max_gang_members=3)
+    try:
+        assert capped.cache.wait_synced(5)
+        other = Cluster.beside(cluster, capped)
+        pods = [member(cluster, f"w{i}", "wide", 2, gib=1) for i in range(4)]
+        wait_until(lambda: len(capped.gangs.index.members(parse_gang(pods[0]))) == 4, what="the members")
+        assert reason(other.filter(pods[0])) == (
+            "gang wide: 4 members present, more than the 3 the extender plans for one gang (its --max-gang-members)"
+        )
+        assert holds(cluster) == {}
+    finally:
+        capped.stop()
+
+
+def test_holds_on_a_node_stop_at_the_pods_it_takes(cluster: Cluster) -> None:
+    cluster.core.patch_node_status("n1", {"status": {"allocatable": {"pods": "2"}}})
+    wait_until(
+        lambda: (cluster.extender.cache.nodes.get("n1").get("status") or {}).get("allocatable"),
+        what="n1's pod count in the cache",
+    )
+    # 10 GiB members: n2's A10 takes two, n1 has cards for many more but room for two pods
+    pods = seen(cluster, [member(cluster, f"w{i}", "five", 5, gib=10) for i in range(5)])
+    assert reason(cluster.filter(pods[0])).startswith("gang five: 5 members present, 4 can be placed, 5 needed")
+    assert holds(cluster, "n1") == {}
+
+
+def test_gang_holds_never_fill_the_ledger_so_binds_keep_working(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gang_module, "HOLD_BYTES", 600, raising=False)  # one entry with these names, not two
+    pods = seen(cluster, [member(cluster, f"{'w' * 200}-{i}", "many", 4, gib=10) for i in range(4)])
+    result = cluster.filter(pods[0])
+    text = result["FailedNodes"]["n1"]
+    assert result["NodeNames"] == [] and result["FailedAndUnresolvableNodes"] == {}, result
+    assert text.startswith("gang many: holding the plan's cards failed, will try again (node n")
+    assert f"annotation {NODE_ANN_PENDING_BINDS} would take" in text and "more than the 600 gang holds may fill" in text
+    assert holds(cluster, "n1") == {} and holds(cluster, "n2") == {}
+    plain = cluster.pod(gpu_pod("plain", [container("main", 10)], node=None))
+    assert cluster.bind(plain, "n1")["Error"] == ""
+
+
+def test_a_replica_whose_pod_cache_lags_cannot_overwrite_a_bound_members_entry(cluster: Cluster) -> None:
+    second = start_extender(cluster.api, 0, "binpack", host="127.0.0.1")
+    try:
+        assert second.cache.wait_synced(5)
+        other = Cluster.beside(cluster, second)
+        w0, w1 = [member(cluster, f"w{i}", "pair", 2, gib=60) for i in range(2)]
+        wait_until(lambda: len(second.gangs.index.members(parse_gang(w0))) == 2, what="the members")
+        second.cache.pods.stop()  # from here on the second replica sees both members unbound
+        assert cluster.filter(w0)["NodeNames"] == ["n1"] and cluster.bind(w0, "n1")["Error"] == ""
+        uid = w0["metadata"]["uid"]
+        annotations = cluster.core.read_node("n1").metadata.annotations
+        recorded = parse_pending_binds(annotations[NODE_ANN_PENDING_BINDS])[uid]
+        assert recorded.gang == ""
+        wait_until(lambda: uid in second.cache.ledger("n1"), what="the bind in the second replica's node cache")
+        result = other.filter(w1)
+        assert result["NodeNames"] == [] and "member(s) default/w0 were bound meanwhile" in result["FailedNodes"]["n1"]
+        annotations = cluster.core.read_node("n1").metadata.annotations
+        assert parse_pending_binds(annotations[NODE_ANN_PENDING_BINDS])[uid] == recorded
     finally:
         second.stop()

@@ -12,6 +12,7 @@ from gpushare import placement
 from gpushare.contract.gang import Gang, GangError, format_gang, parse_gang
 from gpushare.contract.names import LABEL_GANG, LABEL_GANG_MIN
 from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
+from gpushare.placement import gang as gang_module
 from gpushare.placement.gang import Member, Room, Spot, plan_gang, within
 from gpushare.sandbox.examples import with_string_quantities
 
@@ -133,3 +134,29 @@ def test_the_gang_example_is_one_gang_of_gpu_pods() -> None:
     assert gangs == {Gang("default", "train-4", len(pods))}
     assert all(demands_of(with_string_quantities(pod)) for pod in pods)
     assert len({pod["metadata"]["name"] for pod in pods}) == len(pods)
+
+
+def test_a_thousand_alike_members_over_a_hundred_nodes_cost_each_node_once_per_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = 0
+    real = gang_module.node_cost
+
+    def counted(*args: object, **kwargs: object) -> float:
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gang_module, "node_cost", counted)
+    rooms = [Room(f"node-{i:03d}", cards(80, 80, 80, 80, 80, 80, 80, 80), FREE) for i in range(100)]
+    plan = plan_gang(members(1000, 4), rooms, BINPACK)
+    assert len(plan.spots) == 1000
+    # each node once for the first member, then only the node the last member went to: not 1000 x 100
+    assert calls <= 1000 + 100, calls
+
+
+def test_a_node_takes_no_more_members_than_it_has_room_for_pods() -> None:
+    rooms = [Room("a", cards(80), FREE, pods=2), Room("b", cards(80), FREE, pods=1)]
+    plan = plan_gang(members(4, 10), rooms, BINPACK)
+    assert sorted(spot.node for spot in plan.spots.values()) == ["a", "a", "b"]
+    assert len(plan.unplaced) == 1 and "room for no more pods" in plan.reason
