@@ -336,11 +336,11 @@ class ClusterCache:
             return sorted(self._inventory)
 
     def problem(self, node: str) -> str | None:
-        """Why ``node`` can't take GPU pods at all, or None."""
+        """Why ``node`` can't take GPU pods at all (a sentence naming it), or None."""
         with self._lock:
             inventory = self._inventory.get(node)
         if inventory is None:
-            return "is not known to the gpushare extender"
+            return f"node {node} is not known to the gpushare extender"
         return inventory if isinstance(inventory, str) else None
 
     def view(self, node: str) -> CachedNode | None:

@@ -63,7 +63,7 @@ def original_inspect(cache: ClusterCache, only: str | None = None) -> dict[str, 
     for name in [only] if only else cache.node_names():
         view = cache.view(name)
         if view is None:
-            errors.append(f"node {name} {cache.problem(name)}")
+            errors.append(cache.problem(name) or f"node {name} can't be read")
             continue
         _, counted, _ = node_usage(cache.pods_on(name), view.inventory, ledger=cache.ledger(name))
         minors = {c.uuid: c.minor for c in view.inventory.cards}
@@ -120,7 +120,7 @@ class ExtenderServer:
         self.cache = cache
         self._ready = ready
         self._routes: dict[str, Callable[[Any], Any]] = {
-            "/filter": lambda body: filter_result(engine, body, gangs),
+            "/filter": lambda body: filter_result(engine, body, gangs, binder.events),
             "/prioritize": lambda body: prioritize_result(engine, body),
             "/prioritize-host": lambda body: host_prioritize_result(engine, body),
             "/preempt": lambda body: preempt_result(engine, body),
