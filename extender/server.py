@@ -95,8 +95,9 @@ def refresh_card_gauges(cache: ClusterCache) -> None:
     for name in cache.node_names():
         view = cache.view(name)
         for card in view.cards if view else ():
-            CARD_ALLOCATED.labels(node=name, card=str(card.index)).set(card.used)
-            CARD_TOTAL.labels(node=name, card=str(card.index)).set(card.capacity)
+            labels = {"node": name, "card": str(card.index), "model": card.model}
+            CARD_ALLOCATED.labels(**labels).set(card.used)
+            CARD_TOTAL.labels(**labels).set(card.capacity)
 
 
 class ExtenderServer:

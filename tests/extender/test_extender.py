@@ -342,7 +342,9 @@ def test_bad_input_gives_400_or_error_and_never_kills_the_server(cluster: Cluste
         cards = json.loads(reply.read())["nodes"]["n1"]["cards"]
     assert [card["capacity"] for card in cards] == [80, 80, 15]
     with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=5) as reply:
-        assert b"gpushare_extender_verb_seconds" in reply.read()
+        body = reply.read().decode()
+    assert "gpushare_extender_verb_seconds" in body
+    assert 'gpushare_extender_card_total_units{card="2",model="T4",node="n1"} 15.0' in body
 
 
 def test_ready_only_once_the_rows_and_costs_are_built(
