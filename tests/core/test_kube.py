@@ -391,22 +391,13 @@ class Slammer:
 
 
 def test_an_unreachable_api_server_is_one_line_of_ours_and_no_urllib3_retry_warnings(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    apiserver: ApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     down = Slammer()
+    config = apiserver.kubeconfig()
+    config["clusters"][0]["cluster"]["server"] = down.url
     path = tmp_path / "kubeconfig"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": down.url}}],
-                "users": [{"name": "u", "user": {}}],
-                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "x",
-            }
-        )
-    )
+    path.write_text(yaml.safe_dump(config))
     api = transport.load_api(str(path))
     fast = retry.Backoff(initial=0.01, maximum=0.05)
     caches = [watch.WatchCache(api, "pods", backoff=fast), watch.WatchCache(api, "nodes", backoff=fast)]
