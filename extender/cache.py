@@ -379,15 +379,15 @@ class ClusterCache:
             return sorted(self._inventory)
 
     def problem(self, node: str) -> str | None:
-        """Why ``node`` can't take GPU pods at all, or None."""
+        """Why ``node`` can't take GPU pods at all (a sentence naming it), or None."""
         with self._lock:
             inventory = self._inventory.get(node)
             untrusted = self._damaged.get(node) if node not in self._ledgers else None
         if inventory is None:
-            return "is not known to the gpushare extender"
+            return f"node {node} is not known to the gpushare extender"
         if isinstance(inventory, str):
             return inventory
-        return f"takes no GPU pods until its ledger is repaired: {untrusted}" if untrusted else None
+        return f"node {node} takes no GPU pods until its ledger is repaired: {untrusted}" if untrusted else None
 
     def view(self, node: str) -> CachedNode | None:
         with self._lock:

@@ -12,6 +12,8 @@ VERB_LATENCY = Histogram(
 )
 BIND_FAILURES = Counter("gpushare_extender_bind_failures_total", "Binds that failed", ["reason"])
 CARD_ALLOCATED = Gauge(
-    "gpushare_extender_card_allocated_units", "Units of the card held, as the extender sees it", ["node", "card"]
+    "gpushare_extender_card_allocated_units",
+    "Units of the card held, as the extender sees it",
+    ["node", "card", "model"],
 )
-CARD_TOTAL = Gauge("gpushare_extender_card_total_units", "Units of the card", ["node", "card"])
+CARD_TOTAL = Gauge("gpushare_extender_card_total_units", "Units of the card", ["node", "card", "model"])

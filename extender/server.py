@@ -63,7 +63,7 @@ def original_inspect(cache: ClusterCache, only: str | None = None) -> dict[str, 
     for name in [only] if only else cache.node_names():
         view = cache.view(name)
         if view is None:
-            errors.append(f"node {name} {cache.problem(name)}")
+            errors.append(cache.problem(name) or f"node {name} can't be read")
             continue
         _, counted, _ = node_usage(cache.pods_on(name), view.inventory, ledger=cache.ledger(name))
         minors = {c.uuid: c.minor for c in view.inventory.cards}
@@ -95,8 +95,9 @@ def refresh_card_gauges(cache: ClusterCache) -> None:
     for name in cache.node_names():
         view = cache.view(name)
         for card in view.cards if view else ():
-            CARD_ALLOCATED.labels(node=name, card=str(card.index)).set(card.used)
-            CARD_TOTAL.labels(node=name, card=str(card.index)).set(card.capacity)
+            labels = {"node": name, "card": str(card.index), "model": card.model}
+            CARD_ALLOCATED.labels(**labels).set(card.used)
+            CARD_TOTAL.labels(**labels).set(card.capacity)
 
 
 class ExtenderServer:
@@ -120,7 +121,7 @@ class ExtenderServer:
         self.cache = cache
         self._ready = ready
         self._routes: dict[str, Callable[[Any], Any]] = {
-            "/filter": lambda body: filter_result(engine, body, gangs),
+            "/filter": lambda body: filter_result(engine, body, gangs, binder.events),
             "/prioritize": lambda body: prioritize_result(engine, body),
             "/prioritize-host": lambda body: host_prioritize_result(engine, body),
             "/preempt": lambda body: preempt_result(engine, body),

@@ -13,22 +13,70 @@ from gpushare.extender import podfit
 from gpushare.extender.cache import CachedNode, ClusterCache, demands_of, host_request, placement_cards
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.gang import Gangs
-from gpushare.extender.wire import NodeNames, Raw, candidate_names, check_victims, request_pod
+from gpushare.extender.wire import NodeNames, Raw, candidate_names, check_victims, refused_nodes, request_pod
 
 from gpushare import placement
 from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
 from gpushare.contract.gang import parse_gang
 from gpushare.contract.request import pod_key
+from gpushare.kube.events import EventRecorder
 
 log = logging.getLogger(__name__)
 
 NO_GPU = placement.Shape(0, 0)
 
 
-def filter_result(engine: PlacementEngine, body: Any, gangs: Gangs | None = None) -> dict[str, Any]:
+#: the Event reason on a pod for which the extender refused every node it was offered
+REFUSAL_EVENT = "GPUUnschedulable"
+#: kube-scheduler truncates its FailedScheduling messages to this many characters
+EVENT_MESSAGE_LIMIT = 1024
+
+
+def filter_result(
+    engine: PlacementEngine, body: Any, gangs: Gangs | None = None, events: EventRecorder | None = None
+) -> dict[str, Any]:
+    """The filter reply. When no node passes, the reason is logged (gangs log their own) and recorded as
+    an Event on the pod: kube-scheduler's own FailedScheduling Event folds later messages into the
+    first one it wrote for the pod (its events are keyed without the message), so it can go on
+    showing a reason that no longer holds."""
     pod = request_pod(body)
     names, nodes_mode = candidate_names(body)
+    passing, failed, unresolvable, logged = _verdict(engine, pod, names, gangs)
+    refused = refused_nodes(failed, unresolvable)
+    if not passing.names and refused:
+        message = refusal_message(refused, len(names))
+        if not logged:
+            log.info("filter pod %s: no node fits: %s", pod_key(pod), message)
+        if events is not None:
+            events.record(pod, reason=REFUSAL_EVENT, message=message, type_="Warning")
+    elif not logged:
+        log.info("filter pod %s: %d of %d node(s) fit", pod_key(pod), len(passing), len(names))
+    return _filter_reply(passing, nodes_mode, body, failed, unresolvable)
+
+
+def refusal_message(refused: Mapping[str, str], offered: int) -> str:
+    """Each distinct reason once, after the nodes it was given for unless it was given for every node
+    offered; at most kube-scheduler's length for an Event message."""
+    nodes: dict[str, list[str]] = {}
+    for name, reason in sorted(refused.items()):
+        nodes.setdefault(reason, []).append(name)
+    parts = []
+    for reason, names in sorted(nodes.items(), key=lambda item: (-len(item[1]), item[0])):
+        if len(names) == offered:
+            parts.append(reason)
+            continue
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        parts.append(f"node{'s' if len(names) > 1 else ''} {shown}: {reason}")
+    message = "; ".join(parts)
+    return message if len(message) <= EVENT_MESSAGE_LIMIT else message[: EVENT_MESSAGE_LIMIT - 3] + "..."
+
+
+def _verdict(
+    engine: PlacementEngine, pod: Mapping[str, Any], names: NodeNames, gangs: Gangs | None
+) -> tuple[NodeNames, dict[str, str], dict[str, str], bool]:
+    """The passing nodes, the failed and the unresolvable ones with their reasons, and whether the
+    decision was logged already."""
     engine.cache.expire_holds()
     try:
         demands = demands_of(pod)
@@ -39,12 +87,12 @@ def filter_result(engine: PlacementEngine, body: Any, gangs: Gangs | None = None
             raise ContractError(f"pod {pod_key(pod)} is in gang {gang.name}, and this extender places no gangs")
     except (ContractError, ValueError) as exc:
         reason = str(exc)  # names the pod already
-        return _filter_reply(NodeNames.of([]), nodes_mode, body, {}, dict.fromkeys(names.names, reason))
+        return NodeNames.of([]), {}, dict.fromkeys(names.names, reason), False
     if not demands:
-        return _filter_reply(names, nodes_mode, body, {}, {})
+        return names, {}, {}, True
     if gang is not None and gangs is not None:
         passing, failed, unresolvable = gangs.filter(pod, gang, names.names)
-        return _filter_reply(NodeNames.of(passing), nodes_mode, body, failed, unresolvable)
+        return NodeNames.of(passing), failed, unresolvable, True
     if rule.topology and (len(demands) > 1 or demands[0].cards > 1):
         passing, others = [], names.names  # the node matrix knows no topology: each node is asked
     elif len(demands) == 1 and podfit.original_plugin_refusal(demands) is None:
@@ -64,16 +112,14 @@ def filter_result(engine: PlacementEngine, body: Any, gangs: Gangs | None = None
     for name in others:
         view = engine.cache.view(name)
         if view is None:
-            unresolvable[name] = f"node {name} {engine.cache.problem(name)}"
+            unresolvable[name] = engine.cache.problem(name) or f"node {name} can't be read"
             continue
         nofit = engine.fit(view, demands, init, rule)
         if nofit is None:
             passing.append(name)
         else:
             failed[name] = nofit.reason
-    log.info("filter pod %s: %d of %d node(s) fit", pod_key(pod), len(passing), len(names))
-    kept = names if passing == names.names else NodeNames.of(passing)
-    return _filter_reply(kept, nodes_mode, body, failed, unresolvable)
+    return (names if passing == names.names else NodeNames.of(passing)), failed, unresolvable, False
 
 
 def _inferred(cache: ClusterCache, name: str) -> bool:
@@ -84,7 +130,17 @@ def _inferred(cache: ClusterCache, name: str) -> bool:
 def _filter_reply(
     passing: NodeNames, nodes_mode: bool, body: Mapping[str, Any], failed: dict[str, str], unresolvable: dict[str, str]
 ) -> dict[str, Any]:
-    reply: dict[str, Any] = {"FailedNodes": failed, "FailedAndUnresolvableNodes": unresolvable, "Error": ""}
+    """An unresolvable node is in both maps: kube-scheduler reads ``FailedAndUnresolvableNodes`` first
+    (and then preempts nothing for the pod there), while schedulers before it, and any that read only
+    ``FailedNodes``, would otherwise show no reason at all (``0/2 nodes are available: .``). ``Error``
+    stays empty: kube-scheduler takes an extender's Error for a failed call, shows it instead of any
+    node's reason, retries the pod as a scheduler fault and, for an ignorable extender, places the pod
+    without it."""
+    reply: dict[str, Any] = {
+        "FailedNodes": refused_nodes(failed, unresolvable),
+        "FailedAndUnresolvableNodes": unresolvable,
+        "Error": "",
+    }
     if nodes_mode:
         keep = set(passing.names)
         items = [n for n in body["Nodes"].get("items") or [] if (n.get("metadata") or {}).get("name") in keep]

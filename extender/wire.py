@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,3 +157,15 @@ def candidate_names(body: Mapping[str, Any]) -> tuple[NodeNames, bool]:
         names = [_expect((m or {}).get("name", ""), str, "Nodes.items[].metadata.name") for m in metas]
         return NodeNames.of(names), True
     raise BadRequest("the body must carry NodeNames or Nodes")
+
+
+def refused_nodes(failed: Mapping[str, str], unresolvable: Mapping[str, str]) -> dict[str, str]:
+    """Each node a filter reply refuses, with the reason kube-scheduler shows for it: a node in both maps
+    counts as unresolvable (``findNodesThatPassExtenders``)."""
+    return {**failed, **unresolvable}
+
+
+def reason_histogram(reasons: Iterable[str]) -> list[str]:
+    """kube-scheduler's summary of refusals (``FitError.Error``): ``"<count> <reason>"`` for each
+    distinct reason, sorted as text."""
+    return sorted(f"{count} {reason}" for reason, count in Counter(reasons).items())

@@ -35,7 +35,11 @@ def touched(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
 
 
 def review(body: Any, trusted: Iterable[str] = DEFAULT_TRUSTED) -> Verdict:
-    """The verdict on an ``admission.k8s.io/v1`` AdmissionReview of a pod CREATE or UPDATE."""
+    """The verdict on an ``admission.k8s.io/v1`` AdmissionReview of a pod CREATE or UPDATE, or of a
+    write to one of the pod's subresources that can change its annotations: an UPDATE of
+    ``pods/status`` (the API server keeps the pod's spec but takes its metadata from the request), and
+    a CREATE of ``pods/binding``, whose object is a Binding whose annotations the API server copies
+    onto the pod. (``pods/ephemeralcontainers`` and ``pods/resize`` keep the pod's metadata as it was.)"""
     request = body.get("request") if isinstance(body, dict) else None
     if not isinstance(request, dict) or not isinstance(request.get("uid"), str):
         raise BadReview("expected an AdmissionReview with a request and its uid")
@@ -52,12 +56,20 @@ def review(body: Any, trusted: Iterable[str] = DEFAULT_TRUSTED) -> Verdict:
         raise BadReview("metadata.annotations must be an object") from None
     if not changed:
         return Verdict(uid, True)
-    verb = "create pod" if request["operation"] == "CREATE" else "change annotations on pod"
+    subresource = request.get("subResource") or ""
+    creating = request["operation"] == "CREATE"
+    key = pod_key(new if creating else old or new)
+    if subresource == "binding":
+        what = f"bind pod {key}"
+    elif creating:
+        what = f"create pod {key}"
+    else:
+        what = f"change annotations on pod {key}" + (f" through pods/{subresource}" if subresource else "")
     return Verdict(
         uid,
         False,
-        f"{quoted(user)} may not {verb} {pod_key(new if request['operation'] == 'CREATE' else old or new)} "
-        f"with {quoted(', '.join(changed), limit=400)}: only the gpushare scheduler extender and node agent write them",
+        f"{quoted(user)} may not {what} with {quoted(', '.join(changed), limit=400)}: "
+        "only the gpushare scheduler extender and node agent write them",
     )
 
 

@@ -27,6 +27,8 @@ class CardView:
     total: int
     allocated: int
     healthy: bool = True
+    #: as the node's inventory names it ("" when the cards were inferred from its capacity)
+    model: str = ""
 
     @property
     def overcommitted(self) -> bool:
@@ -134,7 +136,9 @@ def build_node(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> No
         for p in gpu_pods
         if holds_resources(p) and pod_key(p) not in seen
     ]
-    card_views = tuple(CardView(c.index, inventory.units_of(c), used[c.uuid], c.healthy) for c in inventory.cards)
+    card_views = tuple(
+        CardView(c.index, inventory.units_of(c), used[c.uuid], c.healthy, c.model) for c in inventory.cards
+    )
     return NodeView(
         name=name,
         address=node_address(node),

@@ -1,7 +1,10 @@
-"""The ``inspect`` tables: ours (each node in its own unit, with health, over-commitment and notes)
-and the original ``kubectl-inspect-gpushare``'s columns and totals lines, for scripts that parse them."""
+"""The ``inspect`` tables: ours (each node in its own unit, with its cards' models, health,
+over-commitment and notes) and the original ``kubectl-inspect-gpushare``'s columns and totals lines,
+for scripts that parse them."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from gpushare.contract.units import MemoryUnit
 from gpushare.inspection.model import CardView, ClusterView, NodeView
@@ -26,6 +29,19 @@ def _card_cell(card: CardView) -> str:
     flags = [f for f, on in (("unhealthy", not card.healthy), ("over-committed", card.overcommitted)) if on]
     cell = f"{card.allocated}/{card.total}"
     return f"{cell} ({', '.join(flags)})" if flags else cell
+
+
+def models(cards: Iterable[CardView]) -> str:
+    """The cards' models: the one model when all share it, else each model with its cards in index
+    order (``A100-80GB (GPU0, GPU1), T4 (GPU2)``); ``-`` when none is known."""
+    by_model: dict[str, list[int]] = {}
+    for card in sorted(cards, key=lambda c: c.index):
+        by_model.setdefault(card.model or "unknown", []).append(card.index)
+    if not by_model or set(by_model) == {"unknown"}:
+        return "-"
+    if len(by_model) == 1:
+        return next(iter(by_model))
+    return ", ".join(f"{model} ({', '.join(f'GPU{i}' for i in indexes)})" for model, indexes in by_model.items())
 
 
 def _pending_cell(node: NodeView) -> str:
@@ -60,13 +76,14 @@ def render_summary(cluster: ClusterView) -> str:
     with_pending = any(n.pending_pods for n in cluster.nodes)
     header = ["NAME", "IPADDRESS", "UNIT", *(f"GPU{i}(Allocated/Total)" for i in range(width))]
     header += ["PENDING(Allocated)"] if with_pending else []
-    rows = [[*header, "GPU Memory(Allocated/Total)"]]
+    rows = [[*header, "GPU Memory(Allocated/Total)", "MODEL"]]
     for node in cluster.nodes:
         by_index = sorted(node.cards, key=lambda c: c.index)
         cells = [_card_cell(c) for c in by_index] + ["-"] * (width - len(by_index))
         row = [node.name, node.address, node.unit.name, *cells]
         row += [_pending_cell(node)] if with_pending else []
-        rows.append([*row, f"{node.allocated}/{node.total} ({percent(node.allocated, node.total)})"])
+        total = f"{node.allocated}/{node.total} ({percent(node.allocated, node.total)})"
+        rows.append([*row, total, models(node.cards)])
     table = render_table(rows)
     rule = "-" * max(len(line) for line in table.splitlines())
     return "\n".join([table, rule, _cluster_total(cluster), *_footer(cluster)])
@@ -86,6 +103,7 @@ def _node_details(node: NodeView) -> str:
         f"NAME:       {node.name}",
         f"IPADDRESS:  {node.address}",
         f"UNIT:       {node.unit.name}",
+        f"MODEL:      {models(node.cards)}",
         "",
         render_table(rows),
         "",

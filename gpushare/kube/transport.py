@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,9 +29,53 @@ REQUEST_TIMEOUT = (2.0, 10.0)
 
 _TRANSPORT_ERRORS = (ApiException, urllib3.exceptions.HTTPError, OSError)
 
+#: while the API server stays unreachable, one line about it at most this often
+OUTAGE_LOG_SECONDS = 30.0
+
+log = logging.getLogger(__name__)
+
+
+class RateLimit:
+    """Per key, yes at most once every ``period`` seconds (the first time at once)."""
+
+    def __init__(self, period: float) -> None:
+        self._period = period
+        self._next: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def allow(self, key: str, now: float) -> bool:
+        with self._lock:
+            if now < self._next.get(key, now):
+                return False
+            self._next[key] = now + self._period
+            return True
+
+
+_OUTAGES = RateLimit(OUTAGE_LOG_SECONDS)
+
+
+def report_unreachable(api: client.ApiClient, exc: BaseException) -> None:
+    """One warning naming the API server and the error, at most every ``OUTAGE_LOG_SECONDS`` per server."""
+    server = api.configuration.host
+    if _OUTAGES.allow(server, time.monotonic()):
+        log.warning("API server %s unreachable (%s: %s); retrying with back-off", server, type(exc).__name__, exc)
+
+
+class _NoRetryWarnings(logging.Filter):
+    """Drops urllib3's "Retrying (Retry(total=2, ...)) after connection broken by ..." warnings: an
+    outage would write several per call, while :func:`report_unreachable` says it once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Retrying (")
+
+
+_URLLIB3_POOL_LOG = logging.getLogger("urllib3.connectionpool")
+_NO_RETRY_WARNINGS = _NoRetryWarnings()
+
 
 def load_api(kubeconfig: str | None) -> client.ApiClient:
     """``kubeconfig`` when given; otherwise in-cluster configuration, then ``~/.kube/config``."""
+    _URLLIB3_POOL_LOG.addFilter(_NO_RETRY_WARNINGS)  # once: a logger holds a filter at most once
     if kubeconfig:
         try:
             return config.new_client_from_config(config_file=kubeconfig)

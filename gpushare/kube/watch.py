@@ -16,7 +16,7 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from gpushare.kube.errors import KubeUnavailable
 from gpushare.kube.retry import Backoff
-from gpushare.kube.transport import REQUEST_TIMEOUT, call
+from gpushare.kube.transport import REQUEST_TIMEOUT, call, report_unreachable
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,8 @@ class WatchCache:
                     break
                 if self._connected:
                     log.warning("watch cache of %s lost the API server: %s", self.description, exc)
+                else:
+                    report_unreachable(self._api, exc)
                 self._connected = False
                 rv = None  # a fresh LIST after an outage catches every change we missed
                 self._stop.wait(next(delays))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare.contract.request import pod_key
+from gpushare.extender.wire import reason_histogram, refused_nodes
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,12 @@ class ExtenderClient:
             raise ExtenderCallError(f"extender {verb}: {exc}") from None
 
 
-def unschedulable_reason(node_count: int, failed: Mapping[str, str]) -> str:
-    """kube-scheduler's wording: ``0/2 nodes are available: <node>: <why>; ...``."""
-    details = "; ".join(f"{name}: {why}" for name, why in sorted(failed.items()))
-    return f"0/{node_count} nodes are available: {details}" if details else f"0/{node_count} nodes are available"
+def unschedulable_reason(node_count: int, refused: Mapping[str, str]) -> str:
+    """kube-scheduler's FailedScheduling message when no node is left (``FitError.Error``, 1.35 to 1.37):
+    ``0/2 nodes are available: 1 <why>, 1 <other why>.``, each distinct reason once with its count."""
+    histogram = reason_histogram(refused.values())
+    message = f"0/{node_count} nodes are available:"
+    return f"{message} {', '.join(histogram)}." if histogram else message
 
 
 def best_host(priorities: Sequence[Mapping[str, Any]], candidates: Sequence[str]) -> str:
@@ -64,16 +67,31 @@ def best_host(priorities: Sequence[Mapping[str, Any]], candidates: Sequence[str]
     return max(sorted(candidates), key=lambda name: scores.get(name, 0))
 
 
+def filter_outcome(reply: Mapping[str, Any], node_names: Sequence[str]) -> tuple[list[str], str]:
+    """The nodes a filter reply lets through, or none and the pod's FailedScheduling message, as
+    kube-scheduler makes them (``HTTPExtender.Filter`` and ``findNodesThatPassExtenders``): a non-empty
+    ``Error`` fails the call and is the whole message; a node in ``FailedAndUnresolvableNodes`` has
+    that reason even when it is also in ``FailedNodes``; a node refused in neither map adds no reason;
+    a passing node that was not offered fails the call."""
+    if reply.get("Error"):
+        return [], str(reply["Error"])
+    passing = list(reply.get("NodeNames") or [])
+    offered = set(node_names)
+    for name in passing:
+        if name not in offered:
+            return [], f"extender claims a filtered node {name!r} which is not found in the input node list"
+    if passing:
+        return passing, ""
+    refused = refused_nodes(reply.get("FailedNodes") or {}, reply.get("FailedAndUnresolvableNodes") or {})
+    return [], unschedulable_reason(len(node_names), refused)
+
+
 def schedule_one(extender: ExtenderClient, pod: Mapping[str, Any], node_names: Sequence[str]) -> ScheduleResult:
     key = pod_key(pod)
     meta = pod.get("metadata") or {}
     filtered = extender.call("filter", {"Pod": pod, "NodeNames": list(node_names)})
-    if filtered.get("Error"):
-        return ScheduleResult(key, None, f"filter: {filtered['Error']}")
-    failed = {**(filtered.get("FailedNodes") or {}), **(filtered.get("FailedAndUnresolvableNodes") or {})}
-    candidates = list(filtered.get("NodeNames") or [])
+    candidates, reason = filter_outcome(filtered, node_names)
     if not candidates:
-        reason = unschedulable_reason(len(node_names), failed)
         log.info("pod %s unschedulable: %s", key, reason)
         return ScheduleResult(key, None, reason)
     priorities = extender.call("prioritize", {"Pod": pod, "NodeNames": candidates})

@@ -7,11 +7,13 @@ Kubernetes access helpers: typed errors, preconditions, the node-scoped watch ca
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import wait_until
 from kubernetes import client
 from kubernetes.config import kube_config
@@ -361,3 +363,60 @@ def test_missing_kubeconfig_is_one_clear_error(tmp_path) -> None:
 def test_backoff_grows_to_its_cap() -> None:
     delays = retry.Backoff(initial=0.1, maximum=1.0, factor=2.0, jitter=0.0).delays()
     assert [round(next(delays), 3) for _ in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+
+
+class Slammer:
+    """A loopback port that accepts each connection and closes it at once, counting them: an API
+    server that is down behind its load balancer."""
+
+    def __init__(self) -> None:
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.connections = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._sock.close()
+        self._thread.join(timeout=5)
+
+
+def test_an_unreachable_api_server_is_one_line_of_ours_and_no_urllib3_retry_warnings(
+    apiserver: ApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    down = Slammer()
+    config = apiserver.kubeconfig()
+    config["clusters"][0]["cluster"]["server"] = down.url
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    api = transport.load_api(str(path))
+    fast = retry.Backoff(initial=0.01, maximum=0.05)
+    caches = [watch.WatchCache(api, "pods", backoff=fast), watch.WatchCache(api, "nodes", backoff=fast)]
+    with caplog.at_level(logging.INFO):
+        for cache in caches:
+            cache.start()
+        try:
+            wait_until(lambda: down.connections >= 20, 20, "the caches to try the API server again and again")
+        finally:
+            for cache in caches:
+                cache.stop()
+            down.close()
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("urllib3")]
+    ours = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(ours) == 1 and ours[0].startswith(f"API server {down.url} unreachable ("), ours
+
+
+def test_a_rate_limit_says_yes_once_per_period_per_key() -> None:
+    limit = transport.RateLimit(30.0)
+    assert limit.allow("a", 100.0) and limit.allow("b", 100.0)
+    assert not limit.allow("a", 129.9)
+    assert limit.allow("a", 130.0) and not limit.allow("a", 131.0)

@@ -13,6 +13,8 @@ import yaml
 
 from gpushare.contract.names import ENV_NODE_NAME, ENV_VISIBLE_DEVICES, RESOURCE_MEM, RESOURCES
 from gpushare.contract.request import parse_pod_request
+from gpushare.inventory import simulated_cards
+from gpushare.sandbox.cluster import DEFAULT_NODES, parse_node
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KUBERNETES_VERSION = "1.30"
@@ -194,7 +196,6 @@ def test_webhook_guards_pods_and_fails_closed() -> None:
     (hook,) = config["webhooks"]
     assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
     assert {op for r in hook["rules"] for op in r["operations"]} == {"CREATE", "UPDATE"}
-    assert all(r["resources"] == ["pods"] for r in hook["rules"])
     target = hook["clientConfig"]["service"]
     service = one("Service", target["name"])
     assert service["metadata"]["namespace"] == target["namespace"]
@@ -208,6 +209,50 @@ def test_webhook_guards_pods_and_fails_closed() -> None:
     binding = one("ValidatingAdmissionPolicyBinding", "gpushare-pod-annotations")
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
+
+
+#: the pod's subresources through which kube-apiserver's pod registry lets a request write the pod's
+#: annotations, with the operation: pods/status takes metadata from the request, pods/binding copies
+#: the Binding's annotations onto the pod (pods/ephemeralcontainers and pods/resize reset metadata)
+ANNOTATION_WRITES = [("pods", "CREATE"), ("pods", "UPDATE"), ("pods/status", "UPDATE"), ("pods/binding", "CREATE")]
+SYSTEM_NAMESPACES = ["kube-system", "kube-public", "kube-node-lease", "gpushare-system"]
+
+
+def matches(rules: list[dict[str, Any]], resource: str, operation: str) -> bool:
+    """Whether a request for ``resource`` (``pods/status`` for a subresource) in the core group matches
+    one of ``rules``, as kube-apiserver matches admission rules (``*`` is not used here)."""
+    return any(
+        "" in r["apiGroups"]
+        and "v1" in r["apiVersions"]
+        and operation in r["operations"]
+        and resource in r["resources"]
+        for r in rules
+    )
+
+
+def selected(hook: dict[str, Any], namespace: str) -> bool:
+    """Whether the webhook's namespaceSelector takes a namespace (its only selector here is by name)."""
+    expressions = (hook.get("namespaceSelector") or {}).get("matchExpressions") or []
+    for e in expressions:
+        assert e["key"] == "kubernetes.io/metadata.name" and e["operator"] == "NotIn", e
+    return not any(namespace in e["values"] for e in expressions)
+
+
+@pytest.mark.parametrize(("resource", "operation"), ANNOTATION_WRITES)
+def test_every_way_to_write_a_pods_annotations_is_covered(resource: str, operation: str) -> None:
+    (hook,) = one("ValidatingWebhookConfiguration", "gpushare-pod-annotations")["webhooks"]
+    assert matches(hook["rules"], resource, operation) and selected(hook, "team-a")
+    policy = one("ValidatingAdmissionPolicy", "gpushare-pod-annotations")
+    assert matches(policy["spec"]["matchConstraints"]["resourceRules"], resource, operation)
+
+
+@pytest.mark.parametrize("namespace", SYSTEM_NAMESPACES)
+def test_the_webhook_never_stands_between_the_control_plane_and_its_pods(namespace: str) -> None:
+    (hook,) = one("ValidatingWebhookConfiguration", "gpushare-pod-annotations")["webhooks"]
+    assert not selected(hook, namespace)
+    # and kubelet's status updates and other writes that leave the annotations alone never reach it
+    conditions = {c["name"]: c["expression"] for c in hook["matchConditions"]}
+    assert "oldObject.metadata.?annotations" in conditions["annotations-may-change"]
 
 
 def test_dockerfile_copies_only_what_exists() -> None:
@@ -235,7 +280,16 @@ def test_examples_cover_every_case() -> None:
     assert any(ctr.count == 2 and ctr.mem > 0 for r in requests.values() for ctr in r.gpu_containers), (
         "a pod on two cards, sharing them"
     )
-    assert any(r.effective_mem > 256 for r in requests.values()), "a pod larger than any card made (GiB)"
+    # GiB per card, on each node of the example cluster (the sandbox's and the e2e tests')
+    cards = {
+        spec.name: [c.memory_mib // 1024 for c in simulated_cards(spec.name, spec.gpus)]
+        for spec in map(parse_node, DEFAULT_NODES)
+    }
+    assert any(
+        all(r.effective_mem > max(gib) for gib in cards.values())
+        and any(r.effective_mem <= sum(gib) for gib in cards.values())
+        for r in requests.values()
+    ), "a pod larger than any card, which some node's cards could hold between them (the extender then says why)"
     sneaky = [
         p
         for name, p in example_pods().items()

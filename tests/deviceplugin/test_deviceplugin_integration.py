@@ -455,8 +455,10 @@ def test_metrics_show_card_usage_and_refusals_and_probes_follow_readiness(node: 
         node.admit(gpu_pod("greedy", [container("main", 10)], allocation={"main": slices([t4], 10)}))
         status, body = _get(f"{base}/metrics")
         assert status == 200
-        assert f'gpushare_card_allocated_units{{card="2",node="n1",uuid="{t4.uuid}"}} 6.0' in body
-        assert f'gpushare_card_total_units{{card="2",node="n1",uuid="{t4.uuid}"}} 15.0' in body
+        labels = f'card="2",model="{t4.model}",node="n1",uuid="{t4.uuid}"'
+        assert t4.model and f"gpushare_card_allocated_units{{{labels}}} 6.0" in body
+        assert f"gpushare_card_total_units{{{labels}}} 15.0" in body
+        assert f"gpushare_card_healthy{{{labels}}} 1.0" in body
         assert 'gpushare_allocate_failures_total{reason="overcommit",resource="aliyun.com/gpu-mem"}' in body
         assert 'gpushare_allocate_seconds_count{resource="aliyun.com/gpu-mem"}' in body
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import threading
 import time
 import urllib.error
@@ -38,6 +39,7 @@ from gpushare.contract.names import (
     ANN_MEM_IDX,
     ANN_MEM_POD,
     ANN_POLICY,
+    ANN_REQUIRE_NVLINK,
     NODE_ANN_PENDING_BINDS,
 )
 from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
@@ -177,6 +179,49 @@ def test_a_bind_records_which_cards_the_pod_got_in_an_event(cluster: Cluster) ->
     assert events() == [("GPUAssigned", "node n2: main: card 0 (6)")]
 
 
+def pod_events(cluster: Cluster, pod: dict) -> list[tuple[str, str]]:
+    """(reason, message) of the Events on ``pod``, oldest first."""
+    listed = cluster.core.list_namespaced_event("default").items
+    mine = [e for e in listed if e.involved_object.uid == pod["metadata"]["uid"]]
+    return [(e.reason, e.message) for e in sorted(mine, key=lambda e: e.last_timestamp)]
+
+
+@pytest.mark.parametrize(
+    ("annotations", "containers", "said"),
+    [
+        ({ANN_REQUIRE_NVLINK: "maybe"}, [container("main", 8)], ANN_REQUIRE_NVLINK),
+        ({}, [container("main", 5, 2)], "not divisible"),
+    ],
+)
+def test_a_malformed_request_is_refused_everywhere_with_its_reason_logged_and_recorded(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture, annotations: dict, containers: list, said: str
+) -> None:
+    pod = cluster.pod(gpu_pod("bad", containers, extra_annotations=annotations))
+    with caplog.at_level(logging.INFO, logger="gpushare.extender"):
+        result = cluster.filter(pod)
+    (reason,) = set(result["FailedAndUnresolvableNodes"].values())
+    assert "default/bad" in reason and said in reason
+    # in FailedNodes too, which is all a scheduler that ignores the other map reads
+    assert result["NodeNames"] == [] and result["Error"] == ""
+    assert result["FailedNodes"] == result["FailedAndUnresolvableNodes"] == dict.fromkeys(NODES, reason)
+    assert [r.getMessage() for r in caplog.records if "default/bad" in r.getMessage()] == [
+        f"filter pod default/bad: no node fits: {reason}"
+    ]
+    wait_until(lambda: pod_events(cluster, pod), what="the pod's event")
+    assert pod_events(cluster, pod) == [("GPUUnschedulable", reason)]
+
+
+def test_a_node_without_an_inventory_is_refused_with_its_reason_in_both_maps(cluster: Cluster) -> None:
+    cluster.core.create_node({"metadata": {"name": "bare"}})
+    wait_until(lambda: "not known" not in (cluster.extender.cache.problem("bare") or ""), what="the node in the cache")
+    pod = cluster.pod(gpu_pod("p", [container("main", 8)]))
+    result = cluster.filter(pod, ["bare"])
+    reason = result["FailedAndUnresolvableNodes"]["bare"]
+    assert reason.startswith("node bare has no ") and result["FailedNodes"] == {"bare": reason}
+    wait_until(lambda: pod_events(cluster, pod), what="the pod's event")
+    assert pod_events(cluster, pod) == [("GPUUnschedulable", reason)]
+
+
 def test_two_card_pod_gets_two_nvlinked_cards(cluster: Cluster) -> None:
     pod = cluster.pod(gpu_pod("pair", [container("main", 16, 2)]))
     assert cluster.filter(pod)["NodeNames"] == ["n1"]
@@ -305,7 +350,9 @@ def test_bad_input_gives_400_or_error_and_never_kills_the_server(cluster: Cluste
         cards = json.loads(reply.read())["nodes"]["n1"]["cards"]
     assert [card["capacity"] for card in cards] == [80, 80, 15]
     with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=5) as reply:
-        assert b"gpushare_extender_verb_seconds" in reply.read()
+        body = reply.read().decode()
+    assert "gpushare_extender_verb_seconds" in body
+    assert 'gpushare_extender_card_total_units{card="2",model="T4",node="n1"} 15.0' in body
 
 
 def test_ready_only_once_the_rows_and_costs_are_built(

@@ -125,7 +125,7 @@ def test_four_two_card_sharing_pods_fit_a_three_card_node_beside_a_whole_card_po
         # a whole-card pod needs an empty card: the shared ones are not, and the whole one is taken
         refused = cl.schedule(gpu_pod("another-whole", [container("main", 0, 1)]))
         assert refused.node is None
-        assert "gpu-c: needs a whole free card, 0 completely free (3 cards)" in refused.reason
+        assert refused.reason == "0/1 nodes are available: 1 needs a whole free card, 0 completely free (3 cards)."
     finally:
         for stop in cl.stops:
             stop()

@@ -11,7 +11,7 @@ from gpushare.extender import gang as gang_module
 from gpushare.extender.wiring import start_extender
 from kubernetes import client
 from podfactory import container, gpu_pod
-from test_extender import NODES, Cluster
+from test_extender import NODES, Cluster, pod_events
 
 from gpushare.contract.cardrule import card_rule_annotations
 from gpushare.contract.gang import format_gang, parse_gang
@@ -67,6 +67,22 @@ def test_a_gang_short_of_members_waits_and_says_how_many(cluster: Cluster) -> No
     assert reason(cluster.filter(pods[0])) == "gang train: 2 of 3 members present, waiting for 1 more"
     assert holds(cluster) == {}
     assert "no cards are held" in cluster.bind(pods[0], "n1")["Error"]
+
+
+def test_a_members_event_follows_the_gang_as_its_reason_changes(cluster: Cluster) -> None:
+    first = seen(cluster, [member(cluster, "w0", "train", 4, gib=60)])[0]
+    assert reason(cluster.filter(first)) == "gang train: 1 of 4 members present, waiting for 3 more"
+    wait_until(lambda: pod_events(cluster, first), what="the member's event")
+    # 60 GiB members: one on each A100, so 2 of 4 can be placed
+    seen(cluster, [first] + [member(cluster, f"w{i}", "train", 4, gib=60) for i in range(1, 4)])
+    now = reason(cluster.filter(first))
+    assert now.startswith("gang train: 4 members present, 2 can be placed, 4 needed")
+    wait_until(lambda: len(pod_events(cluster, first)) == 2, what="the member's second event")
+    # a new Event with the new reason, not the first one counted again
+    assert set(pod_events(cluster, first)) == {
+        ("GPUUnschedulable", "gang train: 1 of 4 members present, waiting for 3 more"),
+        ("GPUUnschedulable", now),
+    }
 
 
 def test_a_gang_that_cannot_all_fit_holds_nothing_and_small_pods_still_run(cluster: Cluster) -> None:

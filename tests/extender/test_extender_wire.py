@@ -1,4 +1,5 @@
-"""Replies written by joining plain node names are byte for byte what ``json.dumps`` writes."""
+"""Replies written by joining plain node names are byte for byte what ``json.dumps`` writes; the
+wording of a refusal of every node."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 
 import numpy as np
 import pytest
+from gpushare.extender.verbs import refusal_message
 from gpushare.extender.wire import NodeNames, Raw, encode
 
 #: names JSON writes with escapes
@@ -56,3 +58,10 @@ def test_raw_values_stand_in_for_top_level_values_only_where_given() -> None:
     assert encode(reply) == json.dumps(plain).encode()
     assert encode(plain) == json.dumps(plain).encode()
     assert encode(Raw("[]")) == b"[]"
+
+
+def test_the_refusal_event_names_the_nodes_of_each_reason_unless_it_is_every_node() -> None:
+    assert refusal_message({"a": "full", "b": "full"}, 2) == "full"
+    refused = {"a": "full", "b": "full", "c": "no inventory", **{f"n{i}": "gone" for i in range(5)}}
+    assert refusal_message(refused, 8) == ("nodes n0, n1, n2 and 2 more: gone; nodes a, b: full; node c: no inventory")
+    assert len(refusal_message({"a": "x" * 5000}, 1)) == 1024

@@ -55,8 +55,9 @@ def test_standin_sandbox_runs_every_example_and_exits_zero() -> None:
 def test_sandbox_runs_the_examples_on_real_kubernetes_and_leaves_no_process_behind() -> None:
     proc = sandbox()
     assert_every_example_reported(proc.stdout, "Running", "void")
-    # kube-scheduler's own resource fit turns it away before the extender is asked
-    assert "Insufficient aliyun.com/gpu-mem" in row(proc.stdout, "too-big")
+    # kube-scheduler's own resource fit turns node-b away; the extender, asked about node-a, says why
+    too_big = row(proc.stdout, "too-big")
+    assert "1 Insufficient aliyun.com/gpu-mem" in too_big and "1 no single card has 90 GiB free" in too_big
     assert "[4/4]" in proc.stderr
     kubeconfig = re.search(r"kubectl --kubeconfig (\S+) get pods", proc.stdout)
     assert kubeconfig, proc.stdout[:500]

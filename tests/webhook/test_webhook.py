@@ -34,7 +34,9 @@ TENANT = "system:serviceaccount:team-a:default"
 A0, A1 = simulated_cards("n1", "2xA100-80GB:81920")
 
 
-def admission(operation: str, user: str, new: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
+def admission(
+    operation: str, user: str, new: dict[str, Any], old: dict[str, Any] | None = None, subresource: str = ""
+) -> dict[str, Any]:
     return {
         "apiVersion": "admission.k8s.io/v1",
         "kind": "AdmissionReview",
@@ -44,6 +46,7 @@ def admission(operation: str, user: str, new: dict[str, Any], old: dict[str, Any
             "userInfo": {"username": user},
             "object": new,
             "oldObject": old,
+            **({"subResource": subresource} if subresource else {}),
         },
     }
 
@@ -81,6 +84,29 @@ def test_gpushare_may_write_and_tenants_may_touch_everything_else() -> None:
     assert review(admission("CREATE", TENANT, plain(**{ANN_POLICY: "spread", "team": "a"}))).allowed
     rule = {ANN_GPU_MODEL: "A100", ANN_REQUIRE_NVLINK: "true"}
     assert review(admission("CREATE", TENANT, plain(**rule))).allowed
+
+
+def test_annotations_rewritten_through_pods_status_are_refused_and_a_status_update_is_not() -> None:
+    verdict = review(admission("UPDATE", TENANT, bound(A1), bound(A0), "status"))
+    assert not verdict.allowed
+    assert "may not change annotations on pod default/train through pods/status" in verdict.message
+    running = bound(A0)
+    running["status"] = {"phase": "Running"}
+    assert review(admission("UPDATE", "system:node:n1", running, bound(A0), "status")).allowed
+
+
+def test_a_binding_carrying_gpushare_annotations_is_refused_unless_the_extender_binds() -> None:
+    binding = {
+        "apiVersion": "v1",
+        "kind": "Binding",
+        "metadata": {"name": "train", "namespace": "default", "annotations": {ANN_MEM_IDX: "0"}},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "n1"},
+    }
+    verdict = review(admission("CREATE", TENANT, binding, None, "binding"))
+    assert not verdict.allowed and f"may not bind pod default/train with '{ANN_MEM_IDX}'" in verdict.message
+    assert review(admission("CREATE", EXTENDER, binding, None, "binding")).allowed
+    plain_binding = {**binding, "metadata": {"name": "train", "namespace": "default"}}
+    assert review(admission("CREATE", "system:kube-scheduler", plain_binding, None, "binding")).allowed
 
 
 def test_served_over_https_as_an_admission_review(tmp_path: Path) -> None:
