@@ -1,6 +1,7 @@
-"""Pods bound per second by the real kube-scheduler v1.20, alone and with the gpushare extender.
+"""Pods bound per second by the real kube-scheduler, alone and with the gpushare extender.
 
-    python benchmarks/scheduler_throughput.py [--nodes 1000] [--pods 800] [--rounds 3] [--gpus 4xA100-80GB:81920]
+    python benchmarks/scheduler_throughput.py [--nodes 1000] [--pods 800] [--rounds 3] [--qps 1000]
+                                              [--gpus 4xA100-80GB:81920]
 
 Root and the built Kubernetes binaries are needed (see the README). One etcd and kube-apiserver serve
 every round; no kubelets run: the nodes are Node objects carrying the advertiser's inventory annotation
@@ -12,7 +13,10 @@ Each round measures both setups, the order alternating from round to round: the 
 first, then kube-scheduler starts (with ``deploy/scheduler-config.yaml``'s extender block, or with no
 extender), and the rate is the pods bound after the first one over the time from the first binding
 to the last, as a watch in this script sees them. The scheduler is then stopped and the pods deleted.
-Both setups keep kube-scheduler's default client rate limit (50 requests/s), as the issue measured.
+Both setups give kube-scheduler the same client rate limit (``clientConnection.qps`` and ``burst``,
+``--qps``): at its default of 50 requests/s the plain scheduler's own binding calls are what limits it.
+kube-controller-manager runs without its node lifecycle controller: no kubelet heartbeats these nodes, so
+it would otherwise mark them unreachable mid-run.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from gpushare.contract.names import ANN_ALLOCATION, NODE_ANN_INVENTORY, RESOURCE
 from gpushare.contract.units import GIB
 from gpushare.inventory import simulated_cards
 from gpushare.kube.watch import WatchCache
+from gpushare.sandbox.binaries import KUBE_VERSION
 from gpushare.sandbox.realcluster import (
     SCHEDULER_CONFIG,
     ClusterError,
@@ -47,6 +52,7 @@ from gpushare.sandbox.realcluster import (
     free_port,
     realcluster_available,
     render_scheduler_config,
+    scheduler_argv,
     wait_for,
 )
 
@@ -100,7 +106,7 @@ def pod_body(name: str, run: str, shape: tuple[int, int]) -> dict[str, Any]:
     }
 
 
-def scheduler_config(cluster: RealCluster, extender_url: str | None, healthz: str) -> str:
+def scheduler_config(cluster: RealCluster, extender_url: str | None, qps: float) -> str:
     """The sandbox's scheduler configuration, without its extender block when ``extender_url`` is None."""
     rendered = yaml.safe_load(
         render_scheduler_config(
@@ -108,7 +114,7 @@ def scheduler_config(cluster: RealCluster, extender_url: str | None, healthz: st
             extender_url or "http://127.0.0.1:1",
             "default-scheduler",
             yaml.safe_load(SCHEDULER_CONFIG.read_text()),
-            healthz,
+            client_rate=(qps, int(qps)),
         )
     )
     if extender_url is None:
@@ -151,11 +157,9 @@ def run_once(
     watch.start()
     watch.wait_synced(60)
     config = cluster.workdir / f"scheduler-{run}.yaml"
-    config.write_text(scheduler_config(cluster, extender_url, f"127.0.0.1:{free_port()}"))
+    config.write_text(scheduler_config(cluster, extender_url, args.qps))
     scheduler = Process(
-        f"kube-scheduler-{run}",
-        [str(cluster.bin_dir / "kube-scheduler"), f"--config={config}", "--secure-port=0", "--v=1"],
-        cluster.workdir / f"kube-scheduler-{run}.log",
+        f"kube-scheduler-{run}", scheduler_argv(config, free_port()), cluster.workdir / f"kube-scheduler-{run}.log"
     ).start()
     try:
         wait_for(
@@ -188,6 +192,9 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=800)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gpus", default="4xA100-80GB:81920", help="every node's cards, as --gpus sim:... takes them")
+    parser.add_argument(
+        "--qps", type=float, default=1000.0, help="kube-scheduler's client qps and burst, in both setups"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs) afterwards")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -195,7 +202,7 @@ def main() -> int:
         print(f"needs a real cluster: {reason}", file=sys.stderr)
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="gs-tput-", dir="/tmp"))
-    cluster = RealCluster((), workdir, scheduler_names=())
+    cluster = RealCluster((), workdir, scheduler_names=(), controllers=("*", "-node-lifecycle-controller"))
     extender = None
     try:
         cluster.start()
@@ -207,8 +214,8 @@ def main() -> int:
                 node, status = node_body(f"node-{i:04d}", args.gpus)
                 core.create_node(node)
                 core.patch_node_status(node["metadata"]["name"], status)
-                # the API server's admission taints every new node not-ready; kube-controller-manager
-                # (not running here) would lift it once kubelet reports Ready
+                # the API server's admission taints every new node not-ready; kube-controller-manager's
+                # node lifecycle controller (off here) would lift it once kubelet reports Ready
                 core.patch_node(node["metadata"]["name"], {"spec": {"taints": None}})
 
             list(pool.map(create, range(args.nodes)))
@@ -232,7 +239,8 @@ def main() -> int:
                     print(f"round {round_ + 1}: {setup}: {rate:.1f} pods/s", flush=True)
         alone, ext = (statistics.median(rates[s]) for s in SETUPS)
         print(
-            f"\n{args.nodes} nodes, {args.pods} pods, {args.rounds} rounds (medians): "
+            f"\nKubernetes {KUBE_VERSION}, client qps/burst {args.qps:g} in both setups\n"
+            f"{args.nodes} nodes, {args.pods} pods, {args.rounds} rounds (medians): "
             f"scheduler alone {alone:.1f} pods/s, with extender {ext:.1f} pods/s: {100 * ext / alone:.0f}%"
         )
         return 0

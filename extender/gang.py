@@ -13,17 +13,16 @@ taken back and the member waits for the next try. Bind binds a gang member only 
 Once the holds are written, the gang's other unbound members get ``gpushare.io/gang-hold: <node>``
 (and lose it when the holds are released): kube-scheduler retries a Pending pod at once when the pod
 itself changes, but not when a node's annotations do, so without it they would wait for its periodic
-flush of unschedulable pods (up to 60 s in 1.20).
+flush of unschedulable pods (5 minutes; 60 s in 1.20).
 
-For the same reason a gang refused for want of room is *stalled*: when the pod watch shows a bound pod
-ending or going (room may have come free), one of its members gets ``gpushare.io/gang-retry``. kube-scheduler
-retries its Pending pods on that pod event itself, but maybe before this extender's cache has seen it.
+For the same reason a gang refused for want of room waits in :class:`gpushare.extender.retry.RoomWaiters`:
+when the pod watch shows a bound pod ending or going (room may have come free), the member refused last
+gets ``gpushare.io/gang-retry``.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -34,6 +33,7 @@ from typing import Any
 from gpushare.extender.bind import ATTEMPTS, Binder
 from gpushare.extender.cache import CachedNode, ClusterCache, demands_of, host_request
 from gpushare.extender.engine import PlacementEngine
+from gpushare.extender.retry import RoomWaiters, Waiter
 
 from gpushare import placement
 from gpushare.contract.cardrule import parse_card_rule
@@ -122,19 +122,17 @@ class Gangs:
         cache: ClusterCache,
         engine: PlacementEngine,
         binder: Binder,
+        waiters: RoomWaiters,
         max_members: int = MAX_GANG_MEMBERS,
     ) -> None:
         self._api = api
+        self._waiters = waiters
         self._max_members = max_members
         self._cache = cache
         self._engine = engine
         self._binder = binder
         self.index = GangIndex(cache.pods)
         self._lock = threading.Lock()
-        #: gang key -> (namespace, name) of its member last refused for want of room
-        self._stalled: dict[str, tuple[str, str]] = {}
-        #: bound pods seen ending or going, so a refusal can tell whether it missed one
-        self._ended = 0
         #: unbound member uid -> the nodes kube-scheduler offered for it at its last filter
         self._offered: dict[str, frozenset[str]] = {}
         #: unbound member uid -> (its resourceVersion, what the planner reads of it or why it can't)
@@ -142,57 +140,23 @@ class Gangs:
         #: gang key -> (what its last plan was made from, the policy, the plan, its problems)
         self._plans: OrderedDict[str, tuple[tuple, Policy, GangPlan, list[str]]] = OrderedDict()
         self._plan_locks = tuple(threading.Lock() for _ in range(16))
-        self._nudges: queue.SimpleQueue[tuple[str, tuple[str, str]] | None] = queue.SimpleQueue()
-        self._nudger = threading.Thread(target=self._nudge_loop, name="gang-nudge", daemon=True)
-        self._nudger.start()
         cache.pods.add_listener(self._on_pod)
 
-    def close(self) -> None:
-        self._nudges.put(None)
-        self._nudger.join(timeout=5)
-
     def _on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
-        """A bound pod ending or going may free the room a stalled gang waits for: nudge each one. Called
-        after the cache has applied the event, so the retry it causes sees the room."""
-        bound = bool((pod.get("spec") or {}).get("nodeName"))
-        if kind == "DELETED" or bound:
+        """A member bound or gone: forget what was kept of it while it waited."""
+        if kind == "DELETED" or (pod.get("spec") or {}).get("nodeName"):
             with self._lock:
                 self._offered.pop(_uid(pod), None)
                 self._parsed.pop(_uid(pod), None)
-        if not bound or (kind != "DELETED" and holds_resources(pod)):
-            return
-        with self._lock:
-            self._ended += 1
-            stalled, self._stalled = self._stalled, {}
-        for item in stalled.items():
-            self._nudges.put(item)
 
-    def _stall(self, gang: Gang, pod: Mapping[str, Any], ended: int) -> None:
-        """Remember that ``pod``'s gang waits for room; if a pod ended since the filter began (its count
-        was ``ended``), the refusal may have missed the room it freed: nudge at once."""
+    def _stall(self, gang: Gang, pod: Mapping[str, Any], seen: int) -> None:
+        """``pod``'s gang waits for room on any node: it is marked when room may have come free."""
         meta = pod.get("metadata") or {}
-        member = (meta.get("namespace", ""), meta.get("name", ""))
-        with self._lock:
-            missed = self._ended != ended
-            if not missed:
-                self._stalled[gang.key] = member
-        if missed:
-            self._nudges.put((gang.key, member))
+        waiter = Waiter(meta.get("namespace", ""), meta.get("name", ""), ANN_GANG_RETRY, None)
+        self._waiters.wait(gang.key, waiter, seen)
 
     def _unstall(self, gang: Gang) -> None:
-        with self._lock:
-            self._stalled.pop(gang.key, None)
-
-    def _nudge_loop(self) -> None:
-        while (item := self._nudges.get()) is not None:
-            gang, (namespace, name) = item
-            try:
-                patch_pod_annotations(self._api, namespace, name, {ANN_GANG_RETRY: f"{time.time():.3f}"})
-            except KubeError as exc:
-                log.warning("gang %s: pod %s/%s: marking it for a retry failed: %s", gang, namespace, name, exc)
-                continue
-            log.info("gang %s: pod %s/%s: a pod ended while the gang waited for room, marked for a retry",
-                     gang, namespace, name)  # fmt: skip
+        self._waiters.forget(gang.key)
 
     def filter(self, pod: Mapping[str, Any], gang: Gang, names: Sequence[str]) -> Verdict:
         """Passing nodes, failed nodes and unresolvable nodes for member ``pod``: its planned node alone
@@ -203,8 +167,8 @@ class Gangs:
 
     def _filter(self, pod: Mapping[str, Any], gang: Gang, names: Sequence[str]) -> Verdict:
         uid = _uid(pod)
+        seen = self._waiters.seen()
         with self._lock:
-            ended = self._ended
             self._offered[uid] = frozenset(names)
         members = self.index.members(gang)
         if uid not in {_uid(m) for m in members}:
@@ -234,7 +198,7 @@ class Gangs:
         placeable = len(bound) + len(plan.spots)
         counts = f"gang {gang.name}: {present} members present, {placeable} can be placed"
         if placeable < gang.minimum:
-            self._stall(gang, pod, ended)
+            self._stall(gang, pod, seen)
             self._release(gang, held, waiting)
             why = "; ".join(problems) or plan.reason
             return self._refuse(pod, names, f"{counts}, {gang.minimum} needed" + (f" ({why})" if why else ""))

@@ -15,6 +15,7 @@ from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.gang import Gangs
 from gpushare.extender.metrics import CARD_ALLOCATED, CARD_TOTAL, VERB_LATENCY
+from gpushare.extender.retry import RoomWaiters
 from gpushare.extender.verbs import filter_result, host_prioritize_result, preempt_result, prioritize_result
 from gpushare.extender.wire import BadRequest, encode
 
@@ -115,13 +116,14 @@ class ExtenderServer:
         tls: ServerTLS | None = None,
         limits: Limits | None = None,
         gangs: Gangs | None = None,
+        waiters: RoomWaiters | None = None,
     ) -> None:
         if tls is None and not _loopback(host):
             raise ValueError(f"plain HTTP is only served on loopback, not on {host}; give a TLS certificate")
         self.cache = cache
         self._ready = ready
         self._routes: dict[str, Callable[[Any], Any]] = {
-            "/filter": lambda body: filter_result(engine, body, gangs, binder.events),
+            "/filter": lambda body: filter_result(engine, body, gangs, binder.events, waiters),
             "/prioritize": lambda body: prioritize_result(engine, body),
             "/prioritize-host": lambda body: host_prioritize_result(engine, body),
             "/preempt": lambda body: preempt_result(engine, body),

@@ -13,12 +13,14 @@ from gpushare.extender import podfit
 from gpushare.extender.cache import CachedNode, ClusterCache, demands_of, host_request, placement_cards
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.gang import Gangs
+from gpushare.extender.retry import RoomWaiters, Waiter
 from gpushare.extender.wire import NodeNames, Raw, candidate_names, check_victims, refused_nodes, request_pod
 
 from gpushare import placement
 from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
 from gpushare.contract.gang import parse_gang
+from gpushare.contract.names import ANN_RETRY
 from gpushare.contract.request import pod_key
 from gpushare.kube.events import EventRecorder
 
@@ -34,16 +36,29 @@ EVENT_MESSAGE_LIMIT = 1024
 
 
 def filter_result(
-    engine: PlacementEngine, body: Any, gangs: Gangs | None = None, events: EventRecorder | None = None
+    engine: PlacementEngine,
+    body: Any,
+    gangs: Gangs | None = None,
+    events: EventRecorder | None = None,
+    waiters: RoomWaiters | None = None,
 ) -> dict[str, Any]:
     """The filter reply. When no node passes, the reason is logged (gangs log their own) and recorded as
     an Event on the pod: kube-scheduler's own FailedScheduling Event folds later messages into the
     first one it wrote for the pod (its events are keyed without the message), so it can go on
-    showing a reason that no longer holds."""
+    showing a reason that no longer holds. A pod refused for want of room on some nodes waits in
+    ``waiters`` (gangs wait there by themselves), to be marked for a retry when room frees there."""
     pod = request_pod(body)
     names, nodes_mode = candidate_names(body)
+    seen = waiters.seen() if waiters is not None else 0
     passing, failed, unresolvable, logged = _verdict(engine, pod, names, gangs)
     refused = refused_nodes(failed, unresolvable)
+    if waiters is not None and not logged:
+        meta = pod.get("metadata") or {}
+        if failed and not passing.names:
+            waiter = Waiter(meta.get("namespace", ""), meta.get("name", ""), ANN_RETRY, frozenset(failed))
+            waiters.wait(meta.get("uid", ""), waiter, seen)
+        else:
+            waiters.forget(meta.get("uid", ""))
     if not passing.names and refused:
         message = refusal_message(refused, len(names))
         if not logged:

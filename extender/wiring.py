@@ -12,6 +12,7 @@ from gpushare.extender.bind import Binder
 from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.gang import Gangs
+from gpushare.extender.retry import RoomWaiters
 from gpushare.extender.server import ExtenderServer, refresh_card_gauges
 
 from gpushare import placement
@@ -31,11 +32,12 @@ class RunningExtender:
     server: ExtenderServer
     binder: Binder
     gangs: Gangs
+    waiters: RoomWaiters
     health: ObservabilityServer | None = None
 
     def stop(self) -> None:
         self.server.stop()
-        self.gangs.close()
+        self.waiters.close()
         if self.health is not None:
             self.health.stop()
         self.binder.events.close()
@@ -75,13 +77,14 @@ def start_extender(
     settled = threading.Event()
     threading.Thread(target=_settle, args=(cache, engine, settled), name="settle", daemon=True).start()
     binder = Binder(api, cache, engine)
-    gangs = Gangs(api, cache, engine, binder, max_gang_members)
+    waiters = RoomWaiters(api, cache.pods)
+    gangs = Gangs(api, cache, engine, binder, waiters, max_gang_members)
     try:
         server = ExtenderServer(
-            serving.port, cache, engine, binder, settled.is_set, host, serving.tls, serving.limits, gangs
+            serving.port, cache, engine, binder, settled.is_set, host, serving.tls, serving.limits, gangs, waiters
         )
     except ValueError as exc:
-        gangs.close()
+        waiters.close()
         cache.stop()
         raise UsageError(str(exc)) from None
     server.start()
@@ -95,7 +98,7 @@ def start_extender(
         server.port,
         policy,
     )
-    return RunningExtender(cache, server, binder, gangs, health)
+    return RunningExtender(cache, server, binder, gangs, waiters, health)
 
 
 def _settle(cache: ClusterCache, engine: PlacementEngine, settled: threading.Event) -> None:

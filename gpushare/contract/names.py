@@ -43,6 +43,9 @@ ANN_GANG_HOLD = "gpushare.io/gang-hold"
 #: when the extender last saw room free up while this member's gang could not all be placed; changing it
 #: makes kube-scheduler retry the member, which it would otherwise do only on its next periodic flush
 ANN_GANG_RETRY = "gpushare.io/gang-retry"
+#: when the extender last saw room free up on a node where it had refused this pod for want of room;
+#: changing it makes kube-scheduler retry the pod (see extender/retry.py)
+ANN_RETRY = "gpushare.io/retry"
 #: per-pod placement policy override
 ANN_POLICY = "gpushare.io/policy"
 #: card models the pod accepts, ``|``-separated patterns (see :func:`gpushare.placement.model_matches`)

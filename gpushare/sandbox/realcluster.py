@@ -440,6 +440,8 @@ class RealCluster:
     #: per node name, taints its kubelet registers with (``key=value:Effect``), so only pods that
     #: tolerate them land there
     node_taints: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    #: kube-controller-manager's ``--controllers``
+    controllers: Sequence[str] = ("*",)
     nodes: dict[str, RealNode] = field(default_factory=dict)
     controls: list[Control] = field(default_factory=list)
     processes: list[Process] = field(default_factory=list)
@@ -501,7 +503,7 @@ class RealCluster:
             self.stop()
             raise
 
-    def _start_control_plane(self, controllers: Sequence[str] = ("*",)) -> None:
+    def _start_control_plane(self, controllers: Sequence[str] | None = None) -> None:
         from gpushare.kube.transport import load_api
 
         etcd_port, peer_port = free_port(), free_port()
@@ -558,7 +560,7 @@ class RealCluster:
         for who in self.identities:
             self.write_kubeconfig(who.user, who.token)
         self.api = load_api(str(self.kubeconfig))
-        self._start_controller_manager(sa_key, controllers)
+        self._start_controller_manager(sa_key, self.controllers if controllers is None else controllers)
         if self.rbac:
             self._apply_rbac()
 

@@ -15,7 +15,7 @@ from test_extender import NODES, Cluster, pod_events
 
 from gpushare.contract.cardrule import card_rule_annotations
 from gpushare.contract.gang import format_gang, parse_gang
-from gpushare.contract.names import ANN_GANG_HOLD, ANN_GANG_RETRY, NODE_ANN_PENDING_BINDS
+from gpushare.contract.names import ANN_GANG_HOLD, ANN_GANG_RETRY, ANN_RETRY, NODE_ANN_PENDING_BINDS
 from gpushare.contract.pending import parse_pending_binds
 from gpushare.placement import ANY_CARD, CardRule
 
@@ -362,3 +362,25 @@ def test_a_replica_whose_pod_cache_lags_cannot_overwrite_a_bound_members_entry(c
         assert parse_pending_binds(annotations[NODE_ANN_PENDING_BINDS])[uid] == recorded
     finally:
         second.stop()
+
+
+def test_a_single_pod_refused_for_room_is_marked_for_a_retry_when_room_frees_on_a_node_it_was_refused(
+    cluster: Cluster,
+) -> None:
+    """kube-scheduler retries the pod on the deletion itself, possibly before the extender's cache has
+    it, and then (1.27+) not again for 5 minutes: the extender marks the pod once its cache has it."""
+    blocker = cluster.pod(gpu_pod("blocker", [container("main", 20)], node=None))
+    assert cluster.bind(blocker, "n2")["Error"] == ""  # the A10 has 4 GiB left
+    waiting = cluster.pod(gpu_pod("waiting", [container("main", 10)], node=None))
+    malformed = gpu_pod("malformed", [container("main", 10)], node=None)
+    malformed["metadata"]["annotations"] = {"gpushare.io/require-nvlink": "maybe"}
+    malformed = cluster.pod(malformed)
+    # kube-scheduler offers only n2 (the pod's affinity, say): refused there for want of room
+    assert "no single card has 10 GiB free" in cluster.filter(waiting, ["n2"])["FailedNodes"]["n2"]
+    assert cluster.filter(malformed, ["n2"])["NodeNames"] == []  # refused for its annotation, not for room
+    assert marks(cluster, "waiting", "malformed", key=ANN_RETRY) == {"waiting": None, "malformed": None}
+    cluster.core.delete_namespaced_pod("blocker", "default", grace_period_seconds=0)
+    wait_until(lambda: marks(cluster, "waiting", key=ANN_RETRY)["waiting"], what="the waiting pod marked")
+    assert marks(cluster, "malformed", key=ANN_RETRY) == {"malformed": None}
+    # the retry the mark causes sees the room
+    assert cluster.filter(waiting, ["n2"])["NodeNames"] == ["n2"]

@@ -1,0 +1,106 @@
+"""Pods refused for want of room, marked for a retry when room may have come free.
+
+When a bound pod ends or goes, kube-scheduler retries the Pending pods an extender refused (an extender's
+refusal makes any cluster event count, kubernetes#122019), but it may do so before this extender's cache
+has applied the same event: both follow the API server, each at its own pace. The filter then refuses
+again on the stale count, and kube-scheduler's next retry without an event is its flush of pods that have
+been unschedulable for 5 minutes (60 s in 1.20, which hid this). So the extender remembers each pod it
+refused for want of room and the nodes it refused, and once its own cache has applied a bound pod ending
+or going on one of those nodes it changes an annotation on the waiting pod: a change to the pod itself
+is an event for that pod, and kube-scheduler retries it at once, now against a cache that has the room.
+A filter that began before such an end, and refused, marks its pod at once, since it may have missed it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpushare.kube.errors import KubeError
+from gpushare.kube.objects import patch_pod_annotations
+from gpushare.kube.watch import WatchCache
+from gpushare.usage import holds_resources
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """A pod refused for want of room: the annotation that marks it, and the nodes whose room it waits
+    for (None: any node)."""
+
+    namespace: str
+    name: str
+    annotation: str
+    nodes: frozenset[str] | None
+
+
+class RoomWaiters:
+    """The pods waiting for room, each under a key (a pod's uid, or a gang's key for the member that
+    speaks for its gang); marked one at a time by a thread of its own, so no pod event waits on a patch."""
+
+    def __init__(self, api: Any, pods: WatchCache) -> None:
+        self._api = api
+        self._lock = threading.Lock()
+        self._waiting: dict[str, Waiter] = {}
+        #: bound pods seen ending or going, so a refusal can tell whether it missed one
+        self._ended = 0
+        self._marks: queue.SimpleQueue[Waiter | None] = queue.SimpleQueue()
+        self._marker = threading.Thread(target=self._mark_loop, name="room-retry", daemon=True)
+        self._marker.start()
+        pods.add_listener(self._on_pod)
+
+    def close(self) -> None:
+        self._marks.put(None)
+        self._marker.join(timeout=5)
+
+    def seen(self) -> int:
+        """How many ends were seen so far: a filter takes this before it decides, for :meth:`wait`."""
+        with self._lock:
+            return self._ended
+
+    def wait(self, key: str, waiter: Waiter, seen: int) -> None:
+        """Remember that ``waiter`` waits for room; if a pod ended since ``seen`` (:meth:`seen` when its
+        filter began), the refusal may have missed the room it freed: mark the pod at once."""
+        with self._lock:
+            missed = self._ended != seen
+            if not missed:
+                self._waiting[key] = waiter
+        if missed:
+            self._marks.put(waiter)
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._waiting.pop(key, None)
+
+    def _on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
+        """Called after the cache has applied the event, so the retry a mark causes sees the room."""
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        node = spec.get("nodeName")
+        with self._lock:
+            if node or kind == "DELETED":
+                self._waiting.pop(meta.get("uid", ""), None)  # bound or gone: it waits no more
+            if not node or (kind != "DELETED" and holds_resources(pod)):
+                return
+            self._ended += 1
+            due = [key for key, w in self._waiting.items() if w.nodes is None or node in w.nodes]
+            marked = [self._waiting.pop(key) for key in due]
+        for waiter in marked:
+            self._marks.put(waiter)
+
+    def _mark_loop(self) -> None:
+        while (waiter := self._marks.get()) is not None:
+            try:
+                patch_pod_annotations(
+                    self._api, waiter.namespace, waiter.name, {waiter.annotation: f"{time.time():.3f}"}
+                )
+            except KubeError as exc:
+                log.warning("pod %s/%s: marking it for a retry failed: %s", waiter.namespace, waiter.name, exc)
+                continue
+            log.info("pod %s/%s: room may have come free, marked for a retry (%s)", waiter.namespace, waiter.name,
+                     waiter.annotation)  # fmt: skip

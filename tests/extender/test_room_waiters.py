@@ -1,0 +1,76 @@
+"""Which waiting pods a bound pod's end marks for a retry (extender/retry.py), without an API server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from gpushare.extender import retry
+from gpushare.extender.retry import RoomWaiters, Waiter
+
+
+class Pods:
+    """Stands in for the extender's pod watch: the waiters' listener is called as the cache calls it."""
+
+    def add_listener(self, listener: Any) -> None:
+        self.listener = listener
+
+
+@pytest.fixture
+def marked(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    done: list[tuple[str, str, str]] = []
+
+    def patch(_api: Any, namespace: str, name: str, annotations: dict[str, str]) -> None:
+        done.extend((namespace, name, key) for key in annotations)
+
+    monkeypatch.setattr(retry, "patch_pod_annotations", patch)
+    return done
+
+
+def bound(name: str, node: str, phase: str = "Running") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}"}, "spec": {"nodeName": node},
+            "status": {"phase": phase}}  # fmt: skip
+
+
+def waiter(name: str, nodes: set[str] | None) -> Waiter:
+    return Waiter("default", name, "gpushare.io/retry", None if nodes is None else frozenset(nodes))
+
+
+def settle(waiters: RoomWaiters) -> None:
+    """Stop the marking thread once it has done everything queued before."""
+    waiters.close()
+
+
+def test_an_end_marks_the_pods_refused_on_its_node_once(marked: list) -> None:
+    pods = Pods()
+    waiters = RoomWaiters(None, pods)
+    waiters.wait("uid-a", waiter("a", {"n1"}), waiters.seen())
+    waiters.wait("uid-b", waiter("b", {"n2"}), waiters.seen())
+    waiters.wait("gang-g", waiter("g0", None), waiters.seen())
+    pods.listener("MODIFIED", bound("still-running", "n1"))  # holds its cards: frees nothing
+    pods.listener("DELETED", bound("done", "n1"))
+    pods.listener("MODIFIED", bound("finished", "n1", phase="Succeeded"))  # a second end: no one left to mark
+    settle(waiters)
+    assert marked == [("default", "a", "gpushare.io/retry"), ("default", "g0", "gpushare.io/retry")]
+
+
+def test_a_refusal_that_may_have_missed_an_end_is_marked_at_once(marked: list) -> None:
+    pods = Pods()
+    waiters = RoomWaiters(None, pods)
+    seen = waiters.seen()  # the filter begins
+    pods.listener("DELETED", bound("done", "n1"))  # an end before its refusal is remembered
+    waiters.wait("uid-a", waiter("a", {"n2"}), seen)
+    settle(waiters)
+    assert marked == [("default", "a", "gpushare.io/retry")]
+
+
+def test_a_pod_bound_deleted_or_admitted_waits_no_more(marked: list) -> None:
+    pods = Pods()
+    waiters = RoomWaiters(None, pods)
+    waiters.wait("uid-a", waiter("a", {"n1"}), waiters.seen())
+    waiters.wait("uid-b", waiter("b", {"n1"}), waiters.seen())
+    pods.listener("MODIFIED", bound("a", "n2"))  # a was bound elsewhere
+    waiters.forget("uid-b")  # b's next filter passed
+    pods.listener("DELETED", bound("done", "n1"))
+    settle(waiters)
+    assert marked == []
