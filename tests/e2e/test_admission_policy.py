@@ -56,7 +56,7 @@ def policy_enforced(tenant: client.CoreV1Api) -> bool:
 @pytest.fixture(scope="module")
 def tenant(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.CoreV1Api]:
     """The shipped policy, bound to NAMESPACE; yields the client of a service account there that may
-    create, get, patch and delete pods."""
+    create, get, patch and delete pods, and patch their status."""
     admission = client.AdmissionregistrationV1Api(cluster.api)
     rbac = client.RbacAuthorizationV1Api(cluster.api)
     policy, binding = shipped_policy()
@@ -72,7 +72,9 @@ def tenant(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.Core
     core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": TENANT}})
     rbac.create_namespaced_role(NAMESPACE, {
         "metadata": {"name": TENANT},
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "patch", "delete"]}],
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "patch", "delete"]},
+                  # some clusters let tenants write pod status; its writes carry metadata too
+                  {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]}],
     })  # fmt: skip
     rbac.create_namespaced_role_binding(NAMESPACE, {
         "metadata": {"name": TENANT},
@@ -140,3 +142,22 @@ def test_the_tenants_card_rule_passes_and_gpushares_own_writes_pass(
     assert (
         core.read_namespaced_pod("ruled", NAMESPACE).metadata.annotations[ANN_ALLOCATION] == annotations[ANN_ALLOCATION]
     )
+
+
+def test_the_policy_refuses_annotations_rewritten_through_pods_status(
+    tenant: client.CoreV1Api, core: client.CoreV1Api, cluster: RealCluster
+) -> None:
+    """kube-apiserver takes a pod's metadata from a status write, so the policy covers pods/status too."""
+    tenant.create_namespaced_pod(NAMESPACE, pod_manifest("plain", ({},), node="node-a", namespace=NAMESPACE))
+    card = cluster.node_inventory("node-a").cards[0]
+    forged = format_allocation({"main": (CardSlice(card.index, card.uuid, 4),)})
+    message = denial(
+        lambda: tenant.patch_namespaced_pod_status(
+            "plain", NAMESPACE, {"metadata": {"annotations": {ANN_ALLOCATION: forged}}}
+        )
+    )
+    assert "may set or change gpushare's pod annotations" in message, message
+    assert ANN_ALLOCATION not in (core.read_namespaced_pod("plain", NAMESPACE).metadata.annotations or {})
+    # a status write that leaves gpushare's annotations alone still goes through
+    tenant.patch_namespaced_pod_status("plain", NAMESPACE, {"metadata": {"annotations": {"team": "a"}}})
+    assert core.read_namespaced_pod("plain", NAMESPACE).metadata.annotations["team"] == "a"

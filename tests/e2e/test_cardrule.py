@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from gpushare.extender.verbs import REFUSAL_EVENT
 from kubernetes import client
 
 from gpushare.contract.names import ANN_GPU_MODEL, ANN_REQUIRE_NVLINK, RESOURCE_COUNT, RESOURCE_MEM
@@ -61,3 +62,26 @@ def test_an_nvlink_pair_waits_for_free_peers_then_lands_on_them(pods: Pods, core
     ((first, second),) = pods.allocation(pair).values()
     cards = {card.uuid: card for card in pods.cluster.node_inventory("node-a").cards}
     assert second.uuid in cards[first.uuid].nvlink_peers
+
+
+def test_a_malformed_request_is_refused_with_its_reason_where_the_user_looks(
+    pods: Pods, core: client.CoreV1Api
+) -> None:
+    """kubectl describe shows the pod's PodScheduled condition and its Events: both name the fault, on the
+    real kube-scheduler (not `0/3 nodes are available: .`)."""
+    bad = pods.create(
+        pod_manifest(pods.name("maybe"), ({RESOURCE_MEM: 8},), node="node-a", annotations={ANN_REQUIRE_NVLINK: "maybe"})
+    )
+    message = scheduling_failure(core, bad)
+    assert f"pod default/{bad}" in message and ANN_REQUIRE_NVLINK in message, message
+    assert pods.phase(bad) == "Pending"
+    condition = next(c for c in pods.get(bad)["status"]["conditions"] if c["type"] == "PodScheduled")
+    assert ANN_REQUIRE_NVLINK in condition["message"], condition
+
+    def refusal() -> str | None:
+        events = core.list_namespaced_event(
+            "default", field_selector=f"involvedObject.name={bad},reason={REFUSAL_EVENT}"
+        ).items
+        return events[-1].message if events else None
+
+    assert ANN_REQUIRE_NVLINK in wait_until(refusal, POD_TIMEOUT, f"the extender's {REFUSAL_EVENT} event", API_POLL)
