@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from gpushare.settings import add_node_flags
+from gpushare.settings import add_metrics_flags, add_node_flags
 
 if TYPE_CHECKING:  # the wiring pulls in grpc; the command module stays light
     from gpushare.crishim.wiring import ShimSettings
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="give containers that request no GPU NVIDIA_VISIBLE_DEVICES=void (default: on)",
     )
-    parser.add_argument("--metrics-port", type=int, default=9446, help="/metrics, /healthz, /readyz (0: off)")
+    add_metrics_flags(parser, 9446)
 
 
 def shim_settings(args: argparse.Namespace) -> ShimSettings:
@@ -78,9 +78,10 @@ def run(args: argparse.Namespace) -> int:
     from gpushare.crishim.wiring import run_cri_shim
 
     from gpushare.kube.errors import KubeConfigError
-    from gpushare.settings import UsageError, node_settings
+    from gpushare.settings import UsageError, metrics_endpoint, node_settings
 
+    metrics = metrics_endpoint(args)
     try:
-        return run_cri_shim(node_settings(args), shim_settings(args), args.metrics_port)
+        return run_cri_shim(node_settings(args), shim_settings(args), metrics)
     except KubeConfigError as exc:
         raise UsageError(f"{exc} (or pass --no-api-fetch)") from None

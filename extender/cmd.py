@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from gpushare.settings import UsageError
+from gpushare.settings import MetricsEndpoint, UsageError, add_metrics_host_flag
 from gpushare.tlshttp import DEFAULT_LIMITS, Limits, ServerTLS, TLSFilesError
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--health-port", type=int, default=None, help="plain HTTP port for /healthz, /readyz and /metrics only"
     )
+    add_metrics_host_flag(parser, "--health-host")
     limits = parser.add_argument_group("limits")
     limits.add_argument("--max-body-bytes", type=int, default=DEFAULT_LIMITS.max_body)
     limits.add_argument("--read-timeout", type=float, default=DEFAULT_LIMITS.read_timeout, help="seconds per request")
@@ -51,7 +52,8 @@ def serving(args: argparse.Namespace) -> Serving:
     except TLSFilesError as exc:
         raise UsageError(str(exc)) from None
     limits = Limits(max_body=args.max_body_bytes, read_timeout=args.read_timeout, workers=args.workers)
-    return Serving(args.port, tls, args.host, limits, args.health_port)
+    health = None if args.health_port is None else MetricsEndpoint(args.health_host, args.health_port)
+    return Serving(args.port, tls, args.host, limits, health)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -54,10 +54,11 @@ def run(args: argparse.Namespace) -> int:
     from gpushare.kube.transport import load_api
     from gpushare.observability import serve_http
     from gpushare.process import wait_for_termination
-    from gpushare.settings import node_settings
+    from gpushare.settings import metrics_endpoint, node_settings
     from gpushare.supervisor import Supervisor
 
     log = logging.getLogger("gpushare.node")
+    metrics = metrics_endpoint(args)
     settings = node_settings(args)
     shim = None if args.no_cri_shim else shim_settings(args)
     backend = settings.open_backend()
@@ -67,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     server = None
     try:
         supervisor.start()
-        if args.metrics_port:
-            server = serve_http(args.metrics_port, supervisor.ready)
+        if metrics is not None:
+            server = serve_http(metrics, supervisor.ready)
         log.info(
             "node agent for %s: %d card(s), CRI shim %s",
             settings.node_name,

@@ -7,6 +7,7 @@ and :mod:`gpushare.cli` sits on top of the components.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from gpushare.inventory import (
 )
 
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+#: where /metrics, /healthz and /readyz listen unless told: they are plain HTTP, unauthenticated
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
 class UsageError(Exception):
@@ -133,3 +136,48 @@ def node_settings(args: argparse.Namespace) -> NodeSettings:
         count_replicas=args.count_replicas,
         nvml_recovery=args.nvml_recovery_seconds,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsEndpoint:
+    """Where a component serves /metrics, /healthz and /readyz."""
+
+    host: str
+    port: int
+
+
+def listen_address(text: str) -> str:
+    """An IP address to listen on (argparse type)."""
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an IP address (in a pod, pass the downward API's status.podIP)"
+        ) from None
+
+
+def add_metrics_host_flag(parser: argparse.ArgumentParser, flag: str = "--metrics-host") -> None:
+    parser.add_argument(
+        flag,
+        type=listen_address,
+        default=DEFAULT_METRICS_HOST,
+        metavar="ADDRESS",
+        help="address for /metrics, /healthz and /readyz, plain HTTP that anyone reaching it can read: "
+        "in a pod, its IP from the downward API (status.podIP), so that kubelet's probes and Prometheus "
+        "reach it and nothing else does; 0.0.0.0 only on purpose",
+    )
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser, port: int) -> None:
+    """``--metrics-port`` (0: off) and ``--metrics-host``."""
+    parser.add_argument(
+        "--metrics-port", type=int, default=port, help="port for /metrics, /healthz and /readyz (0: off)"
+    )
+    add_metrics_host_flag(parser)
+
+
+def metrics_endpoint(args: argparse.Namespace) -> MetricsEndpoint | None:
+    """From :func:`add_metrics_flags`' flags; None when off."""
+    if not 0 <= args.metrics_port <= 65535:
+        raise UsageError(f"--metrics-port {args.metrics_port} is not a port (0-65535; 0: off)")
+    return MetricsEndpoint(args.metrics_host, args.metrics_port) if args.metrics_port else None
