@@ -38,7 +38,11 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from http import HTTPStatus
+from pathlib import Path
+
+from cryptography import x509
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +95,25 @@ class HttpError(Exception):
 
 
 class TLSFilesError(ValueError):
-    """A certificate, key or CA file can't be loaded; the message names the file."""
+    """A certificate, key or CA file can't be loaded, or the certificate isn't valid now; the message
+    names the file. ``valid_from`` is set when the certificate is valid only from a later time."""
+
+    def __init__(self, message: str, valid_from: datetime | None = None) -> None:
+        super().__init__(message)
+        self.valid_from = valid_from
+
+
+def _validity(cert: str) -> tuple[datetime, datetime]:
+    """When the (first) certificate in the file is valid: from, to."""
+    try:
+        leaf = x509.load_pem_x509_certificate(Path(cert).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise TLSFilesError(f"TLS certificate {cert}: {exc}") from None
+    return leaf.not_valid_before_utc, leaf.not_valid_after_utc
+
+
+def _dates(valid_from: datetime, valid_to: datetime) -> str:
+    return f"valid from {valid_from:%Y-%m-%d %H:%M:%S} to {valid_to:%Y-%m-%d %H:%M:%S} UTC"
 
 
 class ServerTLS:
@@ -99,16 +121,21 @@ class ServerTLS:
 
     Kubernetes updates a mounted Secret by swapping a symlink, so the files change all at once; each new
     connection stats the files' resolved paths (cheap) and, when any changed, loads them into a new
-    context, which replaces the old one only if it loads. A pair that doesn't load (half written, or a
-    key that doesn't match its certificate) is logged naming the file and the old context keeps serving;
-    it is tried again when the files change again. TLSFilesError when they can't be loaded at start.
+    context, which replaces the old one only if it loads. A pair that doesn't load (half written, a key
+    that doesn't match its certificate, or a certificate expired or not yet valid) is logged naming the
+    file and the old context keeps serving; it is tried again when the files change again, or, when it
+    was not valid yet, once it is. TLSFilesError when they can't be loaded at start. The certificate
+    served expiring is logged once.
     """
 
     def __init__(self, cert: str, key: str, client_ca: str | None = None) -> None:
         self._files = (cert, key, client_ca)
         self._lock = threading.Lock()
         self._seen = self._signature()
-        self._context = self._load()
+        #: when the files as they are become valid (they were refused as not valid yet)
+        self._retry_at: datetime | None = None
+        self._context, self._valid_to = self._load()
+        self._expiry_told = False
 
     def _signature(self) -> tuple[tuple[str, int, int, int] | None, ...]:
         signature = []
@@ -125,9 +152,10 @@ class ServerTLS:
             signature.append((real, st.st_ino, st.st_size, st.st_mtime_ns))
         return tuple(signature)
 
-    def _load(self) -> ssl.SSLContext:
-        """TLS 1.2+ with the certificate and key; with a client CA, only clients holding a certificate it
-        signed get past the handshake. TLSFilesError naming the file when one can't be loaded."""
+    def _load(self) -> tuple[ssl.SSLContext, datetime]:
+        """TLS 1.2+ with the certificate and key, and when the certificate expires; with a client CA, only
+        clients holding a certificate it signed get past the handshake. TLSFilesError naming the file
+        when one can't be loaded or the certificate isn't valid now."""
         cert, key, client_ca = self._files
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -135,26 +163,42 @@ class ServerTLS:
             context.load_cert_chain(cert, key)
         except (OSError, ssl.SSLError) as exc:
             raise TLSFilesError(f"TLS certificate {cert} with key {key}: {exc}") from None
+        valid_from, valid_to = _validity(cert)
+        now = datetime.now(UTC)
+        if now < valid_from:
+            raise TLSFilesError(f"TLS certificate {cert} is not valid yet: {_dates(valid_from, valid_to)}", valid_from)
+        if now > valid_to:
+            raise TLSFilesError(f"TLS certificate {cert} has expired: {_dates(valid_from, valid_to)}")
         if client_ca:
             context.verify_mode = ssl.CERT_REQUIRED
             try:
                 context.load_verify_locations(client_ca)
             except (OSError, ssl.SSLError) as exc:
                 raise TLSFilesError(f"TLS client CA {client_ca}: {exc}") from None
-        return context
+        return context, valid_to
 
     def context(self) -> ssl.SSLContext:
         """The context for a new connection: the files' as they are now, else the last that loaded."""
         signature = self._signature()
+        now = datetime.now(UTC)
         with self._lock:
-            if signature == self._seen:
+            if signature == self._seen and (self._retry_at is None or now < self._retry_at):
+                if now > self._valid_to and not self._expiry_told:
+                    self._expiry_told = True
+                    log.error(
+                        "TLS certificate %s expired at %s UTC; renew it",
+                        self._files[0],
+                        f"{self._valid_to:%Y-%m-%d %H:%M:%S}",
+                    )
                 return self._context
-            self._seen = signature
+            self._seen, self._retry_at = signature, None
             try:
-                self._context = self._load()
+                self._context, self._valid_to = self._load()
             except TLSFilesError as exc:
+                self._retry_at = exc.valid_from
                 log.error("%s; still serving the certificate loaded before", exc)
             else:
+                self._expiry_told = False
                 log.info("TLS files changed; serving certificate %s from now on", os.path.realpath(self._files[0]))
             return self._context
 
