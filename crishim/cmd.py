@@ -16,6 +16,12 @@ DEFAULT_RUNTIME = "unix:///run/containerd/containerd.sock"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_node_flags(parser)
+    add_shim_flags(parser)
+    add_metrics_flags(parser, 9446)
+
+
+def add_shim_flags(parser: argparse.ArgumentParser) -> None:
+    """The shim's own flags; shared with ``gpushare node``."""
     parser.add_argument("--listen", default=DEFAULT_LISTEN, help="the socket kubelet connects to (mode 0600)")
     parser.add_argument("--runtime", default=DEFAULT_RUNTIME, help="the real runtime's CRI socket")
     api = parser.add_mutually_exclusive_group()
@@ -48,7 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="give containers that request no GPU NVIDIA_VISIBLE_DEVICES=void (default: on)",
     )
-    add_metrics_flags(parser, 9446)
 
 
 def shim_settings(args: argparse.Namespace) -> ShimSettings:

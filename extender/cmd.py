@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from gpushare.settings import MetricsEndpoint, UsageError, add_metrics_host_flag
+from gpushare.settings import MetricsEndpoint, UsageError, add_kubeconfig_flag, add_metrics_host_flag
 from gpushare.tlshttp import DEFAULT_LIMITS, Limits, ServerTLS, TLSFilesError
 
 if TYPE_CHECKING:
@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=32766)
-    parser.add_argument("--kubeconfig", default=None, help="default: in-cluster config, then ~/.kube/config")
+    parser.add_argument("--port", type=int, default=32766, help="port for the verbs kube-scheduler calls")
+    add_kubeconfig_flag(parser)
     parser.add_argument("--policy", default="", help="binpack, spread, fgd or fgdfit (default: fgdfit)")
     tls = parser.add_argument_group("TLS (without a certificate the verbs are served over plain HTTP on loopback only)")
     tls.add_argument("--tls-cert", default=None, help="the extender's certificate (PEM)")
@@ -28,13 +28,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tls.add_argument("--no-client-auth", action="store_true", help="serve TLS without asking for a client certificate")
     parser.add_argument("--host", default=None, help="listen address (default: 0.0.0.0 with TLS, else 127.0.0.1)")
     parser.add_argument(
-        "--health-port", type=int, default=None, help="plain HTTP port for /healthz, /readyz and /metrics only"
+        "--health-port",
+        type=int,
+        default=None,
+        help="plain HTTP port for /healthz, /readyz and /metrics only (default: none)",
     )
     add_metrics_host_flag(parser, "--health-host")
     limits = parser.add_argument_group("limits")
-    limits.add_argument("--max-body-bytes", type=int, default=DEFAULT_LIMITS.max_body)
-    limits.add_argument("--read-timeout", type=float, default=DEFAULT_LIMITS.read_timeout, help="seconds per request")
-    limits.add_argument("--workers", type=int, default=DEFAULT_LIMITS.workers)
+    limits.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_LIMITS.max_body, help="larger request bodies get 413 unread"
+    )
+    limits.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULT_LIMITS.read_timeout,
+        help="seconds for a TLS handshake, for a request once it has begun, and for a reply to be taken",
+    )
+    limits.add_argument("--workers", type=int, default=DEFAULT_LIMITS.workers, help="threads running the verbs")
 
 
 def serving(args: argparse.Namespace) -> Serving:

@@ -7,6 +7,7 @@ and :mod:`gpushare.cli` sits on top of the components.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import os
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ DEFAULT_REREAD = Reread()
 
 @dataclass(frozen=True, slots=True)
 class NodeSettings:
-    """The flags every node-side component shares."""
+    """The flags every node-side component shares, and the device plugin's own (their defaults for the
+    other components, which don't read them)."""
 
     node_name: str
     kubeconfig: str | None
@@ -73,11 +75,20 @@ class NodeSettings:
         return open_backend(self.gpus, self.node_name, self.ignored_xids, self.nvml_recovery)
 
 
+def add_kubeconfig_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kubeconfig",
+        default=None,
+        metavar="FILE",
+        help="default: the in-cluster configuration, then $KUBECONFIG or ~/.kube/config",
+    )
+
+
 def add_node_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of every node-side command: which node, which cards, how they are counted."""
     parser.add_argument("--node-name", default=os.environ.get(ENV_NODE_NAME), help="default: $NODE_NAME")
-    parser.add_argument("--kubeconfig", default=None, help="default: in-cluster config, then ~/.kube/config")
+    add_kubeconfig_flag(parser)
     parser.add_argument("--gpus", default="nvml", help="'nvml' (default) or 'sim:COUNTxMODEL:MiB,...'")
-    parser.add_argument("--device-plugin-dir", default=DEFAULT_DEVICE_PLUGIN_DIR)
     parser.add_argument("--memory-unit", default="GiB", help="GiB (default), MiB or <N>MiB")
     parser.add_argument(
         "--ignore-xids",
@@ -90,6 +101,13 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_NVML_RECOVERY,
         help="with --gpus nvml: seconds without a fault (and NVML answering again) before a card that hit a "
         f"critical XID or fell off the bus is advertised Healthy again (default {DEFAULT_NVML_RECOVERY:g})",
+    )
+
+
+def add_device_plugin_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags only the device plugin reads (``gpushare device-plugin`` and ``gpushare node``)."""
+    parser.add_argument(
+        "--device-plugin-dir", default=DEFAULT_DEVICE_PLUGIN_DIR, help="where kubelet's registration socket is"
     )
     parser.add_argument(
         "--count-replicas",
@@ -113,13 +131,11 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def node_settings(args: argparse.Namespace) -> NodeSettings:
+    """From :func:`add_node_flags`' flags."""
     if not args.node_name:
         raise UsageError("--node-name is required (or set $NODE_NAME)")
-    if min(args.allocate_rereads, args.allocate_reread_wait, args.count_replicas, args.nvml_recovery_seconds) < 0:
-        raise UsageError(
-            "--allocate-rereads, --allocate-reread-wait, --count-replicas and --nvml-recovery-seconds "
-            "must not be negative"
-        )
+    if args.nvml_recovery_seconds < 0:
+        raise UsageError("--nvml-recovery-seconds must not be negative")
     try:
         unit = parse_unit(args.memory_unit)
         ignored = parse_ignored_xids(args.ignore_xids)
@@ -129,12 +145,22 @@ def node_settings(args: argparse.Namespace) -> NodeSettings:
         node_name=args.node_name,
         kubeconfig=args.kubeconfig,
         gpus=args.gpus,
-        device_plugin_dir=Path(args.device_plugin_dir),
+        device_plugin_dir=Path(DEFAULT_DEVICE_PLUGIN_DIR),
         memory_unit=unit,
         ignored_xids=ignored,
+        nvml_recovery=args.nvml_recovery_seconds,
+    )
+
+
+def device_plugin_settings(args: argparse.Namespace) -> NodeSettings:
+    """From :func:`add_node_flags`' and :func:`add_device_plugin_flags`' flags."""
+    if min(args.allocate_rereads, args.allocate_reread_wait, args.count_replicas) < 0:
+        raise UsageError("--allocate-rereads, --allocate-reread-wait and --count-replicas must not be negative")
+    return dataclasses.replace(
+        node_settings(args),
+        device_plugin_dir=Path(args.device_plugin_dir),
         reread=Reread(args.allocate_rereads, args.allocate_reread_wait),
         count_replicas=args.count_replicas,
-        nvml_recovery=args.nvml_recovery_seconds,
     )
 
 
