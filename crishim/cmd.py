@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from gpushare.settings import add_node_flags
+from gpushare.settings import add_metrics_flags, add_node_flags
 
 if TYPE_CHECKING:  # the wiring pulls in grpc; the command module stays light
     from gpushare.crishim.wiring import ShimSettings
@@ -16,6 +16,12 @@ DEFAULT_RUNTIME = "unix:///run/containerd/containerd.sock"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_node_flags(parser)
+    add_shim_flags(parser)
+    add_metrics_flags(parser, 9446)
+
+
+def add_shim_flags(parser: argparse.ArgumentParser) -> None:
+    """The shim's own flags; shared with ``gpushare node``."""
     parser.add_argument("--listen", default=DEFAULT_LISTEN, help="the socket kubelet connects to (mode 0600)")
     parser.add_argument("--runtime", default=DEFAULT_RUNTIME, help="the real runtime's CRI socket")
     api = parser.add_mutually_exclusive_group()
@@ -48,7 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="give containers that request no GPU NVIDIA_VISIBLE_DEVICES=void (default: on)",
     )
-    parser.add_argument("--metrics-port", type=int, default=9446, help="/metrics, /healthz, /readyz (0: off)")
 
 
 def shim_settings(args: argparse.Namespace) -> ShimSettings:
@@ -78,9 +83,10 @@ def run(args: argparse.Namespace) -> int:
     from gpushare.crishim.wiring import run_cri_shim
 
     from gpushare.kube.errors import KubeConfigError
-    from gpushare.settings import UsageError, node_settings
+    from gpushare.settings import UsageError, metrics_endpoint, node_settings
 
+    metrics = metrics_endpoint(args)
     try:
-        return run_cri_shim(node_settings(args), shim_settings(args), args.metrics_port)
+        return run_cri_shim(node_settings(args), shim_settings(args), metrics)
     except KubeConfigError as exc:
         raise UsageError(f"{exc} (or pass --no-api-fetch)") from None

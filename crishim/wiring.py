@@ -17,7 +17,7 @@ from gpushare.kube.transport import load_api
 from gpushare.kube.watch import WatchCache, node_pod_cache
 from gpushare.observability import serve_http
 from gpushare.process import wait_for_termination
-from gpushare.settings import NodeSettings
+from gpushare.settings import MetricsEndpoint, NodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +99,10 @@ def _api_for(node: NodeSettings, settings: ShimSettings) -> Any | None:
         return None
 
 
-def run_cri_shim(node: NodeSettings, settings: ShimSettings, metrics_port: int) -> int:
+def run_cri_shim(node: NodeSettings, settings: ShimSettings, metrics: MetricsEndpoint | None) -> int:
     backend = node.open_backend()
     running = start_cri_shim(node, settings, backend, _api_for(node, settings))
-    if metrics_port:
-        serve_http(metrics_port, lambda: running.shim.serving)
+    server = serve_http(metrics, lambda: running.shim.serving) if metrics else None
     log.info(
         "CRI shim for node %s (%d card(s)): API lookups %s, device rewriting %s, CDI %s, unrequested GPUs %s",
         node.node_name,
@@ -116,6 +115,8 @@ def run_cri_shim(node: NodeSettings, settings: ShimSettings, metrics_port: int) 
     try:
         wait_for_termination()
     finally:
+        if server is not None:
+            server.stop()
         running.stop()
         backend.close()
     return 0

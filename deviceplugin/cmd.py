@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 
-from gpushare.settings import add_node_flags
+from gpushare.settings import add_device_plugin_flags, add_metrics_flags, add_node_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_node_flags(parser)
-    parser.add_argument("--metrics-port", type=int, default=9445, help="/metrics, /healthz, /readyz (0: off)")
+    add_device_plugin_flags(parser)
+    add_metrics_flags(parser, 9445)
 
 
 def run(args: argparse.Namespace) -> int:
     from gpushare.deviceplugin.wiring import run_device_plugin
 
-    from gpushare.settings import node_settings
+    from gpushare.settings import device_plugin_settings, metrics_endpoint
 
-    return run_device_plugin(node_settings(args), args.metrics_port)
+    metrics = metrics_endpoint(args)
+    return run_device_plugin(device_plugin_settings(args), metrics)

@@ -15,7 +15,7 @@ from gpushare.kube.transport import load_api
 from gpushare.kube.watch import WatchCache, node_pod_cache
 from gpushare.observability import serve_http
 from gpushare.process import wait_for_termination
-from gpushare.settings import NodeSettings, UsageError
+from gpushare.settings import MetricsEndpoint, NodeSettings, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +61,11 @@ def start_device_plugin(settings: NodeSettings, backend: GpuBackend, api: object
     return RunningPlugin(plugin, allocator, cache)
 
 
-def run_device_plugin(settings: NodeSettings, metrics_port: int) -> int:
+def run_device_plugin(settings: NodeSettings, metrics: MetricsEndpoint | None) -> int:
     backend = settings.open_backend()
     check_unit(backend, settings.memory_unit, settings.count_replicas)
     running = start_device_plugin(settings, backend, load_api(settings.kubeconfig))
-    server = serve_http(metrics_port, running.ready) if metrics_port else None
+    server = serve_http(metrics, running.ready) if metrics else None
     log.info(
         "device plugin for node %s serving %d card(s) from %s",
         settings.node_name,

@@ -55,6 +55,7 @@ from gpushare.contract.names import (
 from gpushare.contract.nodeselection import node_refusal, parse_node_facts, parse_pod_nodes
 from gpushare.contract.pending import LEDGER_BYTES, Ledger, LedgerError, PendingBind, format_pending_binds
 from gpushare.contract.request import annotations_of, parse_pod_request
+from gpushare.contract.units import MemoryUnit
 from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import bind_pod, get_node, get_pod, list_pods, patch_node
@@ -199,7 +200,7 @@ class Binder:
                     raise BindError(f"bind {where}: {nofit.reason}") from None
                 allocation = allocation_of(assignments)
                 annotations = pod_annotations(pod, allocation, inventory)
-                if self._write(pod, node, node_obj, ledger, allocation, annotations, where):
+                if self._write(pod, node, node_obj, ledger, allocation, annotations, where, inventory.unit):
                     return
             except ContractError as exc:
                 BIND_FAILURES.labels(reason="bad-annotation").inc()
@@ -219,6 +220,7 @@ class Binder:
         allocation: Allocation,
         annotations: dict[str, str],
         where: str,
+        unit: MemoryUnit,
     ) -> bool:
         """Steps 3 and 4 of the module doc. False when another writer got to the node first."""
         meta = pod["metadata"]
@@ -268,7 +270,8 @@ class Binder:
                 raise BindError(f"bind {where}: creating the binding failed, assignment taken back: {exc}") from None
             log.info("bind %s: the binding had been created before its answer was lost", where)
         cards = "; ".join(
-            f"{c}: {', '.join(f'card {s.index} ({s.units})' for s in ss)}" for c, ss in allocation.items()
+            f"{c}: {', '.join(f'card {s.index} ({unit.describe(s.units)})' for s in ss)}"
+            for c, ss in allocation.items()
         )
         log.info("bound pod %s/%s to node %s: %s", namespace, name, node, cards)
         self.events.record(pod, reason="GPUAssigned", message=f"node {node}: {cards}")

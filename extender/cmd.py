@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from gpushare.contract.gang import MAX_GANG_MEMBERS
-from gpushare.settings import UsageError
+from gpushare.settings import MetricsEndpoint, UsageError, add_kubeconfig_flag, add_metrics_host_flag
 from gpushare.tlshttp import DEFAULT_LIMITS, Limits, ServerTLS, TLSFilesError
 
 if TYPE_CHECKING:
@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=32766)
-    parser.add_argument("--kubeconfig", default=None, help="default: in-cluster config, then ~/.kube/config")
+    parser.add_argument("--port", type=int, default=32766, help="port for the verbs kube-scheduler calls")
+    add_kubeconfig_flag(parser)
     parser.add_argument("--policy", default="", help="binpack, spread, fgd or fgdfit (default: fgdfit)")
     tls = parser.add_argument_group("TLS (without a certificate the verbs are served over plain HTTP on loopback only)")
     tls.add_argument("--tls-cert", default=None, help="the extender's certificate (PEM)")
@@ -29,7 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tls.add_argument("--no-client-auth", action="store_true", help="serve TLS without asking for a client certificate")
     parser.add_argument("--host", default=None, help="listen address (default: 0.0.0.0 with TLS, else 127.0.0.1)")
     parser.add_argument(
-        "--health-port", type=int, default=None, help="plain HTTP port for /healthz, /readyz and /metrics only"
+        "--health-port",
+        type=int,
+        default=None,
+        help="plain HTTP port for /healthz, /readyz and /metrics only (default: none)",
     )
     parser.add_argument(
         "--max-gang-members",
@@ -38,10 +41,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"refuse gangs with more members than this (default: {MAX_GANG_MEMBERS}); "
         "the work of a member's filter grows with its gang's size",
     )
+    add_metrics_host_flag(parser, "--health-host")
     limits = parser.add_argument_group("limits")
-    limits.add_argument("--max-body-bytes", type=int, default=DEFAULT_LIMITS.max_body)
-    limits.add_argument("--read-timeout", type=float, default=DEFAULT_LIMITS.read_timeout, help="seconds per request")
-    limits.add_argument("--workers", type=int, default=DEFAULT_LIMITS.workers)
+    limits.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_LIMITS.max_body, help="larger request bodies get 413 unread"
+    )
+    limits.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULT_LIMITS.read_timeout,
+        help="seconds for a TLS handshake, for a request once it has begun, and for a reply to be taken",
+    )
+    limits.add_argument("--workers", type=int, default=DEFAULT_LIMITS.workers, help="threads running the verbs")
 
 
 def _positive(text: str) -> int:
@@ -69,7 +80,8 @@ def serving(args: argparse.Namespace) -> Serving:
     except TLSFilesError as exc:
         raise UsageError(str(exc)) from None
     limits = Limits(max_body=args.max_body_bytes, read_timeout=args.read_timeout, workers=args.workers)
-    return Serving(args.port, tls, args.host, limits, args.health_port)
+    health = None if args.health_port is None else MetricsEndpoint(args.health_host, args.health_port)
+    return Serving(args.port, tls, args.host, limits, health)
 
 
 def run(args: argparse.Namespace) -> int:

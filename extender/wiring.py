@@ -20,7 +20,7 @@ from gpushare.contract.gang import MAX_GANG_MEMBERS
 from gpushare.kube.transport import load_api
 from gpushare.observability import ObservabilityServer, serve_http
 from gpushare.process import wait_for_termination
-from gpushare.settings import UsageError
+from gpushare.settings import MetricsEndpoint, UsageError
 from gpushare.tlshttp import Limits, ServerTLS
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class Serving:
     host: str | None = None
     limits: Limits | None = None
     #: plain /healthz, /readyz and /metrics for kubelet's probes, which can't show a client certificate
-    health_port: int | None = None
+    health: MetricsEndpoint | None = None
 
 
 def start_extender(
@@ -89,8 +89,8 @@ def start_extender(
         raise UsageError(str(exc)) from None
     server.start()
     health = None
-    if serving.health_port is not None:
-        health = serve_http(serving.health_port, settled.is_set, before_metrics=lambda: refresh_card_gauges(cache))
+    if serving.health is not None:
+        health = serve_http(serving.health, settled.is_set, before_metrics=lambda: refresh_card_gauges(cache))
     log.info(
         "extender serving %s on %s port %d with policy %s",
         "HTTPS" if serving.tls is not None else "plain HTTP",

@@ -40,19 +40,53 @@ SUBCOMMANDS: dict[str, tuple[ModuleType, str]] = {
 }
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def log_level(text: str) -> int:
+    """A ``--log-level`` value (argparse type), any case."""
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return logging.getLevelName(text.upper())
+
+
+def configure_logging(level: int) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, unless it names the default itself or there is none to
+    show (no default, an empty one, or an on/off flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or not action.option_strings
+            or default is None
+            or default is argparse.SUPPRESS
+            or isinstance(default, bool)
+            or default in ("", [])
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpushare", description="Share GPUs between Kubernetes pods by memory.")
-    parser.add_argument("--log-level", default="INFO")
+    parser = argparse.ArgumentParser(
+        prog="gpushare", description="Share GPUs between Kubernetes pods by memory.", formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--log-level",
+        type=log_level,
+        default="info",
+        metavar="{" + ",".join(LOG_LEVELS) + "}",
+        help="what is logged, before the command",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         sub_parser.set_defaults(run=module.run)
         module.add_arguments(sub_parser)
     return parser

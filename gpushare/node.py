@@ -15,10 +15,18 @@ if TYPE_CHECKING:
     from gpushare.supervisor import Supervised
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from gpushare.crishim.cmd import add_arguments as add_shim_arguments
+#: where the DaemonSet's probes and Prometheus look (deploy/node-agent.yaml)
+DEFAULT_METRICS_PORT = 9410
 
-    add_shim_arguments(parser)  # node flags, shim flags and --metrics-port
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from gpushare.crishim.cmd import add_shim_flags
+    from gpushare.settings import add_device_plugin_flags, add_metrics_flags, add_node_flags
+
+    add_node_flags(parser)
+    add_device_plugin_flags(parser)
+    add_shim_flags(parser)
+    add_metrics_flags(parser, DEFAULT_METRICS_PORT)
     parser.add_argument("--no-cri-shim", action="store_true", help="run only the advertiser and the device plugin")
     parser.add_argument("--advertise-interval", type=float, default=60.0, help="seconds between inventory re-checks")
 
@@ -54,11 +62,12 @@ def run(args: argparse.Namespace) -> int:
     from gpushare.kube.transport import load_api
     from gpushare.observability import serve_http
     from gpushare.process import wait_for_termination
-    from gpushare.settings import node_settings
+    from gpushare.settings import device_plugin_settings, metrics_endpoint
     from gpushare.supervisor import Supervisor
 
     log = logging.getLogger("gpushare.node")
-    settings = node_settings(args)
+    metrics = metrics_endpoint(args)
+    settings = device_plugin_settings(args)
     shim = None if args.no_cri_shim else shim_settings(args)
     backend = settings.open_backend()
     check_unit(backend, settings.memory_unit, settings.count_replicas)
@@ -67,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     server = None
     try:
         supervisor.start()
-        if args.metrics_port:
-            server = serve_http(args.metrics_port, supervisor.ready)
+        if metrics is not None:
+            server = serve_http(metrics, supervisor.ready)
         log.info(
             "node agent for %s: %d card(s), CRI shim %s",
             settings.node_name,

@@ -1,13 +1,24 @@
-"""``/metrics``, ``/healthz`` and ``/readyz`` for the long-running components."""
+"""``/metrics``, ``/healthz`` and ``/readyz`` for the long-running components.
+
+Served over plain HTTP (kubelet's probes can't show a client certificate) by the bounded server of
+:mod:`gpushare.tlshttp`: a fixed few threads, a cap on connections and a deadline on every request, so
+half-sent requests cost neither threads nor memory beyond that, on the address the operator gives.
+"""
 
 from __future__ import annotations
 
-import threading
+import logging
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gpushare.settings import MetricsEndpoint
+from gpushare.tlshttp import HttpServer, Limits, Reply, Request
+
+log = logging.getLogger(__name__)
+
+#: probes and scrapes are small GETs that come a few at a time
+LIMITS = Limits(max_body=0, max_header=16 << 10, read_timeout=5.0, idle_timeout=30.0, workers=2, max_connections=64)
 
 
 def health_reply(path: str, ready: Callable[[], bool]) -> tuple[int, str, bytes] | None:
@@ -24,48 +35,37 @@ def health_reply(path: str, ready: Callable[[], bool]) -> tuple[int, str, bytes]
 class ObservabilityServer:
     def __init__(
         self,
-        port: int,
+        endpoint: MetricsEndpoint,
         ready: Callable[[], bool],
-        host: str = "0.0.0.0",
         before_metrics: Callable[[], None] | None = None,
+        limits: Limits = LIMITS,
     ) -> None:
-        def handler_factory(*args: Any) -> BaseHTTPRequestHandler:
-            return _Handler(ready, before_metrics, *args)
-
-        self._server = ThreadingHTTPServer((host, port), handler_factory)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        threading.Thread(target=self._server.serve_forever, name="observability", daemon=True).start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def __init__(self, ready: Callable[[], bool], before_metrics: Callable[[], None] | None, *args: Any) -> None:
         self._ready = ready
         self._before_metrics = before_metrics
-        super().__init__(*args)
+        self._http = HttpServer(endpoint.host, endpoint.port, self._handle, limits=limits, name="observability")
+        self.host = self._http.host
+        self.port = self._http.port
+        self._http.start()
+        log.info("serving /metrics, /healthz and /readyz on %s port %d", self.host, self.port)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        """Probes every few seconds would drown the log."""
+    @property
+    def open_connections(self) -> int:
+        return self._http.open_connections
 
-    def do_GET(self) -> None:
-        path = self.path.split("?")[0]
-        if path == "/metrics" and self._before_metrics is not None:
+    def _handle(self, request: Request) -> Reply:
+        if request.method != "GET":
+            return Reply(405, b"only GET\n", "text/plain")
+        if request.path == "/metrics" and self._before_metrics is not None:
             self._before_metrics()
-        reply = health_reply(path, self._ready)
-        code, content_type, body = reply or (404, "text/plain", b"not found\n")
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        code, content_type, body = health_reply(request.path, self._ready) or (404, "text/plain", b"not found\n")
+        return Reply(code, body, content_type)
+
+    def stop(self) -> None:
+        self._http.stop()
 
 
 def serve_http(
-    port: int, ready: Callable[[], bool], host: str = "0.0.0.0", before_metrics: Callable[[], None] | None = None
+    endpoint: MetricsEndpoint, ready: Callable[[], bool], before_metrics: Callable[[], None] | None = None
 ) -> ObservabilityServer:
     """``before_metrics`` runs before each /metrics scrape (to refresh gauges computed on demand)."""
-    return ObservabilityServer(port, ready, host, before_metrics)
+    return ObservabilityServer(endpoint, ready, before_metrics)

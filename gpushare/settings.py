@@ -7,6 +7,8 @@ and :mod:`gpushare.cli` sits on top of the components.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,8 @@ from gpushare.inventory import (
 )
 
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+#: where /metrics, /healthz and /readyz listen unless told: they are plain HTTP, unauthenticated
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
 class UsageError(Exception):
@@ -52,7 +56,8 @@ DEFAULT_REREAD = Reread()
 
 @dataclass(frozen=True, slots=True)
 class NodeSettings:
-    """The flags every node-side component shares."""
+    """The flags every node-side component shares, and the device plugin's own (their defaults for the
+    other components, which don't read them)."""
 
     node_name: str
     kubeconfig: str | None
@@ -70,11 +75,20 @@ class NodeSettings:
         return open_backend(self.gpus, self.node_name, self.ignored_xids, self.nvml_recovery)
 
 
+def add_kubeconfig_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kubeconfig",
+        default=None,
+        metavar="FILE",
+        help="default: the in-cluster configuration, then $KUBECONFIG or ~/.kube/config",
+    )
+
+
 def add_node_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of every node-side command: which node, which cards, how they are counted."""
     parser.add_argument("--node-name", default=os.environ.get(ENV_NODE_NAME), help="default: $NODE_NAME")
-    parser.add_argument("--kubeconfig", default=None, help="default: in-cluster config, then ~/.kube/config")
+    add_kubeconfig_flag(parser)
     parser.add_argument("--gpus", default="nvml", help="'nvml' (default) or 'sim:COUNTxMODEL:MiB,...'")
-    parser.add_argument("--device-plugin-dir", default=DEFAULT_DEVICE_PLUGIN_DIR)
     parser.add_argument("--memory-unit", default="GiB", help="GiB (default), MiB or <N>MiB")
     parser.add_argument(
         "--ignore-xids",
@@ -87,6 +101,13 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_NVML_RECOVERY,
         help="with --gpus nvml: seconds without a fault (and NVML answering again) before a card that hit a "
         f"critical XID or fell off the bus is advertised Healthy again (default {DEFAULT_NVML_RECOVERY:g})",
+    )
+
+
+def add_device_plugin_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags only the device plugin reads (``gpushare device-plugin`` and ``gpushare node``)."""
+    parser.add_argument(
+        "--device-plugin-dir", default=DEFAULT_DEVICE_PLUGIN_DIR, help="where kubelet's registration socket is"
     )
     parser.add_argument(
         "--count-replicas",
@@ -110,13 +131,11 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def node_settings(args: argparse.Namespace) -> NodeSettings:
+    """From :func:`add_node_flags`' flags."""
     if not args.node_name:
         raise UsageError("--node-name is required (or set $NODE_NAME)")
-    if min(args.allocate_rereads, args.allocate_reread_wait, args.count_replicas, args.nvml_recovery_seconds) < 0:
-        raise UsageError(
-            "--allocate-rereads, --allocate-reread-wait, --count-replicas and --nvml-recovery-seconds "
-            "must not be negative"
-        )
+    if args.nvml_recovery_seconds < 0:
+        raise UsageError("--nvml-recovery-seconds must not be negative")
     try:
         unit = parse_unit(args.memory_unit)
         ignored = parse_ignored_xids(args.ignore_xids)
@@ -126,10 +145,65 @@ def node_settings(args: argparse.Namespace) -> NodeSettings:
         node_name=args.node_name,
         kubeconfig=args.kubeconfig,
         gpus=args.gpus,
-        device_plugin_dir=Path(args.device_plugin_dir),
+        device_plugin_dir=Path(DEFAULT_DEVICE_PLUGIN_DIR),
         memory_unit=unit,
         ignored_xids=ignored,
-        reread=Reread(args.allocate_rereads, args.allocate_reread_wait),
-        count_replicas=args.count_replicas,
         nvml_recovery=args.nvml_recovery_seconds,
     )
+
+
+def device_plugin_settings(args: argparse.Namespace) -> NodeSettings:
+    """From :func:`add_node_flags`' and :func:`add_device_plugin_flags`' flags."""
+    if min(args.allocate_rereads, args.allocate_reread_wait, args.count_replicas) < 0:
+        raise UsageError("--allocate-rereads, --allocate-reread-wait and --count-replicas must not be negative")
+    return dataclasses.replace(
+        node_settings(args),
+        device_plugin_dir=Path(args.device_plugin_dir),
+        reread=Reread(args.allocate_rereads, args.allocate_reread_wait),
+        count_replicas=args.count_replicas,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsEndpoint:
+    """Where a component serves /metrics, /healthz and /readyz."""
+
+    host: str
+    port: int
+
+
+def listen_address(text: str) -> str:
+    """An IP address to listen on (argparse type)."""
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an IP address (in a pod, pass the downward API's status.podIP)"
+        ) from None
+
+
+def add_metrics_host_flag(parser: argparse.ArgumentParser, flag: str = "--metrics-host") -> None:
+    parser.add_argument(
+        flag,
+        type=listen_address,
+        default=DEFAULT_METRICS_HOST,
+        metavar="ADDRESS",
+        help="address for /metrics, /healthz and /readyz, plain HTTP that anyone reaching it can read: "
+        "in a pod, its IP from the downward API (status.podIP), so that kubelet's probes and Prometheus "
+        "reach it and nothing else does; 0.0.0.0 only on purpose",
+    )
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser, port: int) -> None:
+    """``--metrics-port`` (0: off) and ``--metrics-host``."""
+    parser.add_argument(
+        "--metrics-port", type=int, default=port, help="port for /metrics, /healthz and /readyz (0: off)"
+    )
+    add_metrics_host_flag(parser)
+
+
+def metrics_endpoint(args: argparse.Namespace) -> MetricsEndpoint | None:
+    """From :func:`add_metrics_flags`' flags; None when off."""
+    if not 0 <= args.metrics_port <= 65535:
+        raise UsageError(f"--metrics-port {args.metrics_port} is not a port (0-65535; 0: off)")
+    return MetricsEndpoint(args.metrics_host, args.metrics_port) if args.metrics_port else None

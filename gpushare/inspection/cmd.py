@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gpushare.settings import add_kubeconfig_flag
+
 LAYOUTS = ("gpushare", "original")
 
 
@@ -23,9 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser, layout: str = "gpushare") -> 
         f"columns and totals lines of the original kubectl-inspect-gpushare (default: {layout})",
     )
     parser.add_argument("node", nargs="?", default=None, metavar="NODE", help="show only this node")
-    parser.add_argument(
-        "--kubeconfig", default=None, help="default: in-cluster config, then $KUBECONFIG or ~/.kube/config"
-    )
+    add_kubeconfig_flag(parser)
 
 
 def run(args: argparse.Namespace) -> int:

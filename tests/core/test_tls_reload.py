@@ -10,10 +10,12 @@ import os
 import shutil
 import ssl
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from tlscerts import Certs, make_certs
+from conftest import wait_until
+from tlscerts import Certs, Pair, make_certs, server_pair_valid
 
 from gpushare.tlshttp import HttpServer, Reply, ServerTLS
 
@@ -103,6 +105,60 @@ def test_a_pair_that_does_not_load_leaves_the_old_certificate_serving(
     # once the Secret is mended, the next connection takes it
     mount.publish(*pair(new))
     assert status(server.port, new.ca) == 200
+
+
+def publish_refused(
+    refused: Pair, mounted: tuple[SecretMount, Certs, HttpServer], caplog: pytest.LogCaptureFixture
+) -> str:
+    """Publish a pair the server must refuse: the old certificate keeps serving. What was logged."""
+    mount, old, server = mounted
+    with caplog.at_level(logging.ERROR, logger="gpushare.tlshttp"):
+        mount.publish(Path(refused.cert).read_bytes(), Path(refused.key).read_bytes())
+        assert status(server.port, old.ca) == 200
+    return caplog.text
+
+
+def test_an_expired_pair_leaves_the_old_certificate_serving(
+    mounted: tuple[SecretMount, Certs, HttpServer], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    mount, _, server = mounted
+    new = make_certs(tmp_path / "new")
+    now = datetime.now(UTC).replace(microsecond=0)
+    expired = server_pair_valid(new, now - timedelta(days=30), now - timedelta(days=1), tmp_path / "expired")
+    assert (
+        f"TLS certificate {mount.path('tls.crt')} has expired: valid from {now - timedelta(days=30):%Y-%m-%d %H:%M:%S} "
+        f"to {now - timedelta(days=1):%Y-%m-%d %H:%M:%S} UTC; still serving the certificate loaded before"
+    ) in publish_refused(expired, mounted, caplog)
+    mount.publish(*pair(new))
+    assert status(server.port, new.ca) == 200
+
+
+def test_a_pair_not_valid_yet_is_served_once_it_is(
+    mounted: tuple[SecretMount, Certs, HttpServer], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As when the issuer's clock is ahead: refused until its start, then taken without the files changing."""
+    mount, _, server = mounted
+    new = make_certs(tmp_path / "new")
+    start = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=3)
+    early = server_pair_valid(new, start, start + timedelta(days=1), tmp_path / "early")
+    logged = publish_refused(early, mounted, caplog)
+    assert f"TLS certificate {mount.path('tls.crt')} is not valid yet: valid from {start:%Y-%m-%d %H:%M:%S}" in logged
+    wait_until(lambda: status_or_none(server.port, new.ca) == 200, timeout=15, what="the pair to be taken once valid")
+
+
+def status_or_none(port: int, ca: str) -> int | None:
+    try:
+        return status(port, ca)
+    except ssl.SSLCertVerificationError:
+        return None
+
+
+def test_an_expired_pair_at_start_names_the_file_and_its_dates(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "c")
+    now = datetime.now(UTC).replace(microsecond=0)
+    expired = server_pair_valid(certs, now - timedelta(days=3), now - timedelta(days=2), tmp_path / "expired")
+    with pytest.raises(ValueError, match=f"TLS certificate {expired.cert} has expired: valid from .* to .* UTC"):
+        ServerTLS(expired.cert, expired.key)
 
 
 def test_unloadable_files_at_start_name_the_file(tmp_path: Path) -> None:

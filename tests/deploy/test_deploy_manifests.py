@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gpushare.cli import build_parser
 from gpushare.contract.names import ENV_NODE_NAME, ENV_VISIBLE_DEVICES, RESOURCE_MEM, RESOURCES
 from gpushare.contract.request import parse_pod_request
 from gpushare.inventory import simulated_cards
@@ -189,6 +190,32 @@ def test_extender_deployment_and_service() -> None:
     assert service["spec"]["selector"].items() <= labels.items()
     assert {p["targetPort"] for p in service["spec"]["ports"]} == {"https"}
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP", "no NodePort: the verbs stay off the nodes"
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "flag", "port"),
+    [
+        ("DaemonSet", "gpushare-node-agent", "--metrics-host", "metrics"),
+        ("Deployment", "gpushare-extender", "--health-host", "health"),
+        ("Deployment", "gpushare-webhook", "--host", "https"),
+    ],
+)
+def test_probe_ports_listen_on_the_pod_ip_and_the_command_takes_every_argument(
+    kind: str, name: str, flag: str, port: str
+) -> None:
+    """Probes and Prometheus come to the pod's IP; nothing else of the node's (or pod's) is bound."""
+    (container,) = pod_spec(one(kind, name))["containers"]
+    args = dict(a.split("=", 1) for a in container["args"])
+    assert args[flag] == "$(POD_IP)"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    # kubelet puts the IP in; the command parses every argument as given, and serves the probed port
+    parsed = build_parser().parse_args(
+        [*container["command"][1:], *(a.replace("$(POD_IP)", "10.1.2.3") for a in container["args"])]
+    )
+    assert getattr(parsed, flag[2:].replace("-", "_")) == "10.1.2.3"
+    served = {"metrics": "metrics_port", "health": "health_port", "https": "port"}[port]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}[port] == getattr(parsed, served)
 
 
 def test_webhook_guards_pods_and_fails_closed() -> None:

@@ -21,7 +21,7 @@ from gpushare.cli import build_parser
 from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM, RESOURCES
 from gpushare.contract.units import GIB, MemoryUnit, parse_unit
 from gpushare.inventory import simulated_cards
-from gpushare.settings import UsageError, node_settings
+from gpushare.settings import UsageError, device_plugin_settings
 
 MIXED = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
 H200 = simulated_cards("n1", "8xH200:144384")
@@ -117,12 +117,12 @@ def test_guard_leaves_room_for_every_card_turning_unhealthy() -> None:
         check_message_size([card(low)], MemoryUnit(1))
 
 
-def test_node_flags_for_replicas_and_rereads_reach_the_settings_and_negatives_are_refused() -> None:
+def test_device_plugin_flags_for_replicas_and_rereads_reach_the_settings_and_negatives_are_refused() -> None:
     parser = build_parser()
     base = ["device-plugin", "--node-name", "n1", "--count-replicas", "8", "--allocate-rereads", "2"]
-    settings = node_settings(parser.parse_args(base))
+    settings = device_plugin_settings(parser.parse_args(base))
     assert settings.count_replicas == 8
     assert settings.reread.waits() == [0.0, 0.1]
     for flag in ("--count-replicas", "--allocate-rereads", "--allocate-reread-wait"):
         with pytest.raises(UsageError, match="must not be negative"):
-            node_settings(parser.parse_args([*base, flag, "-1"]))
+            device_plugin_settings(parser.parse_args([*base, flag, "-1"]))

@@ -47,7 +47,7 @@ from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import AdmissionResult, KubeletEmulator, LaggingWatchCache
-from gpushare.settings import DEFAULT_REREAD, NodeSettings, Reread, UsageError
+from gpushare.settings import DEFAULT_REREAD, MetricsEndpoint, NodeSettings, Reread, UsageError
 
 SPEC = "2xA100-80GB:81920,1xT4:15360"
 MEM_UNITS = 80 + 80 + 15
@@ -444,7 +444,7 @@ def _get(url: str) -> tuple[int, str]:
 def test_metrics_show_card_usage_and_refusals_and_probes_follow_readiness(node: SimNode) -> None:
     t4 = node.cards[2]
     ready = {"value": False}
-    server = serve_http(0, lambda: ready["value"], host="127.0.0.1")
+    server = serve_http(MetricsEndpoint("127.0.0.1", 0), lambda: ready["value"])
     try:
         base = f"http://127.0.0.1:{server.port}"
         assert _get(f"{base}/healthz")[0] == 200

@@ -176,7 +176,7 @@ def test_a_bind_records_which_cards_the_pod_got_in_an_event(cluster: Cluster) ->
         return [(e.reason, e.message) for e in listed if e.involved_object.uid == pod["metadata"]["uid"]]
 
     wait_until(events, what="the pod's event")
-    assert events() == [("GPUAssigned", "node n2: main: card 0 (6)")]
+    assert events() == [("GPUAssigned", "node n2: main: card 0 (6 GiB)")]
 
 
 def pod_events(cluster: Cluster, pod: dict) -> list[tuple[str, str]]:

@@ -22,7 +22,7 @@ from gpushare.kube.retry import Backoff
 from gpushare.node import components
 from gpushare.observability import serve_http
 from gpushare.sandbox.kubelet import KubeletEmulator
-from gpushare.settings import NodeSettings
+from gpushare.settings import MetricsEndpoint, NodeSettings
 from gpushare.supervisor import Supervisor
 
 SPEC = "2xA100-80GB:81920"
@@ -91,7 +91,7 @@ def test_a_component_that_dies_is_restarted_and_readyz_is_false_until_it_is_back
         interval=0.02,
     )
     supervisor.start()
-    server = serve_http(0, supervisor.ready, host="127.0.0.1")
+    server = serve_http(MetricsEndpoint("127.0.0.1", 0), supervisor.ready)
     try:
         wait_until(lambda: readyz(server.port) == 200, 10, "the node agent to be ready")
 
