@@ -1,0 +1,97 @@
+"""How often a GPU pod bound while kubelet is down fails for good once kubelet is back.
+
+    python benchmarks/kubelet_restart.py [--restarts 20]
+
+Root and the built Kubernetes binaries are needed (see the README). One real cluster with one node
+(kubelet, the gpushare node agent, containerd). Each round: kubelet stops; a bare GPU pod
+(``aliyun.com/gpu-mem: 2``, no controller to replace it) is created and bound by kube-scheduler and the
+extender while kubelet is down; kubelet starts again; the round ends when the pod is Running or Failed
+(kubelet's ``UnexpectedAdmissionError`` when it admits the pod before the device plugin has registered
+with it). Prints each failure's reason and the failure rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from gpushare.contract.names import RESOURCE_MEM
+from gpushare.sandbox.binaries import KUBE_VERSION
+from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available, wait_for
+
+NODE = "node-a"
+
+
+def manifest(name: str) -> dict[str, Any]:
+    return as_host_network({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": {"kubernetes.io/hostname": NODE},
+            "containers": [{"name": "main", "image": "busybox:1.36", "command": ["sleep", "3600"],
+                            "resources": {"limits": {RESOURCE_MEM: 2}}}],
+        },
+    })  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--restarts", type=int, default=20)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if reason := realcluster_available():
+        print(f"needs a real cluster: {reason}", file=sys.stderr)
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="gs-restart-", dir="/tmp"))
+    cluster = RealCluster(((NODE, "1xA100-80GB:81920"),), workdir)
+    failures: list[str] = []
+    try:
+        cluster.start()
+        core = client.CoreV1Api(cluster.api)
+        node = cluster.nodes[NODE]
+        for i in range(args.restarts):
+            assert node.kubelet is not None
+            node.kubelet.stop()
+            cluster.processes.remove(node.kubelet)
+            name = f"during-restart-{i}"
+            core.create_namespaced_pod("default", manifest(name))
+            wait_for(lambda n=name: core.read_namespaced_pod(n, "default").spec.node_name, 60, f"{name} bound")
+            cluster.start_kubelet(node)
+
+            def settled(n: str = name) -> client.V1Pod | None:
+                pod = core.read_namespaced_pod(n, "default")
+                return pod if pod.status.phase in ("Running", "Failed") else None
+
+            pod = wait_for(settled, 120, f"{name} Running or Failed", 0.2)
+            if pod.status.phase == "Failed":
+                failures.append(f"{name}: {pod.status.reason}: {pod.status.message}")
+            print(f"restart {i + 1}: {pod.status.phase}", flush=True)
+            core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+            wait_for(
+                lambda n=name: not core.list_namespaced_pod("default", field_selector=f"metadata.name={n}").items,
+                60,
+                f"{name} gone",
+            )
+            cluster.wait_node_ready(node, reported_after=time.time())
+        print(f"\nKubernetes {KUBE_VERSION}: {len(failures)} of {args.restarts} GPU pods bound while kubelet was "
+              f"down failed for good")  # fmt: skip
+        for failure in failures:
+            print(f"  {failure}")
+        return 0
+    finally:
+        cluster.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
