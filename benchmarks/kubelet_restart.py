@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from kubernetes import client
+from realbench import real_cluster
 
 from gpushare.contract.names import RESOURCE_MEM
 from gpushare.sandbox.binaries import KUBE_VERSION
-from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available, wait_for
+from gpushare.sandbox.realcluster import as_host_network, wait_for
 
 NODE = "node-a"
 
@@ -49,14 +47,8 @@ def main() -> int:
     parser.add_argument("--restarts", type=int, default=20)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    if reason := realcluster_available():
-        print(f"needs a real cluster: {reason}", file=sys.stderr)
-        return 2
-    workdir = Path(tempfile.mkdtemp(prefix="gs-restart-", dir="/tmp"))
-    cluster = RealCluster(((NODE, "1xA100-80GB:81920"),), workdir)
     failures: list[str] = []
-    try:
-        cluster.start()
+    with real_cluster("gs-restart-", ((NODE, "1xA100-80GB:81920"),)) as cluster:
         core = client.CoreV1Api(cluster.api)
         node = cluster.nodes[NODE]
         for i in range(args.restarts):
@@ -83,14 +75,11 @@ def main() -> int:
                 f"{name} gone",
             )
             cluster.wait_node_ready(node, reported_after=time.time())
-        print(f"\nKubernetes {KUBE_VERSION}: {len(failures)} of {args.restarts} GPU pods bound while kubelet was "
-              f"down failed for good")  # fmt: skip
-        for failure in failures:
-            print(f"  {failure}")
-        return 0
-    finally:
-        cluster.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"\nKubernetes {KUBE_VERSION}: {len(failures)} of {args.restarts} GPU pods bound while kubelet was "
+          f"down failed for good")  # fmt: skip
+    for failure in failures:
+        print(f"  {failure}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from kubernetes import client
+from realbench import real_cluster
 
 from gpushare.contract.names import RESOURCE_MEM
 from gpushare.kube.watch import WatchCache
 from gpushare.sandbox.binaries import KUBE_VERSION
-from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available, wait_for
+from gpushare.sandbox.realcluster import as_host_network, wait_for
 
 NAMESPACE = "default"
 LABEL = "gpushare-bench-startup"
@@ -79,50 +77,40 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs) afterwards")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    if reason := realcluster_available():
-        print(f"needs a real cluster: {reason}", file=sys.stderr)
-        return 2
-    workdir = Path(tempfile.mkdtemp(prefix="gs-start-", dir="/tmp"))
-    cluster = RealCluster((("node-a", "2xA100-80GB:81920"),), workdir)
-    watch = None
-    try:
-        cluster.start()
+    with real_cluster("gs-start-", (("node-a", "2xA100-80GB:81920"),), args.keep) as cluster:
         core = client.CoreV1Api(cluster.api)
         running = RunningTimes()
         watch = WatchCache(cluster.api, "pods", label_selector=f"{LABEL}=yes")
         watch.add_listener(running)
         watch.start()
-        watch.wait_synced(60)
-        times: dict[str, list[float]] = {kind: [] for kind in KINDS}
-        for i in range(args.pods):
-            order = KINDS if i % 2 == 0 else KINDS[::-1]
-            for kind in order:
-                name = f"{'gpu' if kind == KINDS[0] else 'plain'}-{i}"
-                core.create_namespaced_pod(NAMESPACE, manifest(name, kind == KINDS[0]))
-                created = time.monotonic()
-                times[kind].append(running.wait(name, 120) - created)
-                core.delete_namespaced_pod(name, NAMESPACE, grace_period_seconds=0)
-                wait_for(
-                    lambda n=name: not core.list_namespaced_pod(NAMESPACE, field_selector=f"metadata.name={n}").items,
-                    60,
-                    f"pod {name} to be gone",
-                    0.1,
-                )
-        gpu, plain = (statistics.median(times[kind]) for kind in KINDS)
-        print(f"Kubernetes {KUBE_VERSION}, {args.pods} pods of each kind, create -> Running (median)")
-        for kind in KINDS:
-            each = ", ".join(f"{t:.2f}" for t in times[kind])
-            print(f"  {kind:<24} {statistics.median(times[kind]):6.2f} s   (all: {each})")
-        print(f"  ratio GPU / no GPU        {gpu / plain:6.2f}")
-        return 0
-    finally:
-        if watch is not None:
+        try:
+            watch.wait_synced(60)
+            times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+            for i in range(args.pods):
+                order = KINDS if i % 2 == 0 else KINDS[::-1]
+                for kind in order:
+                    name = f"{'gpu' if kind == KINDS[0] else 'plain'}-{i}"
+                    core.create_namespaced_pod(NAMESPACE, manifest(name, kind == KINDS[0]))
+                    created = time.monotonic()
+                    times[kind].append(running.wait(name, 120) - created)
+                    core.delete_namespaced_pod(name, NAMESPACE, grace_period_seconds=0)
+                    wait_for(
+                        lambda n=name: (
+                            not core.list_namespaced_pod(NAMESPACE, field_selector=f"metadata.name={n}").items
+                        ),
+                        60,
+                        f"pod {name} to be gone",
+                        0.1,
+                    )
+        finally:
             watch.stop()
-        cluster.stop()
-        if args.keep:
-            print(f"logs in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+    gpu, plain = (statistics.median(times[kind]) for kind in KINDS)
+    print(f"Kubernetes {KUBE_VERSION}, {args.pods} pods of each kind, create -> Running (median)")
+    for kind in KINDS:
+        each = ", ".join(f"{t:.2f}" for t in times[kind])
+        print(f"  {kind:<24} {statistics.median(times[kind]):6.2f} s   (all: {each})")
+    print(f"  ratio GPU / no GPU        {gpu / plain:6.2f}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -23,19 +23,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import yaml
 from gpushare.deviceplugin.devices import count_replicas
 from kubernetes import client
+from realbench import real_cluster
 
 from gpushare.contract.inventory import format_inventory
 from gpushare.contract.names import ANN_ALLOCATION, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
@@ -50,7 +48,6 @@ from gpushare.sandbox.realcluster import (
     RealCluster,
     _get,
     free_port,
-    realcluster_available,
     render_scheduler_config,
     scheduler_argv,
     wait_for,
@@ -198,14 +195,9 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs) afterwards")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    if reason := realcluster_available():
-        print(f"needs a real cluster: {reason}", file=sys.stderr)
-        return 2
-    workdir = Path(tempfile.mkdtemp(prefix="gs-tput-", dir="/tmp"))
-    cluster = RealCluster((), workdir, scheduler_names=(), controllers=("*", "-node-lifecycle-controller"))
-    extender = None
-    try:
-        cluster.start()
+    with real_cluster(
+        "gs-tput-", (), args.keep, scheduler_names=(), controllers=("*", "-node-lifecycle-controller")
+    ) as cluster:
         core = client.CoreV1Api(cluster.api)
         started = time.monotonic()
         with ThreadPoolExecutor(8) as pool:
@@ -225,33 +217,28 @@ def main() -> int:
                 "extender",
                 [sys.executable, "-m", "gpushare.cli", "extender", "--port", str(port),
                  "--kubeconfig", str(cluster.kubeconfig_of("gpushare-extender"))],
-                workdir / "extender.log",
+                cluster.workdir / "extender.log",
             ).start()  # fmt: skip
-            url = f"http://127.0.0.1:{port}"
-            wait_for(lambda: extender.check() or _get(f"{url}/readyz") == 200, 120, "the extender to be ready")
-            rates: dict[str, list[float]] = {setup: [] for setup in SETUPS}
-            for round_ in range(args.rounds):
-                order = SETUPS if round_ % 2 == 0 else SETUPS[::-1]
-                for setup in order:
-                    via = url if setup == SETUPS[1] else None
-                    rate = run_once(cluster, core, pool, args, f"r{round_}-{'ext' if via else 'plain'}", via)
-                    rates[setup].append(rate)
-                    print(f"round {round_ + 1}: {setup}: {rate:.1f} pods/s", flush=True)
-        alone, ext = (statistics.median(rates[s]) for s in SETUPS)
-        print(
-            f"\nKubernetes {KUBE_VERSION}, client qps/burst {args.qps:g} in both setups\n"
-            f"{args.nodes} nodes, {args.pods} pods, {args.rounds} rounds (medians): "
-            f"scheduler alone {alone:.1f} pods/s, with extender {ext:.1f} pods/s: {100 * ext / alone:.0f}%"
-        )
-        return 0
-    finally:
-        if extender is not None:
-            extender.stop()
-        cluster.stop()
-        if args.keep:
-            print(f"logs in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                wait_for(lambda: extender.check() or _get(f"{url}/readyz") == 200, 120, "the extender to be ready")
+                rates: dict[str, list[float]] = {setup: [] for setup in SETUPS}
+                for round_ in range(args.rounds):
+                    order = SETUPS if round_ % 2 == 0 else SETUPS[::-1]
+                    for setup in order:
+                        via = url if setup == SETUPS[1] else None
+                        rate = run_once(cluster, core, pool, args, f"r{round_}-{'ext' if via else 'plain'}", via)
+                        rates[setup].append(rate)
+                        print(f"round {round_ + 1}: {setup}: {rate:.1f} pods/s", flush=True)
+            finally:
+                extender.stop()
+    alone, ext = (statistics.median(rates[s]) for s in SETUPS)
+    print(
+        f"\nKubernetes {KUBE_VERSION}, client qps/burst {args.qps:g} in both setups\n"
+        f"{args.nodes} nodes, {args.pods} pods, {args.rounds} rounds (medians): "
+        f"scheduler alone {alone:.1f} pods/s, with extender {ext:.1f} pods/s: {100 * ext / alone:.0f}%"
+    )
+    return 0
 
 
 if __name__ == "__main__":

@@ -526,7 +526,7 @@ def _grace_period(pod: Mapping[str, Any], requested: Any) -> int:
 
 
 def _status_update(current: dict[str, Any], updated: dict[str, Any]) -> dict[str, Any]:
-    """A write to the status subresource: as in kube-apiserver 1.20, everything but the spec is taken
+    """A write to the status subresource: as kube-apiserver does, everything but the spec is taken
     from the new object, labels and annotations included."""
     kept = {"spec": current["spec"]} if "spec" in current else {}
     return {**{k: v for k, v in updated.items() if k != "spec"}, **kept}

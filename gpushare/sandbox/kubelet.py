@@ -1,7 +1,7 @@
 """A kubelet emulator: kubelet's side of the device plugin protocol, for the sandbox and the tests.
 
 It serves ``Registration`` on ``kubelet.sock``, rejects registrations kubelet would reject, follows each
-plugin's ListAndWatch stream, and admits pods the way kubelet 1.20 does: per container (init containers
+plugin's ListAndWatch stream, and admits pods the way kubelet does (1.20 to 1.37 alike): per container (init containers
 first, then in spec order), per resource in random order, one Allocate call with as many free healthy
 device IDs as the limit, after asking GetPreferredAllocation when the plugin offers it. Results are
 checkpointed: an admitted container is never allocated again. :meth:`restart` reproduces what a kubelet
@@ -304,7 +304,7 @@ class KubeletEmulator:
             return result
 
     def _resource_order(self, mem: int, count: int) -> list[tuple[str, int]]:
-        """The container's device-plugin resources in the order kubelet 1.20 calls Allocate for them: it
+        """The container's device-plugin resources in the order kubelet (1.20 to 1.37) calls Allocate for them: it
         ranges over the container's limits, a Go map, so gpu-mem and gpu-count come in either order."""
         wanted = [(r, n) for r, n in ((RESOURCE_MEM, mem), (RESOURCE_COUNT, count)) if n]
         self._rng.shuffle(wanted)

@@ -10,7 +10,7 @@ from typing import Any
 Predicate = Callable[[Mapping[str, Any]], bool]
 
 _METADATA = ("metadata.name", "metadata.namespace")
-#: the field selectors kube-apiserver 1.20 accepts, per resource; any other field is refused with 400
+#: the field selectors kube-apiserver 1.37 accepts, per resource; any other field is refused with 400
 FIELDS: dict[str, tuple[str, ...]] = {
     "pods": (
         *_METADATA,
@@ -18,6 +18,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
         "spec.restartPolicy",
         "spec.schedulerName",
         "spec.serviceAccountName",
+        "spec.hostNetwork",
         "status.phase",
         "status.podIP",
         "status.nominatedNodeName",
@@ -33,6 +34,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
         "involvedObject.resourceVersion",
         "involvedObject.fieldPath",
         "reason",
+        "reportingComponent",
         "source",
         "type",
     ),
@@ -40,7 +42,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "namespaces": (*_METADATA, "status.phase"),
 }
 #: where a selectable field lives in the object, when not at its own dotted path
-_PATHS = {"source": ("source", "component")}
+_PATHS = {"source": ("source", "component"), "reportingComponent": ("reportingComponent",)}
+#: what a selector compares an absent field with, when not the empty string (Go's zero value)
+_ABSENT = {("spec", "hostNetwork"): "false"}
 
 
 class SelectorError(ValueError):
@@ -52,7 +56,9 @@ def field_value(obj: Mapping[str, Any], path: tuple[str, ...]) -> str:
     value: Any = obj
     for part in path:
         value = (value or {}).get(part) if isinstance(value, Mapping) else None
-    return "" if value is None else str(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return _ABSENT.get(path, "") if value is None else str(value)
 
 
 @dataclass(frozen=True, slots=True)

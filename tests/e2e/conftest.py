@@ -1,6 +1,7 @@
-"""One real Kubernetes v1.20 cluster for the whole e2e session: kube-apiserver with RBAC and the
-manifests' service accounts, two kube-scheduler/extender pairs, and two simulated nodes, each a mount
-namespace with containerd, the gpushare node agent and a kubelet.
+"""One real Kubernetes v1.37.2 cluster for the whole e2e session: kube-apiserver with RBAC, the
+ServiceAccount admission plugin and the manifests' service accounts, kube-controller-manager, two
+kube-scheduler/extender pairs, and three simulated nodes, each a mount namespace with containerd 2, the
+gpushare node agent and a kubelet.
 
 Without root, the built binaries or the packages, every test here is skipped and the session header
 says why in one line.
@@ -24,6 +25,7 @@ from gpushare.contract.env import assigned_env
 from gpushare.contract.names import RESOURCE_MEM
 from gpushare.contract.request import parse_pod_request
 from gpushare.kube.objects import get_pod
+from gpushare.kube.transport import load_api
 from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available
 from gpushare.usage import pod_allocation
 
@@ -207,3 +209,32 @@ def assert_sees_assigned_cards(pods: Pods, name: str) -> None:
         expected = assigned_env(slices, pod_mem, units)
         seen = {k: env.get(k) for k in expected}
         assert seen == expected, f"pod {name} container {container}: env {seen} != assigned {expected}"
+
+
+#: what a tenant may do with pods in its namespace
+TENANT_POD_RULES = ({"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "patch", "delete"]},)
+
+
+def make_tenant(
+    cluster: RealCluster, namespace: str, name: str, rules: Sequence[Mapping[str, Any]] = TENANT_POD_RULES
+) -> client.ApiClient:
+    """A service account ``name`` in ``namespace`` bound to a Role of ``rules``: its API client."""
+    core, rbac = client.CoreV1Api(cluster.api), client.RbacAuthorizationV1Api(cluster.api)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": name}})
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": name}, "rules": list(rules)})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+    })  # fmt: skip
+    token = core.create_namespaced_service_account_token(
+        name, namespace, {"spec": {"audiences": [], "expirationSeconds": 3600}}
+    ).status.token
+    return load_api(str(cluster.write_kubeconfig(f"system:serviceaccount:{namespace}:{name}", token)))
+
+
+def remove_tenant(cluster: RealCluster, namespace: str, name: str) -> None:
+    core, rbac = client.CoreV1Api(cluster.api), client.RbacAuthorizationV1Api(cluster.api)
+    for delete in (rbac.delete_namespaced_role_binding, rbac.delete_namespaced_role,
+                   core.delete_namespaced_service_account):  # fmt: skip
+        delete(name, namespace)

@@ -17,10 +17,9 @@ from kubernetes import client
 
 from gpushare.contract.allocation import CardSlice, format_allocation, parse_allocation
 from gpushare.contract.names import ANN_ALLOCATION, ANN_GPU_MODEL, ANN_MEM_ASSIGNED, ANN_MEM_IDX, RESOURCE_MEM
-from gpushare.kube.transport import load_api
 from gpushare.sandbox.realcluster import SCHEDULER_CONFIG, RealCluster
 
-from .conftest import API_POLL, pod_manifest, wait_until
+from .conftest import API_POLL, TENANT_POD_RULES, make_tenant, pod_manifest, wait_until
 
 POLICY_FILE = SCHEDULER_CONFIG.parent / "admission-policy.yaml"
 NAMESPACE = "gpushare-e2e-policy"
@@ -58,33 +57,15 @@ def tenant(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.Core
     """The shipped policy, bound to NAMESPACE; yields the client of a service account there that may
     create, get, patch and delete pods, and patch their status."""
     admission = client.AdmissionregistrationV1Api(cluster.api)
-    rbac = client.RbacAuthorizationV1Api(cluster.api)
     policy, binding = shipped_policy()
     binding["spec"]["matchResources"] = {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}
     }
     core.create_namespace({"metadata": {"name": NAMESPACE}})
-    # the ServiceAccount admission plugin admits pods only once kube-controller-manager made "default"
-    wait_until(
-        lambda: any(a.metadata.name == "default" for a in core.list_namespaced_service_account(NAMESPACE).items),
-        30, f"kube-controller-manager to make {NAMESPACE}'s default service account", API_POLL,
-    )  # fmt: skip
-    core.create_namespaced_service_account(NAMESPACE, {"metadata": {"name": TENANT}})
-    rbac.create_namespaced_role(NAMESPACE, {
-        "metadata": {"name": TENANT},
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "patch", "delete"]},
-                  # some clusters let tenants write pod status; its writes carry metadata too
-                  {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]}],
-    })  # fmt: skip
-    rbac.create_namespaced_role_binding(NAMESPACE, {
-        "metadata": {"name": TENANT},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": TENANT},
-        "subjects": [{"kind": "ServiceAccount", "name": TENANT, "namespace": NAMESPACE}],
-    })  # fmt: skip
-    token = core.create_namespaced_service_account_token(
-        TENANT, NAMESPACE, {"spec": {"audiences": [], "expirationSeconds": 3600}}
-    ).status.token
-    api = load_api(str(cluster.write_kubeconfig(f"system:serviceaccount:{NAMESPACE}:{TENANT}", token)))
+    cluster.wait_default_service_account(NAMESPACE)
+    # some clusters let tenants write pod status; its writes carry metadata too
+    status_rule = {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]}
+    api = make_tenant(cluster, NAMESPACE, TENANT, (*TENANT_POD_RULES, status_rule))
     admission.create_validating_admission_policy(policy)
     admission.create_validating_admission_policy_binding(binding)
     try:

@@ -1,9 +1,7 @@
-"""Issue 10 on the real cluster: a pod can't forge its way onto a card (the CRI shim's own defence),
-the admission webhook keeps tenants off the scheduler's annotations, and kube-scheduler reaches the
-extender over TLS with its client certificate, as deploy/scheduler-config.yaml ships it.
-
-kube-apiserver 1.20 has no ValidatingAdmissionPolicy (it arrived in 1.26 and is GA in 1.30), so
-deploy/admission-policy.yaml can't be tried here; the webhook is."""
+"""On the real cluster: a pod can't forge its way onto a card (the CRI shim's own defence), the admission
+webhook keeps tenants off the scheduler's annotations, and kube-scheduler reaches the extender over TLS
+with its client certificate, as deploy/scheduler-config.yaml ships it. The ValidatingAdmissionPolicy,
+which needs no webhook, is test_admission_policy.py's."""
 
 from __future__ import annotations
 
@@ -36,7 +34,15 @@ from gpushare.kube.transport import load_api
 from gpushare.sandbox.certs import Certs, make_certs
 from gpushare.sandbox.realcluster import SCHEDULER_CONFIG, Process, RealCluster, free_port
 
-from .conftest import API_POLL, Pods, assert_sees_assigned_cards, pod_manifest, wait_until
+from .conftest import (
+    API_POLL,
+    Pods,
+    assert_sees_assigned_cards,
+    make_tenant,
+    pod_manifest,
+    remove_tenant,
+    wait_until,
+)
 
 GUARDED = "gpushare-e2e-guarded"
 GUARD_LABEL = {"gpushare.io/e2e-webhook": "on"}
@@ -106,7 +112,6 @@ def webhook(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.Api
         cluster.workdir / "gpushare-webhook.log",
     ).start()  # fmt: skip
     admission = client.AdmissionregistrationV1Api(cluster.api)
-    rbac = client.RbacAuthorizationV1Api(cluster.api)
     try:
         wait_until(
             lambda: server.check() or https_status(port, "/readyz", tls_client(certs, False)) == 200,
@@ -119,25 +124,13 @@ def webhook(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.Api
             "url": f"https://127.0.0.1:{port}/validate",
             "caBundle": base64.b64encode(Path(certs.ca).read_bytes()).decode(),
         }
-        # namespaces have no kubernetes.io/metadata.name label before 1.21: select by a label of our own
+        # only the test's namespace, so the other tests' deliberate forgeries go through
         hook["namespaceSelector"] = {"matchLabels": GUARD_LABEL}
         shipped["metadata"]["name"] = WEBHOOK_CONFIG
         if not any(ns.metadata.name == GUARDED for ns in core.list_namespace().items):
             core.create_namespace({"metadata": {"name": GUARDED, "labels": GUARD_LABEL}})
-        core.create_namespaced_service_account(GUARDED, {"metadata": {"name": TENANT}})
-        rbac.create_namespaced_role(GUARDED, {
-            "metadata": {"name": TENANT},
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "patch", "delete"]}],
-        })  # fmt: skip
-        rbac.create_namespaced_role_binding(GUARDED, {
-            "metadata": {"name": TENANT},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": TENANT},
-            "subjects": [{"kind": "ServiceAccount", "name": TENANT, "namespace": GUARDED}],
-        })  # fmt: skip
-        token = core.create_namespaced_service_account_token(
-            TENANT, GUARDED, {"spec": {"audiences": [], "expirationSeconds": 3600}}
-        ).status.token
-        tenant = load_api(str(cluster.write_kubeconfig(f"system:serviceaccount:{GUARDED}:{TENANT}", token)))
+        cluster.wait_default_service_account(GUARDED)
+        tenant = make_tenant(cluster, GUARDED, TENANT)
         admission.create_validating_webhook_configuration(shipped)
         try:
             wait_until(lambda: webhook_answers(client.CoreV1Api(tenant)), 30, "the API server to call the webhook",
@@ -146,9 +139,7 @@ def webhook(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.Api
         finally:
             admission.delete_validating_webhook_configuration(WEBHOOK_CONFIG)
             clear_guarded(core)
-            for delete in (rbac.delete_namespaced_role_binding, rbac.delete_namespaced_role,
-                           core.delete_namespaced_service_account):  # fmt: skip
-                delete(TENANT, GUARDED)
+            remove_tenant(cluster, GUARDED, TENANT)
             tenant.close()
     finally:
         server.stop()
