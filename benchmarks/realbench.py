@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpushare.sandbox.realcluster import RealCluster, realcluster_available
+from gpushare.sandbox.realcluster import RealCluster, realcluster_available, running_cluster
 
 
 @contextlib.contextmanager
@@ -23,12 +23,10 @@ def real_cluster(
         print(f"needs a real cluster: {reason}", file=sys.stderr)
         raise SystemExit(2)
     workdir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    cluster = RealCluster(nodes, workdir, **options)
     try:
-        cluster.start()
-        yield cluster
+        with running_cluster(nodes, workdir, **options) as cluster:
+            yield cluster
     finally:
-        cluster.stop()
         if keep:
             print(f"logs in {workdir}")
         else:

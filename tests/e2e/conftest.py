@@ -10,9 +10,10 @@ says why in one line.
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from kubernetes import client
 
 from gpushare.contract.allocation import CardSlice
 from gpushare.contract.env import assigned_env
-from gpushare.contract.names import RESOURCE_MEM
+from gpushare.contract.names import ANN_MEM_IDX, RESOURCE_MEM
 from gpushare.contract.request import parse_pod_request
 from gpushare.kube.objects import get_pod
 from gpushare.kube.transport import load_api
@@ -238,3 +239,25 @@ def remove_tenant(cluster: RealCluster, namespace: str, name: str) -> None:
     for delete in (rbac.delete_namespaced_role_binding, rbac.delete_namespaced_role,
                    core.delete_namespaced_service_account):  # fmt: skip
         delete(name, namespace)
+
+
+def forgery_refused(tenant: client.CoreV1Api, namespace: str, marker: str) -> bool:
+    """Whether admission control has picked up its configuration: the tenant's dry run of a pod carrying
+    a forged card index is refused with ``marker`` in the reply."""
+    forged = pod_manifest("probe", annotations={ANN_MEM_IDX: "0"}, namespace=namespace)
+    try:
+        tenant.create_namespaced_pod(namespace, forged, dry_run="All")
+    except client.ApiException as exc:
+        return marker in (exc.body or "")
+    return False
+
+
+def denial(call: Callable[[], Any]) -> str:
+    """The API server's message when ``call`` is refused for its content (403 from a webhook or a
+    policy); fails the test if it succeeds."""
+    try:
+        call()
+    except client.ApiException as exc:
+        assert exc.status == 403, exc
+        return json.loads(exc.body).get("message", "") if exc.body else str(exc)
+    raise AssertionError("the API server accepted what admission control should have denied")

@@ -7,7 +7,6 @@ so the other e2e tests (which forge annotations as the cluster admin on purpose)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,10 +15,10 @@ import yaml
 from kubernetes import client
 
 from gpushare.contract.allocation import CardSlice, format_allocation, parse_allocation
-from gpushare.contract.names import ANN_ALLOCATION, ANN_GPU_MODEL, ANN_MEM_ASSIGNED, ANN_MEM_IDX, RESOURCE_MEM
+from gpushare.contract.names import ANN_ALLOCATION, ANN_GPU_MODEL, ANN_MEM_ASSIGNED, RESOURCE_MEM
 from gpushare.sandbox.realcluster import SCHEDULER_CONFIG, RealCluster
 
-from .conftest import API_POLL, TENANT_POD_RULES, make_tenant, pod_manifest, wait_until
+from .conftest import API_POLL, TENANT_POD_RULES, denial, forgery_refused, make_tenant, pod_manifest, wait_until
 
 POLICY_FILE = SCHEDULER_CONFIG.parent / "admission-policy.yaml"
 NAMESPACE = "gpushare-e2e-policy"
@@ -30,26 +29,6 @@ def shipped_policy() -> tuple[dict[str, Any], dict[str, Any]]:
     """The policy and its binding as deploy/ ships them."""
     docs = {doc["kind"]: doc for doc in yaml.safe_load_all(POLICY_FILE.read_text()) if doc}
     return docs["ValidatingAdmissionPolicy"], docs["ValidatingAdmissionPolicyBinding"]
-
-
-def denial(call: Any) -> str:
-    """The API server's message when ``call`` is refused; fails the test if it succeeds."""
-    try:
-        call()
-    except client.ApiException as exc:
-        assert exc.status == 403, exc
-        return json.loads(exc.body).get("message", "") if exc.body else str(exc)
-    raise AssertionError("the API server accepted what the admission policy should have denied")
-
-
-def policy_enforced(tenant: client.CoreV1Api) -> bool:
-    """Whether the API server has picked up the policy: a dry run of a forged pod is denied by it."""
-    forged = pod_manifest("probe", annotations={ANN_MEM_IDX: "0"}, namespace=NAMESPACE)
-    try:
-        tenant.create_namespaced_pod(NAMESPACE, forged, dry_run="All")
-    except client.ApiException as exc:
-        return "ValidatingAdmissionPolicy" in (exc.body or "")
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +48,10 @@ def tenant(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.Core
     admission.create_validating_admission_policy(policy)
     admission.create_validating_admission_policy_binding(binding)
     try:
-        wait_until(lambda: policy_enforced(client.CoreV1Api(api)), 30, "the API server to enforce the policy",
-                   API_POLL)  # fmt: skip
+        wait_until(
+            lambda: forgery_refused(client.CoreV1Api(api), NAMESPACE, "ValidatingAdmissionPolicy"),
+            30, "the API server to enforce the policy", API_POLL,
+        )  # fmt: skip
         yield client.CoreV1Api(api)
     finally:
         admission.delete_validating_admission_policy_binding(binding["metadata"]["name"])

@@ -38,6 +38,8 @@ from .conftest import (
     API_POLL,
     Pods,
     assert_sees_assigned_cards,
+    denial,
+    forgery_refused,
     make_tenant,
     pod_manifest,
     remove_tenant,
@@ -133,8 +135,10 @@ def webhook(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.Api
         tenant = make_tenant(cluster, GUARDED, TENANT)
         admission.create_validating_webhook_configuration(shipped)
         try:
-            wait_until(lambda: webhook_answers(client.CoreV1Api(tenant)), 30, "the API server to call the webhook",
-                       API_POLL)  # fmt: skip
+            wait_until(
+                lambda: forgery_refused(client.CoreV1Api(tenant), GUARDED, "denied the request"),
+                30, "the API server to call the webhook", API_POLL,
+            )  # fmt: skip
             yield tenant
         finally:
             admission.delete_validating_webhook_configuration(WEBHOOK_CONFIG)
@@ -160,25 +164,6 @@ def guarded_pods(webhook: client.ApiClient, core: client.CoreV1Api) -> Iterator[
         yield webhook
     finally:
         clear_guarded(core)
-
-
-def webhook_answers(tenant: client.CoreV1Api) -> bool:
-    """Whether the API server has picked up the webhook's configuration: a dry run of a forged pod is denied."""
-    forged = pod_manifest("probe", annotations={ANN_MEM_IDX: "0"}, namespace=GUARDED)
-    try:
-        tenant.create_namespaced_pod(GUARDED, forged, dry_run="All")
-    except client.ApiException as exc:
-        return "denied the request" in (exc.body or "")
-    return False
-
-
-def denial(call: Any) -> str:
-    """The API server's message when ``call`` is refused; fails the test if it succeeds."""
-    try:
-        call()
-    except client.ApiException as exc:
-        return json.loads(exc.body).get("message", "") if exc.body else str(exc)
-    raise AssertionError("the API server accepted what the webhook should have denied")
 
 
 def test_a_tenant_cant_create_a_pod_carrying_an_allocation(webhook: client.ApiClient, cluster: RealCluster) -> None:
