@@ -19,6 +19,7 @@ from gpushare.contract.units import GIB
 from gpushare.inventory import simulated_cards
 from gpushare.simulate import report
 from gpushare.simulate.replay import ARRIVALS
+from gpushare.simulate.trace import load_nodes, load_pods
 
 NODES = "sn,cpu_milli,memory_mib,gpu,model\nn0,32000,65536,2,T4\nn1,32000,65536,2,V100M16\n"
 POD_HEADER = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
@@ -160,8 +161,6 @@ def test_a_mixed_node_gives_each_card_model_its_own_rule(tmp_path: Path) -> None
     # two whole-card pods that take only an A100: the node has one, so the second is dropped
     for policy in report.policy_names():
         files(tmp_path, ["a,1000,1,1,1000,A100", "b,1000,1,1,1000,A100"], nodes)
-        from gpushare.simulate.trace import load_nodes, load_pods
-
         run = report.run_one("t", load_nodes(tmp_path / "nodes.csv"), load_pods(tmp_path / "pods.csv"), policy, 1)
         assert run.last[67] == pytest.approx(100 / 3), policy
 
