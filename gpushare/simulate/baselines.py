@@ -194,10 +194,12 @@ class Fgd(Scored):
             [index.get((int(m), int(n)), 0) for m, n in zip(typical.milli, typical.count, strict=True)], dtype=np.intp
         )
         self._gpu = gpu
-        models = [parse_models(spec) for spec in typical.specs]
+        # per (node, typical pod): whether one of the node's cards has a model the pod accepts
+        real = state.capacity > 0
+        rules = [CardRule(parse_models(spec)) for spec in typical.specs]
         self._model_ok = np.array(
-            [[CardRule(ms).accepts(m) for ms in models] for m in state.model.tolist()], dtype=bool
-        )
+            [(rule.card_mask(state.card_models, state.models) & real).any(axis=1) for rule in rules], dtype=bool
+        ).T.reshape(len(state.names), len(rules))
 
     def fragmentation(self, free: np.ndarray, real: np.ndarray, cpu: np.ndarray, model_ok: np.ndarray) -> np.ndarray:
         """Expected fragmentation of node states: (states, cards) free and real, (states,) CPU left,

@@ -8,17 +8,23 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 DEFAULT_SEEDS = "42-51"
+#: the most runs per policy; each takes seconds on a large trace
+MAX_SEEDS = 1000
+PLOT_HINT = "pip install 'gpushare[simulate]'"
 
 
 def parse_seeds(text: str) -> list[int]:
-    """``42-51,60`` -> 42..51 and 60."""
-    seeds: list[int] = []
+    """``42-51,60`` -> 42..51 and 60, at most MAX_SEEDS of them."""
+    ranges: list[range] = []
     for part in text.split(","):
         low, _, high = part.strip().partition("-")
         try:
-            seeds.extend(range(int(low), int(high or low) + 1))
+            ranges.append(range(int(low), int(high or low) + 1))
         except ValueError:
             raise argparse.ArgumentTypeError(f"seeds must look like 42-51 or 1,5,9, not {text!r}") from None
+        if sum(map(len, ranges)) > MAX_SEEDS:
+            raise argparse.ArgumentTypeError(f"{text!r} gives more than {MAX_SEEDS} seeds")
+    seeds = [seed for r in ranges for seed in r]
     if not seeds:
         raise argparse.ArgumentTypeError(f"no seeds in {text!r}")
     return seeds
@@ -32,15 +38,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy", action="append", help="repeatable; 'default' is the extender's default (default: all)"
     )
-    parser.add_argument("--seeds", type=parse_seeds, default=parse_seeds(DEFAULT_SEEDS), help="default: 42-51")
-    parser.add_argument("--out", type=Path, default=Path("simulate-out"), help="output directory")
-    parser.add_argument("--workers", type=int, default=1, help="runs in parallel (processes)")
+    parser.add_argument(
+        "--seeds",
+        type=parse_seeds,
+        default=DEFAULT_SEEDS,
+        help=f"one run per seed and policy, at most {MAX_SEEDS} seeds (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("simulate-out"), help="output directory (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="runs in parallel, one process each (default: %(default)s)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from gpushare.settings import UsageError
     from gpushare.simulate import report
-    from gpushare.simulate.trace import TraceError, load_nodes, load_pods
+    from gpushare.simulate.trace import TraceError, load_nodes, load_pods, unknown_models
 
     known = report.policy_names()
     policies = args.policy or known
@@ -49,35 +66,62 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(known)}")
     if args.workers < 1:
         raise UsageError("--workers must be at least 1")
-    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.from_cluster and not (args.nodes and args.pods):
+        raise UsageError("give --nodes and --pods, or --from-cluster")
+    if args.from_cluster and (args.nodes or args.pods):
+        raise UsageError("--from-cluster writes its own CSVs: give it without --nodes/--pods")
+    can_plot = report.can_plot()
+    if not can_plot:
+        print(f"gpushare simulate: matplotlib is missing, so no plot; {PLOT_HINT} draws it", file=sys.stderr)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {args.out}: {exc.strerror}") from None
     if args.from_cluster:
-        if args.nodes or args.pods:
-            raise UsageError("--from-cluster writes its own CSVs: give it without --nodes/--pods")
         from gpushare.kube.transport import load_api
         from gpushare.simulate.snapshot import snapshot
 
-        args.nodes, args.pods = snapshot(load_api(args.kubeconfig), args.out)
-        print(f"gpushare simulate: cluster snapshot in {args.nodes} and {args.pods}", file=sys.stderr)
-    elif not (args.nodes and args.pods):
-        raise UsageError("give --nodes and --pods, or --from-cluster")
+        taken = snapshot(load_api(args.kubeconfig), args.out)
+        args.nodes, args.pods = taken.nodes_csv, taken.pods_csv
+        print(f"gpushare simulate: {taken.summary()}", file=sys.stderr)
     try:
         nodes, pods = load_nodes(args.nodes), load_pods(args.pods)
     except TraceError as exc:
         raise UsageError(str(exc)) from None
+    for warning in unknown_models(args.pods, pods, nodes):
+        print(f"gpushare simulate: warning: {warning}", file=sys.stderr)
     trace = args.pods.stem
     jobs = [(p, s) for p in policies for s in args.seeds]
-    step = report.progress_bar(len(jobs), sys.stderr.write)
+    print(
+        f"gpushare simulate: {len(jobs)} run(s), {len(policies)} policy(ies) x {len(args.seeds)} seed(s), "
+        f"{args.workers} at a time",
+        file=sys.stderr,
+    )
     runs = []
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+    with (
+        ProcessPoolExecutor(max_workers=args.workers) as pool,
+        tqdm(total=len(jobs), unit="run", file=sys.stderr, disable=None) as bar,
+    ):
         futures = [pool.submit(report.run_one, trace, nodes, pods, p, s) for p, s in jobs]
-        for future in futures:
-            result = future.result()
-            step(f"{result.policy} seed {result.seed}")
-            runs.append(result)
-    report.write_results(args.out / "results.csv", runs)
+        try:
+            for future in futures:
+                result = future.result()
+                bar.set_postfix_str(f"{result.policy} seed {result.seed}")
+                bar.update()
+                runs.append(result)
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
     table = report.markdown(trace, runs, report.paper_medians(args.pods, trace))
-    (args.out / "summary.md").write_text(table)
-    report.plot(args.out / "allocation.png", trace, runs)
+    written = [args.out / "results.csv", args.out / "summary.md"]
+    try:
+        report.write_results(written[0], runs)
+        written[1].write_text(table)
+        if can_plot:
+            written.append(args.out / "allocation.png")
+            report.plot(written[-1], trace, runs)
+    except OSError as exc:
+        raise UsageError(f"--out {args.out}: {exc.strerror}") from None
     print(table)
-    print(f"wrote {args.out / 'results.csv'}, {args.out / 'summary.md'} and {args.out / 'allocation.png'}")
+    print(f"wrote {', '.join(map(str, written))}")
     return 0

@@ -43,7 +43,11 @@ def learned(name: str, pods: Sequence[TracePod]) -> placement.Policy:
 def node_cards(state: ClusterState, row: int) -> list[placement.CardCapacity]:
     return [
         placement.CardCapacity(
-            index=j, uuid=f"{state.names[row]}/{j}", capacity=int(cap), used=int(cap - free), model=state.model[row]
+            index=j,
+            uuid=f"{state.names[row]}/{j}",
+            capacity=int(cap),
+            used=int(cap - free),
+            model=state.card_model(row, j),
         )
         for j, (cap, free) in enumerate(zip(state.capacity[row], state.free[row], strict=True))
         if cap > 0

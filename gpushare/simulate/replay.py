@@ -38,9 +38,9 @@ def affinity_tag(pod: TracePod) -> str:
 
 @dataclass(slots=True)
 class ClusterState:
-    """The nodes as arrays: per (node, card) capacity and free milli (capacity 0: no such card), per node
-    allocatable and free CPU and memory, card model, per-affinity-class pod counts, and a generation that moves on
-    every change (per-node answers are memoised on it)."""
+    """The nodes as arrays: per (node, card) capacity and free milli (capacity 0: no such card) and model,
+    per node allocatable and free CPU and memory, per-affinity-class pod counts, and a generation that moves
+    on every change (per-node answers are memoised on it)."""
 
     names: list[str]
     capacity: np.ndarray
@@ -49,8 +49,7 @@ class ClusterState:
     memory: np.ndarray
     cpu_allocatable: np.ndarray
     memory_allocatable: np.ndarray
-    model: np.ndarray
-    #: per (node, card): its model, as a number into ``models``
+    #: per (node, card): its model, as a number into ``models`` (0 where there is no card)
     card_models: np.ndarray
     models: tuple[str, ...]
     tags: dict[str, int]
@@ -69,7 +68,11 @@ class ClusterState:
         tags = {tag: i for i, tag in enumerate(sorted({affinity_tag(p) for p in pods} - {"no-gpu"}))}
         cpu = np.array([n.cpu_milli for n in nodes], dtype=np.int64)
         memory = np.array([n.memory_mib for n in nodes], dtype=np.int64)
-        models, numbers = np.unique([n.model for n in nodes], return_inverse=True)
+        models = sorted({m for n in nodes for m in n.card_models})
+        number = {m: i for i, m in enumerate(models)}
+        card_models = np.array(
+            [[number[m] for m in n.card_models] + [0] * (width - n.gpus) for n in nodes], dtype=np.intp
+        ).reshape(len(nodes), width)
         return cls(
             names=[n.name for n in nodes],
             capacity=capacity,
@@ -78,9 +81,8 @@ class ClusterState:
             memory=memory.copy(),
             cpu_allocatable=cpu,
             memory_allocatable=memory,
-            model=np.array([n.model for n in nodes], dtype=object),
-            card_models=np.broadcast_to(numbers.reshape(-1, 1), capacity.shape),
-            models=tuple(models.tolist()),
+            card_models=card_models,
+            models=tuple(models),
             tags=tags,
             affinity=np.zeros((len(nodes), max(len(tags), 1)), dtype=np.int64),
             generation=np.zeros(len(nodes), dtype=np.int64),
@@ -90,6 +92,9 @@ class ClusterState:
     @property
     def total_milli(self) -> int:
         return int(self.capacity.sum())
+
+    def card_model(self, row: int, card: int) -> str:
+        return self.models[self.card_models[row, card]]
 
     def allowed(self, pod: TracePod) -> np.ndarray | None:
         """Per (node, card): whether the pod's ``gpu_spec`` accepts the card's model, by the rule the
@@ -169,16 +174,6 @@ def replay(state: ClusterState, order: Sequence[TracePod], chooser: Chooser, see
             state.place(row, cards, pod)
             allocated += pod.gpu_request
         yield int(np.floor(100 * requested / total + 0.5)), 100 * allocated / total
-
-
-def bucket_means(points: Iterator[tuple[int, float]]) -> dict[int, float]:
-    """Average allocation % per integer arrived-% bucket."""
-    sums: dict[int, float] = {}
-    counts: dict[int, int] = {}
-    for bucket, allocation in points:
-        sums[bucket] = sums.get(bucket, 0.0) + allocation
-        counts[bucket] = counts.get(bucket, 0) + 1
-    return {b: sums[b] / counts[b] for b in sums}
 
 
 def best_of(scores: np.ndarray, rows: np.ndarray, state: ClusterState) -> int:

@@ -1,19 +1,25 @@
 """Running replays and writing what they found: results.csv (one row per run), a Markdown table of the
 medians over seeds (with the FGD paper's published values beside its baselines for openb traces) and a
-plot of allocation against arrival per policy, like the paper's Figure 9."""
+plot of allocation against arrival per policy, like the paper's Figure 9.
+
+A run's allocation at an arrived mark is the mean over the pods whose arrival rounds to it, as the paper
+measures it. On a small cluster one pod can be several percent of the GPU capacity, so the arrivals can
+jump over a mark: it then reads the allocation after the last pod that arrived before it. A mark past the
+run's last arrival has no value."""
 
 from __future__ import annotations
 
+import bisect
 import csv
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpushare import placement
 from gpushare.simulate.baselines import PAPER_NAMES, baseline
 from gpushare.simulate.product import ExtenderChooser, learned
-from gpushare.simulate.replay import ARRIVALS, ClusterState, arrival_order, bucket_means, replay
+from gpushare.simulate.replay import ARRIVALS, ClusterState, arrival_order, replay
 from gpushare.simulate.trace import TraceNode, TracePod
 
 PAPER_PREFIX = "paper-"
@@ -36,13 +42,47 @@ def chooser(name: str, pods: Sequence[TracePod], state: ClusterState) -> object:
 
 @dataclass(frozen=True, slots=True)
 class Run:
+    """One replay: per integer arrived-% bucket, the mean allocation % over the pods arriving in it
+    (``buckets``) and the allocation % after its last pod (``last``)."""
+
     trace: str
     policy: str
     seed: int
     buckets: dict[int, float]
+    last: dict[int, float]
+
+    @classmethod
+    def of(cls, trace: str, policy: str, seed: int, points: Iterable[tuple[int, float]]) -> Run:
+        sums: dict[int, float] = {}
+        counts: dict[int, int] = {}
+        last: dict[int, float] = {}
+        for bucket, allocation in points:
+            sums[bucket] = sums.get(bucket, 0.0) + allocation
+            counts[bucket] = counts.get(bucket, 0) + 1
+            last[bucket] = allocation
+        return cls(trace, policy, seed, {b: sums[b] / counts[b] for b in sums}, last)
+
+    @property
+    def reached(self) -> int:
+        """The last arrived-% bucket."""
+        return max(self.buckets, default=0)
+
+    def at(self, mark: int) -> float | None:
+        """The allocation % when ``mark`` % had arrived (see the module doc); None past the last arrival."""
+        if mark in self.buckets:
+            return self.buckets[mark]
+        if mark > self.reached:
+            return None
+        before = sorted(self.last)
+        i = bisect.bisect_left(before, mark)
+        return self.last[before[i - 1]] if i else 0.0
+
+    def skipped(self, mark: int) -> bool:
+        """Whether the arrivals jumped over ``mark`` (so ``at`` reads the allocation before it)."""
+        return mark not in self.buckets and mark <= self.reached
 
     def row(self) -> list[str]:
-        return [self.trace, self.policy, str(self.seed), *(_cell(self.buckets.get(a)) for a in ARRIVALS)]
+        return [self.trace, self.policy, str(self.seed), *(_cell(self.at(a)) for a in ARRIVALS)]
 
 
 def _cell(value: float | None) -> str:
@@ -52,7 +92,7 @@ def _cell(value: float | None) -> str:
 def run_one(trace: str, nodes: Sequence[TraceNode], pods: Sequence[TracePod], policy: str, seed: int) -> Run:
     state = ClusterState.of(nodes, pods)
     order = arrival_order(pods, seed, state.total_milli)
-    return Run(trace, policy, seed, bucket_means(replay(state, order, chooser(policy, pods, state), seed)))
+    return Run.of(trace, policy, seed, replay(state, order, chooser(policy, pods, state), seed))
 
 
 def write_results(path: Path, runs: Sequence[Run]) -> None:
@@ -62,16 +102,23 @@ def write_results(path: Path, runs: Sequence[Run]) -> None:
         writer.writerows(run.row() for run in runs)
 
 
-def medians(runs: Sequence[Run]) -> dict[str, dict[int, float | None]]:
-    """Per policy and bucket: the median over seeds (None where a run never reached the bucket)."""
-    table: dict[str, dict[int, float | None]] = {}
-    for policy in dict.fromkeys(r.policy for r in runs):
-        mine = [r.buckets for r in runs if r.policy == policy]
-        buckets = sorted(set().union(*mine))
-        table[policy] = {
-            b: statistics.median(m[b] for m in mine) if all(b in m for m in mine) else None for b in buckets
-        }
-    return table
+@dataclass(frozen=True, slots=True)
+class Median:
+    """The median over the seeds that reached a mark, and how many did out of how many."""
+
+    value: float | None
+    seeds: int
+    of: int
+
+
+def median_at(runs: Sequence[Run], mark: int) -> Median:
+    values = [v for r in runs if (v := r.at(mark)) is not None]
+    return Median(statistics.median(values) if values else None, len(values), len(runs))
+
+
+def by_policy(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """The runs of each policy, policies in the order they ran."""
+    return {policy: [r for r in runs if r.policy == policy] for policy in dict.fromkeys(r.policy for r in runs)}
 
 
 def paper_medians(pods_file: Path, trace: str) -> dict[str, dict[int, float]]:
@@ -88,59 +135,110 @@ def paper_medians(pods_file: Path, trace: str) -> dict[str, dict[int, float]]:
         }
 
 
+def _median_cell(median: Median, paper: float | None) -> str:
+    cell = "-" if median.value is None else f"{median.value:.2f}"
+    if median.value is not None and median.seeds < median.of:
+        cell += f" ({median.seeds} of {median.of} seeds)"
+    return cell if paper is None else f"{cell} ({paper:.2f})"
+
+
 def markdown(trace: str, runs: Sequence[Run], paper: dict[str, dict[int, float]]) -> str:
+    """The medians per policy and mark, with the paper's values where there are some, and notes on the
+    marks that could not be read exactly."""
     seeds = sorted({r.seed for r in runs})
+    groups = by_policy(runs)
+    shown = {p: paper[p] for p in groups if p in paper}
     head = [f"alloc @ {a}% arrived" for a in ARRIVALS]
     lines = [
         f"GPU allocation (% of capacity) on `{trace}`, median over {len(seeds)} seed(s) "
-        f"({', '.join(map(str, seeds))}); the paper's value in brackets.",
+        f"({', '.join(map(str, seeds))})" + ("; the paper's value in brackets." if shown else "."),
         "",
         "| policy | " + " | ".join(head) + " |",
         "|---|" + "---:|" * len(head),
     ]
-    for policy, row in medians(runs).items():
-        cells = []
-        for a in ARRIVALS:
-            ours = _cell(row.get(a)) or "-"
-            theirs = paper.get(policy, {}).get(a)
-            cells.append(ours if theirs is None else f"{ours} ({theirs:.2f})")
+    for policy, mine in groups.items():
+        cells = [_median_cell(median_at(mine, a), shown.get(policy, {}).get(a)) for a in ARRIVALS]
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + "".join(f"\n{note}\n" for note in notes(runs))
+
+
+def notes(runs: Sequence[Run]) -> list[str]:
+    """Why some cells are not plain medians: marks the arrivals jumped over or never reached."""
+    found = []
+    skipped = sorted({a for r in runs for a in ARRIVALS if r.skipped(a)})
+    if skipped:
+        found.append(
+            f"Each pod is a large share of this cluster's GPUs, so some runs' arrivals jumped over the "
+            f"{', '.join(f'{a}%' for a in skipped)} mark(s): there, a run counts the allocation after the last "
+            "pod that arrived before the mark."
+        )
+    short = [r.reached for r in runs if any(r.at(a) is None for a in ARRIVALS)]
+    if short:
+        found.append(
+            f"`-` or fewer seeds: some runs' arrivals stopped at {min(short)}-{max(short)}% of the GPU capacity "
+            f"(arrivals stop before the pod that would pass {ARRIVALS[-1]}%), so they have no value at the later "
+            "mark(s); the median is over the seeds that reached the mark."
+        )
+    return found
+
+
+#: one colour per policy (the extender's drawn solid, the paper's baselines dashed)
+COLOURS = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
+    "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#000000", "#6b3fa0",
+)  # fmt: skip
+
+
+def can_plot() -> bool:
+    """Whether matplotlib, which draws the plot, is installed (the ``simulate`` extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def plot(path: Path, trace: str, runs: Sequence[Run]) -> None:
-    """Allocation against arrival, one line per policy (medians over seeds)."""
+    """Allocation against arrived workload, both from 0, as in the FGD paper's Figure 9: one line per
+    policy (the median over seeds) in its own colour, a band from the lowest to the highest seed,
+    markers at the table's marks, and an inset zooming in on the marks."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    figure, axes = pyplot.subplots(figsize=(7, 4.5))
-    for policy, row in medians(runs).items():
-        points = [(b, v) for b, v in row.items() if v is not None]
-        axes.plot([b for b, _ in points], [v for _, v in points], label=policy, linewidth=1.2)
+    figure, axes = pyplot.subplots(figsize=(10, 6))
+    # above the diagonal, where no line goes: a run never allocates more than has arrived
+    inset = axes.inset_axes((0.05, 0.54, 0.32, 0.42))
+    lowest = 100.0
+    for (policy, mine), colour in zip(by_policy(runs).items(), COLOURS * 2, strict=False):
+        xs = list(range(max(r.reached for r in mine) + 1))
+        seeds = [[v for r in mine if (v := r.at(x)) is not None] for x in xs]
+        middle = [statistics.median(values) for values in seeds]
+        marks = [(a, m.value) for a in ARRIVALS if (m := median_at(mine, a)).value is not None]
+        style = "--" if policy.startswith(PAPER_PREFIX) else "-"
+        for ax in (axes, inset):
+            ax.plot(xs, middle, style, color=colour, linewidth=1.4, label=policy if ax is axes else None)
+            ax.fill_between(xs, [min(v) for v in seeds], [max(v) for v in seeds], color=colour, alpha=0.1, lw=0)
+            ax.plot([a for a, _ in marks], [v for _, v in marks], "o", color=colour, markersize=4)
+        lowest = min([lowest, *(v for _, v in marks)])
+    for ax in (axes, inset):
+        for a in ARRIVALS:
+            ax.axvline(a, color="grey", linewidth=0.6, linestyle=":")
+        ax.grid(True, alpha=0.3)
+    axes.plot([0, 100], [0, 100], color="grey", linewidth=0.6, linestyle=":")
+    axes.set_xlim(0, ARRIVALS[-1] + 2)
+    axes.set_ylim(0, 100)
     axes.set_xlabel("arrived workload (% of GPU capacity)")
-    axes.set_ylabel("GPU allocated (% of capacity)")
-    axes.set_title(f"{trace}: allocation by policy")
-    axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=8)
-    low = min((v for row in medians(runs).values() for v in row.values() if v is not None), default=0)
-    axes.set_ylim(max(low, 50), 100)
+    axes.set_ylabel("GPU allocation (% of capacity)")
+    axes.set_title(f"{trace}: GPU allocation by policy")
+    axes.legend(
+        fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), title="median of seeds\n(band: lowest to highest)"
+    )
+    inset.set_xlim(ARRIVALS[0] - 5, ARRIVALS[-1] + 2)
+    inset.set_ylim(max(0.0, lowest - 2), 100)
+    inset.tick_params(labelsize=7)
+    axes.indicate_inset_zoom(inset, edgecolor="grey")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     pyplot.close(figure)
-
-
-def progress_bar(total: int, write: Callable[[str], object]) -> Callable[[str], None]:
-    """A text progress bar over ``total`` runs; call the result with a note after each run."""
-    done = [0]
-
-    def step(note: str) -> None:
-        done[0] += 1
-        width = 30
-        filled = width * done[0] // total
-        write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done[0]}/{total} {note:<40}")
-        if done[0] == total:
-            write("\n")
-
-    return step

@@ -11,7 +11,7 @@ import pytest
 
 from gpushare.cli import main as gpushare
 from gpushare.simulate import baselines, report
-from gpushare.simulate.replay import ClusterState, arrival_order, bucket_means, replay
+from gpushare.simulate.replay import ClusterState, arrival_order, replay
 from gpushare.simulate.trace import TraceError, TraceNode, TracePod, load_nodes, load_pods
 
 NODES = "sn,cpu_milli,memory_mib,gpu,model\nn0,32000,65536,2,T4\nn1,32000,65536,2,V100M16\n"
@@ -41,7 +41,7 @@ def test_loader_reads_gpu_spec_and_ignores_gpu_fields_of_cpu_only_pods(tmp_path:
     [
         (["p0,4000,1024,1,half,"], "pods.csv line 2 column gpu_milli: 'half' is not an integer"),
         (["p0,4000,1024,1,500,", "p1,4000,1024,1,1500,"], "pods.csv line 3 column gpu_milli: 1500 must be between"),
-        (["p0,-1,1024,0,0,"], "pods.csv line 2 column cpu_milli: -1 must be >= 0"),
+        (["p0,-1,1024,0,0,"], "pods.csv line 2 column cpu_milli: -1 must be between 0 and 1000000000"),
     ],
 )
 def test_malformed_pods_name_file_line_and_column(tmp_path: Path, pods: list[str], message: str) -> None:
@@ -79,12 +79,20 @@ def test_every_policy_respects_card_models_and_cpu(tmp_path: Path, policy: str) 
     nodes, pods = write(tmp_path, ["g0,8000,1024,1,1000,T4", "g1,8000,1024,1,1000,T4", "g2,8000,1024,1,1000,T4"])
     state = ClusterState.of(load_nodes(nodes), load_pods(pods))
     chooser = report.chooser(policy, load_pods(pods), state)
-    assert bucket_means(replay(state, load_pods(pods), chooser, 1)) == {25: 25.0, 50: 50.0, 75: 50.0}
+    assert report.Run.of("t", policy, 1, replay(state, load_pods(pods), chooser, 1)).buckets == {
+        25: 25.0,
+        50: 50.0,
+        75: 50.0,
+    }
     # 20 CPUs each: one pod per node, whatever the free cards
     nodes, pods = write(tmp_path, [f"c{i},20000,1024,1,1000," for i in range(3)])
     state = ClusterState.of(load_nodes(nodes), load_pods(pods))
     chooser = report.chooser(policy, load_pods(pods), state)
-    assert bucket_means(replay(state, load_pods(pods), chooser, 1)) == {25: 25.0, 50: 50.0, 75: 50.0}
+    assert report.Run.of("t", policy, 1, replay(state, load_pods(pods), chooser, 1)).buckets == {
+        25: 25.0,
+        50: 50.0,
+        75: 50.0,
+    }
 
 
 def state_with(free: list[list[int]], cpu: list[int]) -> ClusterState:
