@@ -3,17 +3,22 @@ whenever kubelet restarts.
 
 Kubelet deletes every socket in its device-plugins directory when it restarts and creates a new
 ``kubelet.sock``. A watchdog notices either (our socket gone, or kubelet.sock replaced) and
-re-serves and re-registers, well within kubelet's grace period. The wipe can also land while the
-plugin is starting (between binding a socket and tightening its mode, say); anything in the
-directory vanishing then is the same event, and the next round serves and registers again.
+re-serves and re-registers at once: it wakes on the directory's inotify events rather than polling it
+(a poll every 200 ms left that long a window in which a new kubelet admits pods with no plugin). The
+wipe can also land while the plugin is starting (between binding a socket and tightening its mode,
+say); anything in the directory vanishing then is the same event, and the next round serves and
+registers again. Whether a kubelet is watching (its ListAndWatch streams open) is reported through
+``on_watch`` the moment it changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +26,7 @@ from pathlib import Path
 import grpc
 from gpushare.deviceplugin.allocator import Allocator
 from gpushare.deviceplugin.server import DeviceState, ResourceService
+from inotify_simple import INotify, flags
 
 from gpushare.cards import Card
 from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM
@@ -34,7 +40,39 @@ log = logging.getLogger(__name__)
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 SOCKETS = {RESOURCE_MEM: "gpushare-gpu-mem.sock", RESOURCE_COUNT: "gpushare-gpu-count.sock"}
-WATCH_INTERVAL = 0.2
+#: the longest the watchdog sleeps without an inotify event (a safety net, and how soon stop() is seen)
+WATCH_INTERVAL = 0.5
+_DIRECTORY_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | flags.ATTRIB
+
+
+class DirectoryWatch:
+    """Wakes when anything in a directory is created, deleted, moved or changed, when :meth:`wake` is
+    called (stop), or after a timeout."""
+
+    def __init__(self, directory: Path) -> None:
+        self._dir = directory
+        self._inotify = INotify()
+        self._woken = os.eventfd(0, os.EFD_NONBLOCK)
+        self._watch: int | None = None
+
+    def wait(self, timeout: float) -> None:
+        if self._watch is None:
+            with contextlib.suppress(OSError):  # the directory is being re-created: look again next time
+                self._watch = self._inotify.add_watch(self._dir, _DIRECTORY_EVENTS)
+        ready, _, _ = select.select([self._inotify, self._woken], [], [], timeout)
+        if self._woken in ready:
+            os.eventfd_read(self._woken)
+        if self._inotify in ready:
+            for event in self._inotify.read(timeout=0):
+                if event.mask & flags.IGNORED:  # the directory itself went
+                    self._watch = None
+
+    def wake(self) -> None:
+        os.eventfd_write(self._woken, 1)
+
+    def close(self) -> None:
+        self._inotify.close()
+        os.close(self._woken)
 
 
 def _file_identity(path: Path) -> tuple[int, int] | None:
@@ -61,9 +99,16 @@ class _Served:
 
 class DevicePlugin:
     def __init__(
-        self, directory: Path, backend: GpuBackend, allocator: Allocator, unit: MemoryUnit, count_replicas: int = 0
+        self,
+        directory: Path,
+        backend: GpuBackend,
+        allocator: Allocator,
+        unit: MemoryUnit,
+        count_replicas: int = 0,
+        on_watch: Callable[[bool], None] = lambda _watching: None,
     ) -> None:
         self._dir = Path(directory)
+        self._on_watch = on_watch
         self._backend = backend
         self._allocator = allocator
         self._unit = unit
@@ -74,6 +119,7 @@ class DevicePlugin:
         self._stop = threading.Event()
         self._registered = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watch = DirectoryWatch(self._dir)
         self.registrations = 0
         backend.subscribe(self._on_health)
 
@@ -98,8 +144,10 @@ class DevicePlugin:
 
     def stop(self) -> None:
         self._stop.set()
+        self._watch.wake()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._watch.close()
         self._backend.unsubscribe(self._on_health)
         self._shutdown()
         self.state.close()
@@ -117,7 +165,9 @@ class DevicePlugin:
         for resource, name in SOCKETS.items():
             path = self._dir / name
             path.unlink(missing_ok=True)
-            service = ResourceService(resource, self.state, self._allocator, self._unit, self._count_replicas)
+            service = ResourceService(
+                resource, self.state, self._allocator, self._unit, self._count_replicas, self._on_watch
+            )
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"dp-{name}"))
             pb_grpc.add_DevicePluginServicer_to_server(service, server)
             server.add_insecure_port(f"unix://{path}")
@@ -180,4 +230,5 @@ class DevicePlugin:
                         exc,
                     )
                     self._shutdown()
-            self._stop.wait(WATCH_INTERVAL)
+                    self._stop.wait(WATCH_INTERVAL)  # the directory is changing under us: let it settle
+            self._watch.wait(WATCH_INTERVAL)

@@ -56,9 +56,18 @@ class DeviceState:
 
 class ResourceService(pb_grpc.DevicePluginServicer):
     def __init__(
-        self, resource: str, state: DeviceState, allocator: Allocator, unit: MemoryUnit, count_replicas: int = 0
+        self,
+        resource: str,
+        state: DeviceState,
+        allocator: Allocator,
+        unit: MemoryUnit,
+        count_replicas: int = 0,
+        on_watch: Callable[[bool], None] = lambda _watching: None,
     ) -> None:
+        """``on_watch(True)`` when kubelet opens ListAndWatch, ``on_watch(False)`` when its stream ends
+        other than by :meth:`stop` (kubelet went)."""
         self.resource = resource
+        self._on_watch = on_watch
         self._state = state
         self._allocator = allocator
         self._unit = unit
@@ -73,6 +82,8 @@ class ResourceService(pb_grpc.DevicePluginServicer):
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         version = self._state.version
+        self._on_watch(True)
+        context.add_callback(lambda: None if self._stopping.is_set() else self._on_watch(False))
         yield device_list(self.resource, self._state.cards(), self._unit, self._count_replicas)
         while context.is_active() and not self._stopping.is_set():
             new_version, closed = self._state.wait_change(version, timeout=0.5)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from gpushare.deviceplugin.allocator import Allocator
 from gpushare.deviceplugin.devices import REPLICAS_PER_UNIT, DeviceListTooLarge, check_message_size
 from gpushare.deviceplugin.plugin import DevicePlugin
+from gpushare.deviceplugin.watching import WatchingPublisher
 
 from gpushare.contract.units import MemoryUnit
 from gpushare.inventory import GpuBackend
@@ -25,6 +26,7 @@ class RunningPlugin:
     plugin: DevicePlugin
     allocator: Allocator
     cache: WatchCache
+    watching: WatchingPublisher
 
     def alive(self) -> bool:
         return self.plugin.alive()
@@ -34,6 +36,7 @@ class RunningPlugin:
 
     def stop(self) -> None:
         self.plugin.stop()
+        self.watching.close()
         self.allocator.close()
         self.cache.stop()
 
@@ -51,14 +54,18 @@ def start_device_plugin(settings: NodeSettings, backend: GpuBackend, api: object
     cache = node_pod_cache(api, settings.node_name)
     cache.start()
     allocator = Allocator(api, settings.node_name, cache, backend.cards, settings.memory_unit, settings.reread)
-    plugin = DevicePlugin(settings.device_plugin_dir, backend, allocator, settings.memory_unit, settings.count_replicas)
+    watching = WatchingPublisher(api, settings.node_name)
+    plugin = DevicePlugin(
+        settings.device_plugin_dir, backend, allocator, settings.memory_unit, settings.count_replicas, watching
+    )
     try:
         plugin.start()
     except BaseException:
+        watching.close()
         allocator.close()
         cache.stop()
         raise
-    return RunningPlugin(plugin, allocator, cache)
+    return RunningPlugin(plugin, allocator, cache, watching)
 
 
 def run_device_plugin(settings: NodeSettings, metrics: MetricsEndpoint | None) -> int:

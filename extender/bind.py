@@ -60,7 +60,14 @@ from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import bind_pod, get_node, get_pod, list_pods, patch_node
 from gpushare.placement.gang import within
-from gpushare.usage import alibaba_total_per_card, held_units, holds_resources, node_inventory, node_ledger
+from gpushare.usage import (
+    alibaba_total_per_card,
+    held_units,
+    holds_resources,
+    kubelet_refusal,
+    node_inventory,
+    node_ledger,
+)
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +182,9 @@ class Binder:
                     pod = get_pod(self._api, namespace, name)
                 _, policy = self._engine.policy_for(pod)
                 node_obj = get_node(self._api, node)
+                if refusal := kubelet_refusal(node_obj):
+                    BIND_FAILURES.labels(reason="kubelet-not-watching").inc()
+                    raise BindError(f"bind {where}: {refusal}")
                 inventory = node_inventory(node_obj)
                 if inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(demands)):
                     BIND_FAILURES.labels(reason="original-plugin").inc()

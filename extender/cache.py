@@ -37,7 +37,7 @@ from gpushare.contract.nodeselection import NodeFacts, parse_node_facts
 from gpushare.contract.pending import Ledger, PendingBind
 from gpushare.contract.request import annotations_of, effective_request, parse_pod_request, pod_key
 from gpushare.kube.watch import WatchCache
-from gpushare.usage import holds_resources, node_inventory, node_ledger, node_usage
+from gpushare.usage import holds_resources, kubelet_refusal, node_inventory, node_ledger, node_usage
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class ClusterCache:
                 self._allocatable[name] = host_allocatable(node)
                 self._facts[name] = parse_node_facts(node)
                 try:
-                    self._inventory[name] = node_inventory(node)
+                    self._inventory[name] = kubelet_refusal(node) or node_inventory(node)
                 except ContractError as exc:
                     self._inventory[name] = str(exc)
                 self._note_ledger(name, node)

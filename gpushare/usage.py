@@ -41,12 +41,14 @@ from gpushare.contract.aliyun import parse_card_index
 from gpushare.contract.allocation import Allocation, CardSlice, parse_allocation
 from gpushare.contract.errors import AnnotationError, ContractError, LedgerMismatch, OverClaimError, json_object, quoted
 from gpushare.contract.inventory import NodeInventory, parse_inventory
+from gpushare.contract.kubelet import parse_watching
 from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_FRAMEWORK_ALLOCATION,
     ANN_MEM_IDX,
     NODE_ANN_BIND_SEQUENCE,
     NODE_ANN_INVENTORY,
+    NODE_ANN_KUBELET_WATCHING,
     NODE_ANN_PENDING_BINDS,
     RESOURCE_COUNT,
     RESOURCE_MEM,
@@ -125,6 +127,18 @@ def node_inventory(node: Mapping[str, Any]) -> NodeInventory:
     if text is not None:
         return parse_inventory(text, name)
     return inferred_inventory(node)
+
+
+def kubelet_refusal(node: Mapping[str, Any]) -> str | None:
+    """Why no GPU pod may be placed on ``node`` for now because no kubelet is watching its device plugin
+    (kubelet restarting), else None; AnnotationError when the node agent's annotation is malformed."""
+    name = (node.get("metadata") or {}).get("name", "?")
+    if parse_watching(annotations_of(node).get(NODE_ANN_KUBELET_WATCHING), name):
+        return None
+    return (
+        f"node {name}: no kubelet is watching its gpushare device plugin (kubelet restarting?); "
+        "GPU pods wait until one is"
+    )
 
 
 def node_ledger(node: Mapping[str, Any]) -> dict[str, PendingBind]:

@@ -101,6 +101,9 @@ NODE_ANN_BIND_SEQUENCE = "gpushare.io/bind-sequence"
 #: there (from before its binding until the pod is gone or finished) with what it holds per card. Tenants
 #: can't write nodes, so every component counts a pod's cards from here over its own annotations.
 NODE_ANN_PENDING_BINDS = "gpushare.io/pending-binds"
+#: set by the node agent: "true" while kubelet watches its device plugin, "false" from the moment kubelet
+#: goes (its ListAndWatch streams end) until a kubelet is watching again; absent reads as "true"
+NODE_ANN_KUBELET_WATCHING = "gpushare.io/kubelet-watching"
 NODE_LABEL_MODEL = "gpushare.io/gpu-model"
 #: the taint kube-scheduler reads into a cordoned node (``spec.unschedulable``)
 TAINT_UNSCHEDULABLE = "node.kubernetes.io/unschedulable"

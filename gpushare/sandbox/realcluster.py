@@ -788,9 +788,7 @@ class RealCluster:
         and kubelet has reported its resources since. Until then kubelet refuses GPU pods for want of
         devices, as any kubelet does after a restart."""
         node = self.nodes[name]
-        assert node.kubelet is not None
-        node.kubelet.stop()
-        self.processes.remove(node.kubelet)
+        self.stop_kubelet(name)
         restarted = time.time()
         self.start_kubelet(node)
         kubelet = node.kubelet
@@ -808,6 +806,13 @@ class RealCluster:
         wait_for(plugin_serves_again, 30, f"node {name}: the device plugin to serve the restarted kubelet")
         # heartbeats are stamped to the second
         self.wait_node_ready(node, reported_after=time.time() + 1)
+
+    def stop_kubelet(self, name: str) -> None:
+        """Stop the node's kubelet (:meth:`start_kubelet` starts a new one)."""
+        node = self.nodes[name]
+        assert node.kubelet is not None
+        node.kubelet.stop()
+        self.processes.remove(node.kubelet)
 
     def restart_agent(self, name: str) -> None:
         node = self.nodes[name]

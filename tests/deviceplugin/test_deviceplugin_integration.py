@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 from conftest import wait_until
+from gpushare.deviceplugin import plugin as plugin_module
 from gpushare.deviceplugin import wiring as deviceplugin_wiring
 from gpushare.deviceplugin.devices import card_of_device
 from gpushare.deviceplugin.plugin import SOCKETS
@@ -35,6 +36,7 @@ from gpushare.contract.names import (
     ENV_MEM_IDX,
     ENV_MEM_POD,
     ENV_VISIBLE_DEVICES,
+    NODE_ANN_KUBELET_WATCHING,
     NODE_LABEL_CGPU_DISABLE,
     RESOURCE_COUNT,
     RESOURCE_MEM,
@@ -378,6 +380,29 @@ def test_kubelet_restart_leads_to_registration_within_two_seconds(node: SimNode)
         visible(node.admit(gpu_pod("after", [container("main", 1)], original_index=node.cards[0].minor)))
         == node.cards[0].uuid
     )
+
+
+def test_the_node_says_when_no_kubelet_watches_and_the_plugin_registers_on_the_directory_event(
+    node: SimNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node.core.create_node({"metadata": {"name": "n1"}})
+
+    def watching() -> str | None:
+        annotations = node.core.read_node("n1").metadata.annotations or {}
+        return annotations.get(NODE_ANN_KUBELET_WATCHING)
+
+    wait_until(lambda: watching() == "true", 5, "the node to say kubelet is watching")
+    # from here the watchdog never wakes on its own: only the directory's events can wake it
+    monkeypatch.setattr(plugin_module, "WATCH_INTERVAL", 60.0)
+    before = node.running.plugin.registrations
+    node.kubelet.stop()  # its ListAndWatch streams end at once
+    wait_until(lambda: watching() == "false", 5, "the node to say no kubelet is watching")
+    node.kubelet.restart()
+    wait_until(
+        lambda: node.running.plugin.registrations == before + 1, 5, "the plugin to register with the new kubelet"
+    )
+    wait_until(lambda: watching() == "true", 5, "the node to say kubelet is watching again")
+    assert node.kubelet.wait_for(lambda k: k.capacity(RESOURCE_MEM) == MEM_UNITS, 2.0)
 
 
 def test_a_vanished_plugin_socket_is_served_again(node: SimNode) -> None:

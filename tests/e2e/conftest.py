@@ -261,3 +261,15 @@ def denial(call: Callable[[], Any]) -> str:
         assert exc.status == 403, exc
         return json.loads(exc.body).get("message", "") if exc.body else str(exc)
     raise AssertionError("the API server accepted what admission control should have denied")
+
+
+def scheduling_failure(core: client.CoreV1Api, name: str) -> str:
+    """The message of the pod's FailedScheduling event, once kube-scheduler has recorded one."""
+
+    def message() -> str | None:
+        events = core.list_namespaced_event(
+            "default", field_selector=f"involvedObject.name={name},reason=FailedScheduling"
+        ).items
+        return events[-1].message if events else None
+
+    return wait_until(message, POD_TIMEOUT, f"a FailedScheduling event for {name}", API_POLL)

@@ -9,19 +9,15 @@ from kubernetes import client
 from gpushare.contract.names import ANN_GPU_MODEL, ANN_REQUIRE_NVLINK, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.sandbox.realcluster import RealCluster
 
-from .conftest import API_POLL, POD_TIMEOUT, Pods, assert_sees_assigned_cards, pod_manifest, wait_until
-
-
-def scheduling_failure(core: client.CoreV1Api, name: str) -> str:
-    """The message of the pod's FailedScheduling event, once kube-scheduler has recorded one."""
-
-    def message() -> str | None:
-        events = core.list_namespaced_event(
-            "default", field_selector=f"involvedObject.name={name},reason=FailedScheduling"
-        ).items
-        return events[-1].message if events else None
-
-    return wait_until(message, POD_TIMEOUT, f"a FailedScheduling event for {name}", API_POLL)
+from .conftest import (
+    API_POLL,
+    POD_TIMEOUT,
+    Pods,
+    assert_sees_assigned_cards,
+    pod_manifest,
+    scheduling_failure,
+    wait_until,
+)
 
 
 def models_of(cluster: RealCluster, node: str) -> dict[str, str]:

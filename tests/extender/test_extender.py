@@ -40,6 +40,7 @@ from gpushare.contract.names import (
     ANN_MEM_POD,
     ANN_POLICY,
     ANN_REQUIRE_NVLINK,
+    NODE_ANN_KUBELET_WATCHING,
     NODE_ANN_PENDING_BINDS,
 )
 from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
@@ -126,6 +127,25 @@ def test_unknown_node_and_indivisible_request_are_unresolvable(cluster: Cluster)
     odd = cluster.pod(gpu_pod("odd", [container("main", 9, 2)]))
     reasons = cluster.filter(odd)["FailedAndUnresolvableNodes"]
     assert set(reasons) == {"n1", "n2"} and "not divisible" in reasons["n1"]
+
+
+def test_no_gpu_pod_is_placed_on_a_node_whose_kubelet_is_not_watching_its_device_plugin(cluster: Cluster) -> None:
+    """A kubelet restarting could admit the pod before the plugin registered with it, and fail it for good."""
+
+    def watching(value: str) -> None:
+        cluster.core.patch_node("n2", {"metadata": {"annotations": {NODE_ANN_KUBELET_WATCHING: value}}})
+
+    pod = cluster.pod(gpu_pod("p", [container("main", 4)]))
+    watching("false")
+    wait_until(lambda: cluster.extender.cache.view("n2") is None, what="n2 held off in the cache")
+    result = cluster.filter(pod)
+    assert result["NodeNames"] == ["n1"]
+    assert "no kubelet is watching its gpushare device plugin" in result["FailedAndUnresolvableNodes"]["n2"]
+    refused = cluster.bind(pod, "n2")["Error"]
+    assert "no kubelet is watching its gpushare device plugin" in refused, refused
+    watching("true")
+    wait_until(lambda: cluster.extender.cache.view("n2") is not None, what="n2 back in the cache")
+    assert cluster.filter(pod)["NodeNames"] == ["n1", "n2"]
 
 
 def test_unhealthy_card_is_never_used(cluster: Cluster) -> None:
