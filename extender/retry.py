@@ -8,7 +8,9 @@ been unschedulable for 5 minutes (60 s in 1.20, which hid this). So the extender
 refused for want of room and the nodes it refused, and once its own cache has applied a bound pod ending
 or going on one of those nodes it changes an annotation on the waiting pod: a change to the pod itself
 is an event for that pod, and kube-scheduler retries it at once, now against a cache that has the room.
-A filter that began before such an end, and refused, marks its pod at once, since it may have missed it.
+A node that could take no GPU pod at all (no kubelet watching its device plugin, no inventory, a damaged
+ledger) and now can is the same kind of event. A filter that began before such an event, and refused,
+marks its pod at once, since it may have missed it.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpushare.kube.errors import KubeError
 from gpushare.kube.objects import patch_pod_annotations
-from gpushare.kube.watch import WatchCache
 from gpushare.usage import holds_resources
+
+if TYPE_CHECKING:
+    from gpushare.extender.cache import ClusterCache
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +48,20 @@ class RoomWaiters:
     """The pods waiting for room, each under a key (a pod's uid, or a gang's key for the member that
     speaks for its gang); marked one at a time by a thread of its own, so no pod event waits on a patch."""
 
-    def __init__(self, api: Any, pods: WatchCache) -> None:
+    def __init__(self, api: Any, cache: ClusterCache) -> None:
         self._api = api
+        self._cache = cache
         self._lock = threading.Lock()
         self._waiting: dict[str, Waiter] = {}
+        #: nodes last seen unable to take any GPU pod
+        self._troubled: set[str] = set()
         #: bound pods seen ending or going, so a refusal can tell whether it missed one
         self._ended = 0
         self._marks: queue.SimpleQueue[Waiter | None] = queue.SimpleQueue()
         self._marker = threading.Thread(target=self._mark_loop, name="room-retry", daemon=True)
         self._marker.start()
-        pods.add_listener(self._on_pod)
+        cache.pods.add_listener(self._on_pod)
+        cache.nodes.add_listener(self._on_node)
 
     def close(self) -> None:
         self._marks.put(None)
@@ -82,11 +90,27 @@ class RoomWaiters:
         """Called after the cache has applied the event, so the retry a mark causes sees the room."""
         meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
         node = spec.get("nodeName")
-        with self._lock:
-            if node or kind == "DELETED":
+        if node or kind == "DELETED":
+            with self._lock:
                 self._waiting.pop(meta.get("uid", ""), None)  # bound or gone: it waits no more
-            if not node or (kind != "DELETED" and holds_resources(pod)):
-                return
+        if node and (kind == "DELETED" or not holds_resources(pod)):
+            self._room_on(node)
+
+    def _on_node(self, kind: str, node: Mapping[str, Any]) -> None:
+        """A node that could take no GPU pod and now can: room on it. After the cache applied the event."""
+        name = (node.get("metadata") or {}).get("name", "")
+        troubled = kind != "DELETED" and self._cache.problem(name) is not None
+        with self._lock:
+            recovered = name in self._troubled and not troubled
+            if troubled:
+                self._troubled.add(name)
+            else:
+                self._troubled.discard(name)
+        if recovered and kind != "DELETED":
+            self._room_on(name)
+
+    def _room_on(self, node: str) -> None:
+        with self._lock:
             self._ended += 1
             due = [key for key, w in self._waiting.items() if w.nodes is None or node in w.nodes]
             marked = [self._waiting.pop(key) for key in due]

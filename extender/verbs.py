@@ -45,8 +45,9 @@ def filter_result(
     """The filter reply. When no node passes, the reason is logged (gangs log their own) and recorded as
     an Event on the pod: kube-scheduler's own FailedScheduling Event folds later messages into the
     first one it wrote for the pod (its events are keyed without the message), so it can go on
-    showing a reason that no longer holds. A pod refused for want of room on some nodes waits in
-    ``waiters`` (gangs wait there by themselves), to be marked for a retry when room frees there."""
+    showing a reason that no longer holds. A pod refused for want of room on some nodes, or on nodes that
+    can take no GPU pod for now, waits in ``waiters`` (gangs wait there by themselves), to be marked for a
+    retry when room frees there."""
     pod = request_pod(body)
     names, nodes_mode = candidate_names(body)
     seen = waiters.seen() if waiters is not None else 0
@@ -54,8 +55,10 @@ def filter_result(
     refused = refused_nodes(failed, unresolvable)
     if waiters is not None and not logged:
         meta = pod.get("metadata") or {}
-        if failed and not passing.names:
-            waiter = Waiter(meta.get("namespace", ""), meta.get("name", ""), ANN_RETRY, frozenset(failed))
+        # the nodes that may yet take it: refused for room, or for a state of the node that passes
+        waits_on = frozenset(failed) | {n for n in unresolvable if engine.cache.problem(n) is not None}
+        if waits_on and not passing.names:
+            waiter = Waiter(meta.get("namespace", ""), meta.get("name", ""), ANN_RETRY, waits_on)
             waiters.wait(meta.get("uid", ""), waiter, seen)
         else:
             waiters.forget(meta.get("uid", ""))

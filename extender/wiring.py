@@ -77,7 +77,7 @@ def start_extender(
     settled = threading.Event()
     threading.Thread(target=_settle, args=(cache, engine, settled), name="settle", daemon=True).start()
     binder = Binder(api, cache, engine)
-    waiters = RoomWaiters(api, cache.pods)
+    waiters = RoomWaiters(api, cache)
     gangs = Gangs(api, cache, engine, binder, waiters, max_gang_members)
     try:
         server = ExtenderServer(

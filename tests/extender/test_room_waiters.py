@@ -9,11 +9,22 @@ from gpushare.extender import retry
 from gpushare.extender.retry import RoomWaiters, Waiter
 
 
-class Pods:
-    """Stands in for the extender's pod watch: the waiters' listener is called as the cache calls it."""
+class Watch:
+    """Stands in for one of the extender's watches: the waiters' listener is called as the cache calls it."""
 
     def add_listener(self, listener: Any) -> None:
         self.listener = listener
+
+
+class Cache:
+    """The extender's cache as the waiters see it: its pod and node watches, and each node's problem."""
+
+    def __init__(self) -> None:
+        self.pods, self.nodes = Watch(), Watch()
+        self.problems: dict[str, str] = {}
+
+    def problem(self, node: str) -> str | None:
+        return self.problems.get(node)
 
 
 @pytest.fixture
@@ -42,8 +53,9 @@ def settle(waiters: RoomWaiters) -> None:
 
 
 def test_an_end_marks_the_pods_refused_on_its_node_once(marked: list) -> None:
-    pods = Pods()
-    waiters = RoomWaiters(None, pods)
+    cache = Cache()
+    pods = cache.pods
+    waiters = RoomWaiters(None, cache)
     waiters.wait("uid-a", waiter("a", {"n1"}), waiters.seen())
     waiters.wait("uid-b", waiter("b", {"n2"}), waiters.seen())
     waiters.wait("gang-g", waiter("g0", None), waiters.seen())
@@ -55,8 +67,9 @@ def test_an_end_marks_the_pods_refused_on_its_node_once(marked: list) -> None:
 
 
 def test_a_refusal_that_may_have_missed_an_end_is_marked_at_once(marked: list) -> None:
-    pods = Pods()
-    waiters = RoomWaiters(None, pods)
+    cache = Cache()
+    pods = cache.pods
+    waiters = RoomWaiters(None, cache)
     seen = waiters.seen()  # the filter begins
     pods.listener("DELETED", bound("done", "n1"))  # an end before its refusal is remembered
     waiters.wait("uid-a", waiter("a", {"n2"}), seen)
@@ -65,8 +78,9 @@ def test_a_refusal_that_may_have_missed_an_end_is_marked_at_once(marked: list) -
 
 
 def test_a_pod_bound_deleted_or_admitted_waits_no_more(marked: list) -> None:
-    pods = Pods()
-    waiters = RoomWaiters(None, pods)
+    cache = Cache()
+    pods = cache.pods
+    waiters = RoomWaiters(None, cache)
     waiters.wait("uid-a", waiter("a", {"n1"}), waiters.seen())
     waiters.wait("uid-b", waiter("b", {"n1"}), waiters.seen())
     pods.listener("MODIFIED", bound("a", "n2"))  # a was bound elsewhere
@@ -74,3 +88,19 @@ def test_a_pod_bound_deleted_or_admitted_waits_no_more(marked: list) -> None:
     pods.listener("DELETED", bound("done", "n1"))
     settle(waiters)
     assert marked == []
+
+
+def test_a_node_that_can_take_gpu_pods_again_marks_the_pods_refused_there(marked: list) -> None:
+    cache = Cache()
+    waiters = RoomWaiters(None, cache)
+    node = {"metadata": {"name": "n1"}}
+    cache.problems["n1"] = "node n1: no kubelet is watching its gpushare device plugin"
+    cache.nodes.listener("MODIFIED", node)
+    waiters.wait("uid-a", waiter("a", {"n1"}), waiters.seen())
+    waiters.wait("uid-b", waiter("b", {"n2"}), waiters.seen())
+    cache.nodes.listener("MODIFIED", node)  # still troubled: nothing to retry for
+    del cache.problems["n1"]
+    cache.nodes.listener("MODIFIED", node)
+    cache.nodes.listener("MODIFIED", node)  # fine before and after: no news
+    settle(waiters)
+    assert marked == [("default", "a", "gpushare.io/retry")]
