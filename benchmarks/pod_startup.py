@@ -30,7 +30,7 @@ from kubernetes import client
 from gpushare.contract.names import RESOURCE_MEM
 from gpushare.kube.watch import WatchCache
 from gpushare.sandbox.binaries import KUBE_VERSION
-from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available, wait_for
+from gpushare.sandbox.realcluster import RealCluster, as_sandbox_pod, realcluster_available, wait_for
 
 NAMESPACE = "default"
 LABEL = "gpushare-bench-startup"
@@ -70,7 +70,7 @@ def manifest(name: str, gpu: bool) -> dict[str, Any]:
             ],
         },
     }
-    return as_host_network(pod)
+    return as_sandbox_pod(pod)
 
 
 def main() -> int:

@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 from types import ModuleType
+from typing import NoReturn
 
 from gpushare import node
 from gpushare.advertiser import cmd as advertiser_cmd
@@ -40,16 +41,36 @@ SUBCOMMANDS: dict[str, tuple[ModuleType, str]] = {
 }
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def log_level(text: str) -> int:
+    """A ``--log-level`` value (argparse type), any case."""
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return logging.getLevelName(text.upper())
+
+
+def configure_logging(level: int) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+class Parser(argparse.ArgumentParser):
+    """A flag that can't be used is refused in one line, before anything starts, with exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpushare", description="Share GPUs between Kubernetes pods by memory.")
-    parser.add_argument("--log-level", default="INFO")
+    parser = Parser(prog="gpushare", description="Share GPUs between Kubernetes pods by memory.")
+    parser.add_argument(
+        "--log-level",
+        type=log_level,
+        default="info",
+        metavar="{" + ",".join(LOG_LEVELS) + "}",
+        help="what is logged, before the command",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)

@@ -24,7 +24,7 @@ from gpushare.contract.env import assigned_env
 from gpushare.contract.names import RESOURCE_MEM
 from gpushare.contract.request import parse_pod_request
 from gpushare.kube.objects import get_pod
-from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available
+from gpushare.sandbox.realcluster import RealCluster, as_sandbox_pod, realcluster_available
 from gpushare.usage import pod_allocation
 
 E2E_DIR = Path(__file__).parent
@@ -115,7 +115,7 @@ def pod_manifest(
     metadata: dict[str, Any] = {"name": name, "namespace": namespace}
     if annotations:
         metadata["annotations"] = dict(annotations)
-    return as_host_network({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec})
+    return as_sandbox_pod({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec})
 
 
 class Pods:
