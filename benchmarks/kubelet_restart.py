@@ -24,13 +24,13 @@ from realbench import real_cluster
 
 from gpushare.contract.names import RESOURCE_MEM
 from gpushare.sandbox.binaries import KUBE_VERSION
-from gpushare.sandbox.realcluster import as_host_network, wait_for
+from gpushare.sandbox.realcluster import as_sandbox_pod, wait_for
 
 NODE = "node-a"
 
 
 def manifest(name: str) -> dict[str, Any]:
-    return as_host_network({
+    return as_sandbox_pod({
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": "default"},

@@ -28,7 +28,7 @@ from realbench import real_cluster
 from gpushare.contract.names import RESOURCE_MEM
 from gpushare.kube.watch import WatchCache
 from gpushare.sandbox.binaries import KUBE_VERSION
-from gpushare.sandbox.realcluster import as_host_network, wait_for
+from gpushare.sandbox.realcluster import as_sandbox_pod, wait_for
 
 NAMESPACE = "default"
 LABEL = "gpushare-bench-startup"
@@ -68,7 +68,7 @@ def manifest(name: str, gpu: bool) -> dict[str, Any]:
             ],
         },
     }
-    return as_host_network(pod)
+    return as_sandbox_pod(pod)
 
 
 def main() -> int:

@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from gpushare.contract.gang import MAX_GANG_MEMBERS
-from gpushare.settings import MetricsEndpoint, UsageError, add_kubeconfig_flag, add_metrics_host_flag
+from gpushare.settings import MetricsEndpoint, UsageError, add_kubeconfig_flag, add_metrics_host_flag, policy_name
 from gpushare.tlshttp import DEFAULT_LIMITS, Limits, ServerTLS, TLSFilesError
 
 if TYPE_CHECKING:
@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=32766, help="port for the verbs kube-scheduler calls")
     add_kubeconfig_flag(parser)
-    parser.add_argument("--policy", default="", help="binpack, spread, fgd or fgdfit (default: fgdfit)")
+    parser.add_argument(
+        "--policy", type=policy_name, default=None, help="binpack, spread, fgd or fgdfit (default: fgdfit)"
+    )
     tls = parser.add_argument_group("TLS (without a certificate the verbs are served over plain HTTP on loopback only)")
     tls.add_argument("--tls-cert", default=None, help="the extender's certificate (PEM)")
     tls.add_argument("--tls-key", default=None, help="its private key (PEM)")
@@ -87,4 +89,4 @@ def serving(args: argparse.Namespace) -> Serving:
 def run(args: argparse.Namespace) -> int:
     from gpushare.extender.wiring import run_extender
 
-    return run_extender(args.kubeconfig, args.policy, serving(args), args.max_gang_members)
+    return run_extender(args.kubeconfig, args.policy or "", serving(args), args.max_gang_members)

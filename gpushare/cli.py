@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 from types import ModuleType
+from typing import NoReturn
 
 from gpushare import node
 from gpushare.advertiser import cmd as advertiser_cmd
@@ -73,8 +74,15 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class Parser(argparse.ArgumentParser):
+    """A flag that can't be used is refused in one line, before anything starts, with exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="gpushare", description="Share GPUs between Kubernetes pods by memory.", formatter_class=HelpFormatter
     )
     parser.add_argument(

@@ -34,6 +34,16 @@ class UsageError(Exception):
     """A flag value that can't be used; printed as one line, exit code 2."""
 
 
+def policy_name(text: str) -> str:
+    """A ``--policy`` value (argparse type): one of the placement policies, refused before anything
+    starts. The policies are imported only when the flag is given, which keeps ``--help`` fast."""
+    from gpushare.placement import POLICIES
+
+    if text not in POLICIES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(POLICIES)}")
+    return text
+
+
 @dataclass(frozen=True, slots=True)
 class Reread:
     """How Allocate re-reads the node's pods from the API server before refusing.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,12 +38,11 @@ from gpushare.kube.objects import list_nodes, list_pods
 from gpushare.kube.transport import load_api
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.sandbox.nodespec import NodeSpec
 from gpushare.sandbox.report import Progress
 from gpushare.settings import NodeSettings
 
 log = logging.getLogger(__name__)
-
-DEFAULT_NODES = ("node-a=2xA100-80GB:81920,1xT4:15360", "node-b=1xA100-40GB:40960,2xA10:24576")
 
 
 def devices_listed(kubelet: KubeletEmulator) -> bool:
@@ -53,19 +53,6 @@ def devices_listed(kubelet: KubeletEmulator) -> bool:
 
 class SandboxError(RuntimeError):
     """The sandbox could not come up; the message says which part failed."""
-
-
-@dataclass(frozen=True, slots=True)
-class NodeSpec:
-    name: str
-    gpus: str
-
-
-def parse_node(text: str) -> NodeSpec:
-    name, sep, gpus = text.partition("=")
-    if not sep or not name or not gpus:
-        raise SandboxError(f"--node {text!r} is not NAME=COUNTxMODEL:MiB[,...]")
-    return NodeSpec(name, gpus)
 
 
 class PublishedCards:
@@ -153,7 +140,7 @@ class Sandbox:
         from gpushare.deviceplugin.wiring import start_device_plugin
 
         self.apiserver_create_node(spec)
-        directory = Path(tempfile.mkdtemp(prefix=f"gs-{spec.name[:8]}-", dir="/tmp"))
+        directory = self._node_dir(spec.name[:8])
         backend = SimulatedBackend(spec.name, spec.gpus)
         settings = NodeSettings(spec.name, str(self.kubeconfig), f"sim:{spec.gpus}", directory, GIB, frozenset())
         advertiser = Advertiser(self.api, spec.name, backend, GIB)
@@ -193,7 +180,7 @@ class Sandbox:
             raise SandboxError(str(exc)) from None
         spec = NodeSpec(f"nvml-{fake.machine.stem}", "nvml")
         self.apiserver_create_node(spec)
-        directory = Path(tempfile.mkdtemp(prefix=f"gs-{spec.name[5:13]}-", dir="/tmp"))
+        directory = self._node_dir(spec.name[5:13])
         kubelet = KubeletEmulator(directory)
         kubelet.start()
         node = SimNode(spec, PublishedCards(self.api, spec.name), kubelet, stop=[kubelet.stop])
@@ -213,6 +200,12 @@ class Sandbox:
         if not kubelet.wait_for(lambda k: k.capacity(RESOURCE_MEM) > 0 and k.capacity(RESOURCE_COUNT) > 0, 30):
             raise SandboxError(f"node {spec.name}: the node agent did not register with kubelet; see {log_path}")
         self._publish_capacity(spec.name, kubelet)
+
+    def _node_dir(self, name: str) -> Path:
+        """A node's directory for its sockets, in /tmp (their paths must stay short); removed on stop."""
+        directory = Path(tempfile.mkdtemp(prefix=f"gs-{name}-", dir="/tmp"))
+        self._cleanup.append(lambda: shutil.rmtree(directory, ignore_errors=True))
+        return directory
 
     def apiserver_create_node(self, spec: NodeSpec) -> None:
         from kubernetes import client

@@ -5,12 +5,28 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gpushare.sandbox.fakenvml import machines as fake_machines
+from gpushare.sandbox.nodespec import DEFAULT_NODES, NodeSpec, check_node_names, parse_node
+from gpushare.settings import UsageError, policy_name
+
+
+def nvml_machine(text: str) -> str:
+    """A ``--nvml-fake`` value (argparse type): a shipped machine's name or a description file."""
+    from gpushare.sandbox.fakenvml import FakeNvmlError, machine_file
+
+    try:
+        machine_file(text)
+    except FakeNvmlError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--node",
         action="append",
         default=[],
+        type=parse_node,
         metavar="NAME=SPEC",
         help="a simulated node, e.g. node-a=2xA100-80GB:81920,1xT4:15360 (repeatable; default: 2 mixed nodes)",
     )
@@ -18,15 +34,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nvml-fake",
         action="append",
         default=[],
+        type=nvml_machine,
         metavar="MACHINE",
         help="a node running 'gpushare node --gpus nvml' on the fake libnvidia-ml presenting MACHINE (a file, "
-        "or one of gpushare/sandbox/fakenvml/machines: dgx-a100, mixed, mig, lost-card, faulty; repeatable; "
+        f"or one of gpushare/sandbox/fakenvml/machines: {', '.join(fake_machines())}; repeatable; "
         "without --node, only these nodes run)",
     )
-    parser.add_argument("--policy", default="", help="placement policy for the extender (default: its default)")
+    parser.add_argument(
+        "--policy", type=policy_name, default=None, help="placement policy for the extender: fgdfit (default), "
+        "fgd, binpack or spread",
+    )  # fmt: skip
     parser.add_argument("--no-containers", action="store_true", help="don't start real containers even if possible")
     parser.add_argument(
-        "--keep-running", action="store_true", help="stay up for kubectl, gpushare inspect and /metrics"
+        "--keep-running",
+        action="store_true",
+        help="stay up for kubectl, gpushare inspect and /metrics until Ctrl-C or SIGTERM (without it the "
+        "cluster is stopped once the examples are reported)",
     )
     parser.add_argument(
         "--standin",
@@ -37,19 +60,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """On a real Kubernetes when it can run here (and ``--standin`` is off), else on the stand-ins."""
-    from gpushare.sandbox.cluster import DEFAULT_NODES, parse_node
+    """On a real Kubernetes when it can run here (and ``--standin`` is off), else on the stand-ins.
+    SIGTERM and SIGHUP stop it as Ctrl-C does: everything it started is stopped before it exits."""
+    from pathlib import Path
+
+    from gpushare.process import Terminated, signals_raise
 
     # with fake-NVML nodes and no --node, the fake-NVML nodes run alone
-    specs = [parse_node(n) for n in args.node or (() if args.nvml_fake else DEFAULT_NODES)]
+    specs = args.node or ([] if args.nvml_fake else [parse_node(n) for n in DEFAULT_NODES])
+    names = [s.name for s in specs] + [f"nvml-{Path(m).stem}" for m in args.nvml_fake]
+    if reason := check_node_names(names):
+        raise UsageError(reason)
+    if args.nvml_fake:
+        from gpushare.sandbox.fakenvml import gcc_missing
+
+        if reason := gcc_missing():
+            print(f"gpushare sandbox: --nvml-fake: {reason}", file=sys.stderr)
+            return 1
+    with signals_raise():
+        try:
+            return _run(args, specs)
+        except Terminated as exc:
+            print(f"gpushare sandbox: stopped by {exc}; everything it started is stopped", file=sys.stderr)
+            return 128 + exc.signum
+
+
+def _run(args: argparse.Namespace, specs: list[NodeSpec]) -> int:
     if not args.standin:
         from gpushare.sandbox.realcluster import realcluster_available
         from gpushare.sandbox.realsandbox import run_real
 
         reason = "--no-containers asks for no containers" if args.no_containers else realcluster_available()
         if reason is None:
-            return run_real(specs, args.policy, args.keep_running, nvml_fake=args.nvml_fake)
+            return run_real(specs, args.policy or "", args.keep_running, nvml_fake=args.nvml_fake)
         print(f"gpushare sandbox: using the API stand-in and kubelet emulator: {reason}", file=sys.stderr)
     from gpushare.sandbox.standin import run_standin
 
-    return run_standin(specs, args.policy, not args.no_containers, args.keep_running, nvml_fake=args.nvml_fake)
+    return run_standin(specs, args.policy or "", not args.no_containers, args.keep_running, nvml_fake=args.nvml_fake)

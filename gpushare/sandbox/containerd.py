@@ -1,5 +1,6 @@
 """A private containerd for tests, benchmarks and the sandbox: its own root, state and socket under one
-directory, configured so that CRI pods run on this kind of machine (host network only, no image pulls).
+directory, configured so that CRI pods run on this kind of machine (no image pulls; the host network unless the
+caller puts a CNI config in its cni-conf directory, as the real cluster does).
 
 Images can't be pulled here, so :func:`build_busybox_image` packs the host's static busybox into a
 docker-archive tarball that doubles as the pause image, and :meth:`Containerd.import_image` loads it.
@@ -165,6 +166,8 @@ def render_config(base: Path, sandbox_image: str = PAUSE_IMAGE) -> str:
             f"  sandbox = '{sandbox_image}'",
             f"[{runtime}]",
             "  restrict_oom_score_adj = true",
+            # pods' network namespaces are mounted under ``base`` (removed with it), not in /run/netns
+            "  netns_mounts_under_state_dir = true",
             "  enable_selinux = false",
             "  enable_cdi = false",
             f"[{runtime}.containerd]",

@@ -4,8 +4,10 @@ containerd, the gpushare node agent (simulated cards, CRI shim in front of conta
 
 Kubelet hard-wires its device-plugin directory to ``/var/lib/kubelet/device-plugins``, so each simulated
 node is a private mount namespace (held open by a sleeping process) with its own directories bound over
-that path and over ``/var/log/pods``; the node's containerd, node agent and kubelet all run inside it,
-as they would on a machine of their own. Nothing listens beyond 127.0.0.1 and every port is a free one.
+that path, over ``/var/log/pods`` and over ``/var/lib/cni``; the node's containerd, node agent and kubelet
+all run inside it, as they would on a machine of their own. The nodes share the host's network
+namespace; each node's pods get a bridge and a private subnet of its own (:func:`render_pod_network`),
+deleted on stop. Every port is a free one on 127.0.0.1.
 
 The config renderers are pure functions; :class:`RealCluster` starts and stops the processes.
 """
@@ -13,6 +15,7 @@ The config renderers are pure functions; :class:`RealCluster` starts and stops t
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -41,6 +44,7 @@ from gpushare.contract.names import (
     RESOURCE_MEM,
 )
 from gpushare.pb import cri_pb2, cri_pb2_grpc
+from gpushare.process import signals_ignored
 from gpushare.sandbox import binaries
 from gpushare.sandbox.binaries import KUBE_BINARIES
 from gpushare.sandbox.certs import Certs, make_certs
@@ -59,7 +63,12 @@ log = logging.getLogger(__name__)
 
 DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 POD_LOG_DIR = Path("/var/log/pods")
+CNI_STATE_DIR = Path("/var/lib/cni")
 CNI_PLUGINS = Path("/usr/lib/cni")
+#: the CNI plugins a node's pod network uses (containerd adds each pod's loopback itself)
+CNI_PLUGIN_NAMES = ("bridge", "host-local", "loopback")
+#: the bridges' names are this, a token of the cluster and the node's index (Linux allows 15 bytes)
+BRIDGE_PREFIX = "gs"
 REPO = Path(__file__).resolve().parents[2]
 SCHEDULER_CONFIG = REPO / "deploy" / "scheduler-config.yaml"
 RBAC_MANIFESTS = (REPO / "deploy" / "namespace.yaml", REPO / "deploy" / "rbac.yaml")
@@ -84,11 +93,12 @@ def realcluster_available() -> str | None:
     if reason := (
         containerd_available()
         or binaries.missing((*KUBE_BINARIES, "etcd"))
-        or binaries.host_tool_missing(("unshare", "nsenter", "mount", "openssl"))
+        or binaries.host_tool_missing(("unshare", "nsenter", "mount", "openssl", "ip"))
     ):
         return reason
-    if not (CNI_PLUGINS / "loopback").is_file():
-        return f"{CNI_PLUGINS / 'loopback'} is missing (apt-get install -y containernetworking-plugins)"
+    for plugin in CNI_PLUGIN_NAMES:
+        if not (CNI_PLUGINS / plugin).is_file():
+            return f"{CNI_PLUGINS / plugin} is missing (apt-get install -y containernetworking-plugins)"
     return None
 
 
@@ -226,20 +236,48 @@ def _taint(spec: str) -> dict[str, str]:
     return {"key": key, "value": value, "effect": effect} if value else {"key": key, "effect": effect}
 
 
-def render_loopback_conflist() -> str:
-    """containerd's CRI reports the node's network ready only with a CNI config; pods use the host network."""
-    return json.dumps({"cniVersion": "0.4.0", "name": "gpushare-loopback", "plugins": [{"type": "loopback"}]})
+def pod_subnet(index: int) -> str:
+    """The pod subnet of the cluster's ``index``-th node: private, and distinct per node."""
+    return f"10.244.{index}.0/24"
 
 
-def as_host_network(manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """A pod manifest as it must run here: the only network is the host's (CNI has just loopback) and
-    deletion needs no grace period; quantities become strings as the API serves them."""
+def bridge_name(workdir: Path, index: int) -> str:
+    """The bridge of the cluster's ``index``-th node. The nodes, and any other cluster on this machine,
+    share the host's network namespace, so the name carries a token of the cluster's directory."""
+    token = hashlib.sha256(str(workdir).encode()).hexdigest()[:6]
+    return f"{BRIDGE_PREFIX}{token}n{index}"
+
+
+def render_pod_network(bridge: str, subnet: str, ipam_dir: Path) -> str:
+    """A node's pod network (CNI): each pod gets an address in ``subnet`` on the node's own ``bridge``.
+    The bridge has no address on the host and the pods no default route, so a pod reaches the other
+    pods of its node and nothing beyond; nothing is masqueraded, so no iptables rule is made, and
+    host-local keeps its leases in ``ipam_dir``."""
+    ipam = {"type": "host-local", "ranges": [[{"subnet": subnet}]], "dataDir": str(ipam_dir)}
+    plugin = {"type": "bridge", "bridge": bridge, "isGateway": False, "ipMasq": False, "ipam": ipam}
+    return json.dumps({"cniVersion": "0.4.0", "name": "gpushare-pods", "plugins": [plugin]})
+
+
+def remove_bridge(bridge: str) -> None:
+    """Delete the bridge and any pod's veth still attached to it (deleting one end deletes the pair);
+    nothing happens when it was never made (no pod of the node needed it)."""
+    device = Path("/sys/class/net") / bridge
+    if not bridge or not device.exists():
+        return
+    for port in sorted((device / "brif").glob("*")):
+        subprocess.run(["ip", "link", "delete", port.name], capture_output=True, check=False)
+    done = subprocess.run(["ip", "link", "delete", bridge], capture_output=True, text=True, check=False)
+    if done.returncode != 0 and device.exists():
+        log.warning("could not delete bridge %s: %s", bridge, done.stderr.strip())
+
+
+def as_sandbox_pod(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """A pod manifest as the sandbox applies it: deletion needs no grace period, and quantities become
+    strings as the API serves them."""
     from gpushare.sandbox.examples import with_string_quantities
 
     body = with_string_quantities(manifest)
-    spec = body.setdefault("spec", {})
-    spec["hostNetwork"] = True
-    spec["terminationGracePeriodSeconds"] = 0
+    body.setdefault("spec", {})["terminationGracePeriodSeconds"] = 0
     return body
 
 
@@ -359,6 +397,9 @@ class RealNode:
     name: str
     gpus: str
     base: Path
+    #: its pods' bridge and subnet
+    bridge: str = ""
+    subnet: str = ""
     fake_nvml: FakeNvml | None = None
     holder: subprocess.Popen[bytes] | None = None
     containerd: Containerd | None = None
@@ -628,12 +669,15 @@ class RealCluster:
 
     def _start_nodes(self) -> None:
         image = build_busybox_image(self._path("busybox.tar"), (PAUSE_IMAGE, TEST_IMAGE, EXAMPLE_IMAGE))
-        for name, gpus in self.nodes_spec:
-            self.nodes[name] = node = RealNode(name, gpus, self._path(name))
+        for index, (name, gpus) in enumerate(self.nodes_spec):
+            bridge = bridge_name(self.workdir, index)
+            self.nodes[name] = node = RealNode(name, gpus, self._path(name), bridge, pod_subnet(index))
             self._start_namespace(node)
             node.containerd = Containerd(node.base / "ctrd", PAUSE_IMAGE, node.in_namespace)
             (node.containerd.base / "cni-conf").mkdir(parents=True)
-            (node.containerd.base / "cni-conf" / "10-loopback.conflist").write_text(render_loopback_conflist())
+            (node.containerd.base / "cni-conf" / "10-pods.conflist").write_text(
+                render_pod_network(node.bridge, node.subnet, node.base / "cni-ipam")
+            )
             (node.containerd.base / "cni-bin").symlink_to(CNI_PLUGINS)
             node.containerd.start()
             node.containerd.import_image(image)
@@ -643,15 +687,17 @@ class RealCluster:
             self.wait_node_ready(node)
 
     def _start_namespace(self, node: RealNode) -> None:
-        """A process holding a private mount namespace with the node's own kubelet directories."""
-        for directory in (node.device_plugin_dir, node.base / "pod-logs"):
-            directory.mkdir(parents=True, exist_ok=True)
-        for target in (DEVICE_PLUGIN_DIR, POD_LOG_DIR):
+        """A process holding a private mount namespace with the node's own kubelet directories, and its
+        own /var/lib/cni, where the CNI library caches each pod's network (nothing of it on the host)."""
+        binds = [(node.device_plugin_dir, DEVICE_PLUGIN_DIR), (node.base / "pod-logs", POD_LOG_DIR),
+                 (node.base / "cni-state", CNI_STATE_DIR)]  # fmt: skip
+        for own, target in binds:
+            own.mkdir(parents=True, exist_ok=True)
             target.mkdir(parents=True, exist_ok=True)
-        script = 'mount --bind "$1" "$2" && mount --bind "$3" "$4" && echo ready && exec sleep 2147483647'
+        script = " && ".join(f'mount --bind "${2 * i + 1}" "${2 * i + 2}"' for i in range(len(binds)))
         node.holder = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
-             str(node.device_plugin_dir), str(DEVICE_PLUGIN_DIR), str(node.base / "pod-logs"), str(POD_LOG_DIR)],
+            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+             f"{script} && echo ready && exec sleep 2147483647", "sh", *(str(p) for bind in binds for p in bind)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
             cwd=node.base,
         )  # fmt: skip
@@ -694,6 +740,7 @@ class RealCluster:
                 "--listen", f"unix://{node.cri_socket}",
                 "--runtime", node.containerd.address if node.containerd else "",
                 "--metrics-port", str(node.agent_metrics_port),
+                "--metrics-host", "127.0.0.1",
             ],
             env,
         )  # fmt: skip
@@ -764,7 +811,8 @@ class RealCluster:
                     "--kubeconfig", str(self.kubeconfig_of("gpushare-extender"))]  # fmt: skip
             if self.extender_certs is not None:
                 control.extender_health_port = free_port()
-                argv += ["--host", "127.0.0.1", "--health-port", str(control.extender_health_port),
+                argv += ["--host", "127.0.0.1", "--health-host", "127.0.0.1",
+                         "--health-port", str(control.extender_health_port),
                          "--tls-cert", self.extender_certs.server.cert, "--tls-key", self.extender_certs.server.key,
                          "--client-ca", self.extender_certs.ca]  # fmt: skip
             control.extender = self._spawn(
@@ -856,6 +904,18 @@ class RealCluster:
         annotations = client.CoreV1Api(self.api).read_node(name).metadata.annotations or {}
         return parse_inventory(annotations.get(NODE_ANN_INVENTORY, ""), name)
 
+    def endpoints(self) -> list[tuple[str, str]]:
+        """Where each component answers, one row per component: its name and its URLs."""
+        rows = [("kube-apiserver", f"{self.server} (kubectl --kubeconfig {self.kubeconfig})")]
+        for control in self.controls:
+            verbs = f"{control.extender_url} (kube-scheduler's calls{', client certificate' if control.tls else ''})"
+            health = f"{control.extender_health_url}/metrics, /healthz, /readyz"
+            rows.append((f"extender for {control.scheduler_name}", f"{verbs}; {health}"))
+        for node in self.nodes.values():
+            metrics = f"http://127.0.0.1:{node.agent_metrics_port}/metrics, /healthz, /readyz"
+            rows.append((f"node agent {node.name}", metrics))
+        return rows
+
     def all_pids(self) -> list[int]:
         """Every process this cluster runs now, containerd's shims and the containers included."""
         return processes_using(self.workdir)
@@ -864,10 +924,16 @@ class RealCluster:
 
     def stop(self) -> None:
         """Stop every process: schedulers and extenders, kubelets (so nothing restarts pods), node agents,
-        each containerd with its pods and shims, the API server and etcd, then the namespaces."""
+        each containerd with its pods and shims, the API server and etcd, then the namespaces; then
+        delete the nodes' bridges. Signals wait until it is done: stopped halfway, it would leave the
+        rest running."""
         if not self._started:
             return
+        with signals_ignored():
+            self._stop()
         self._started = False
+
+    def _stop(self) -> None:
         order = [p for p in self.processes if p.name.startswith(("kube-scheduler", "extender", "kubelet"))]
         order += [p for p in self.processes if p.name.startswith("node-agent")]
         for proc in order:
@@ -887,13 +953,20 @@ class RealCluster:
         for pid in processes_using(self.workdir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        try:
+            wait_for(lambda: not processes_using(self.workdir), 10, f"the processes under {self.workdir} to end")
+        except ClusterError as exc:
+            log.warning("%s", exc)
+        for node in self.nodes.values():
+            remove_bridge(node.bridge)
         if self.api is not None:
             self.api.close()
 
 
 def processes_using(path: Path) -> list[int]:
-    """Processes whose command line, working directory or root lies under ``path``: every process a
-    cluster in that directory started, container processes included (their root is a snapshot there)."""
+    """Processes whose command line, working directory, root or mount table lies under ``path``: every
+    process a cluster in that directory started, container processes included, even one whose shim is
+    gone (it shows its root inside its node's mount namespace, but its mounts name the snapshot here)."""
     inside = str(path).encode() + b"/"
     found = []
     for entry in Path("/proc").iterdir():
@@ -902,9 +975,10 @@ def processes_using(path: Path) -> list[int]:
         try:
             argv = (entry / "cmdline").read_bytes()
             places = [os.readlink(entry / "cwd").encode(), os.readlink(entry / "root").encode()]
+            mounts = (entry / "mountinfo").read_bytes()
         except OSError:
             continue
-        if inside in argv or any((p + b"/").startswith(inside) for p in places):
+        if inside in argv or inside in mounts or any((p + b"/").startswith(inside) for p in places):
             found.append(int(entry.name))
     return found
 

@@ -4,9 +4,7 @@ every container's GPU environment read from its running process."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -16,17 +14,25 @@ from gpushare.inspection.model import build_cluster
 from gpushare.inspection.render import render_details
 from gpushare.kube.objects import get_pod, list_nodes, list_pods
 from gpushare.placement import DEFAULT_POLICY
-from gpushare.sandbox.binaries import KUBE_VERSION
-from gpushare.sandbox.cluster import NodeSpec
 from gpushare.sandbox.examples import EXAMPLES, load_examples
+from gpushare.sandbox.nodespec import NodeSpec
 from gpushare.sandbox.realcluster import (
     NVML_PREFIX,
     ClusterError,
     RealCluster,
-    as_host_network,
+    as_sandbox_pod,
     wait_for,
 )
-from gpushare.sandbox.report import PodOutcome, Progress, cards_of, log_to, report, stay_up
+from gpushare.sandbox.report import (
+    KEEP_RUNNING_HINT,
+    PodOutcome,
+    Progress,
+    RunDir,
+    cards_of,
+    render_endpoints,
+    report,
+    stay_up,
+)
 
 #: how long an example pod may take to reach a final answer (Running, Failed or Unschedulable)
 SETTLE_SECONDS = 60.0
@@ -52,7 +58,7 @@ def apply_examples(cluster: RealCluster, manifests: Sequence[Mapping[str, Any]])
     core = client.CoreV1Api(cluster.api)
     names = []
     for manifest in manifests:
-        body = as_host_network(manifest)
+        body = as_sandbox_pod(manifest)
         core.create_namespaced_pod(body["metadata"].get("namespace", "default"), body)
         names.append((body["metadata"].get("namespace", "default"), body["metadata"]["name"]))
     outcomes = []
@@ -77,32 +83,31 @@ def run_real(
     specs: Sequence[NodeSpec], policy: str, keep_running: bool, out: Any = sys.stdout, nvml_fake: Sequence[str] = ()
 ) -> int:
     """``nvml_fake``: machines for nodes whose agent runs ``--gpus nvml`` on the fake libnvidia-ml."""
-    workdir = Path(tempfile.mkdtemp(prefix="gpushare-sandbox-", dir="/tmp"))
-    log_to(workdir / "sandbox.log")
     policy = policy or DEFAULT_POLICY
     nodes = [(s.name, s.gpus) for s in specs]
     nodes += [(f"nvml-{Path(machine).stem}", f"{NVML_PREFIX}{machine}") for machine in nvml_fake]
-    cluster = RealCluster(nodes, workdir, policy=policy)
     progress = Progress(total=4)
     started = time.monotonic()
-    try:
-        cluster.start(progress.step)
-        print(f"Kubernetes {KUBE_VERSION} is up: kubectl --kubeconfig {cluster.kubeconfig} get pods", file=out)
-        with progress.step(f"applying the example pods from {EXAMPLES.relative_to(EXAMPLES.parents[1])}"):
-            outcomes = apply_examples(cluster, load_examples())
+    with RunDir() as run_dir:
+        try:
+            cluster = RealCluster(nodes, run_dir.path, policy=policy)
+            run_dir.on_exit(cluster.stop)
+            cluster.start(progress.step)
+            with progress.step(f"applying the example pods from {EXAMPLES.relative_to(EXAMPLES.parents[1])}"):
+                outcomes = apply_examples(cluster, load_examples())
+        except ClusterError as exc:
+            print(f"gpushare sandbox: {exc}", file=sys.stderr)
+            run_dir.failed = True
+            return 1
         inspect = render_details(build_cluster(list_nodes(cluster.api), list_pods(cluster.api)))
         report(outcomes, policy, started, inspect, "env read with CRI ExecSync from each running container", out)
-        print(f"\nComponent logs: {workdir}", file=out)
-        if keep_running:
-            stay_up(
-                f"kubectl --kubeconfig {cluster.kubeconfig} get pods -o wide\n"
-                f"         gpushare inspect --kubeconfig {cluster.kubeconfig}",
-                out,
-            )
-    except ClusterError as exc:
-        print(f"gpushare sandbox: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        with contextlib.suppress(KeyboardInterrupt):
-            cluster.stop()
+        if not keep_running:
+            print(f"\n{KEEP_RUNNING_HINT}", file=out)
+            return 0
+        print(f"\nComponent logs: {run_dir.path}\n\nEndpoints\n\n{render_endpoints(cluster.endpoints())}", file=out)
+        stay_up(
+            f"kubectl --kubeconfig {cluster.kubeconfig} get pods -o wide\n"
+            f"         gpushare inspect --kubeconfig {cluster.kubeconfig}",
+            out,
+        )
     return 0

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,8 +18,12 @@ from typing import Any
 from gpushare.cards import Card
 from gpushare.contract.names import ENV_MEM_CONTAINER, ENV_MEM_DEV, ENV_MEM_IDX, ENV_MEM_POD, ENV_VISIBLE_DEVICES
 from gpushare.inspection.render import render_table
+from gpushare.process import Terminated, signals_ignored
 
 GPU_ENV = (ENV_VISIBLE_DEVICES, ENV_MEM_IDX, ENV_MEM_POD, ENV_MEM_CONTAINER, ENV_MEM_DEV)
+#: unix socket paths end at 107 bytes, and the real cluster's sit three levels below the run directory
+MAX_TEMP_ROOT = 30
+KEEP_RUNNING_HINT = "The cluster is stopped again; gpushare sandbox --keep-running keeps it up for kubectl."
 
 
 class Progress:
@@ -36,6 +43,9 @@ class Progress:
         began = time.monotonic()
         try:
             yield
+        except (KeyboardInterrupt, Terminated):
+            self._stream.write(" interrupted\n")
+            raise
         except BaseException:
             self._stream.write(" failed\n")
             raise
@@ -66,7 +76,57 @@ def cards_of(pod: Mapping[str, Any], cards: Iterable[Card]) -> str:
     )
 
 
-def log_to(path: Path) -> None:
+class RunDir:
+    """The run's temporary directory, with the sandbox's own log in it, as a context manager. On the way
+    out, however it is left (a signal, Ctrl-C, an error), it calls what :meth:`on_exit` registered (stopping
+    the cluster) with signals held off, then removes the directory, or, after a failed run, all of it
+    but the logs, and says where they are. A run has failed when :attr:`failed` was set or an error
+    other than a stop request escaped."""
+
+    def __init__(self, err: Any = sys.stderr) -> None:
+        root = tempfile.gettempdir()
+        self.path = Path(
+            tempfile.mkdtemp(prefix="gpushare-sandbox-", dir=root if len(root) <= MAX_TEMP_ROOT else "/tmp")
+        )
+        self.failed = False
+        self._err = err
+        self._log = log_to(self.path / "sandbox.log")
+        self._on_exit: list[Callable[[], None]] = []
+
+    def on_exit(self, stop: Callable[[], None]) -> None:
+        self._on_exit.append(stop)
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        failed = self.failed or (kind is not None and not issubclass(kind, (Terminated, KeyboardInterrupt)))
+        with signals_ignored():
+            for stop in reversed(self._on_exit):
+                stop()
+            logging.getLogger().removeHandler(self._log)
+            self._log.close()
+            if not failed:
+                shutil.rmtree(self.path, ignore_errors=True)
+                return
+            keep_only_logs(self.path)
+            print(f"gpushare sandbox: the components' logs are kept in {self.path}", file=self._err)
+
+
+def keep_only_logs(directory: Path) -> None:
+    """Delete every file under ``directory`` not named ``*.log``, then the directories left empty.
+    Symbolic links are removed, never followed."""
+    for root, dirs, files in os.walk(directory, topdown=False):
+        for name in files:
+            if not name.endswith(".log"):
+                (Path(root) / name).unlink(missing_ok=True)
+        for name in dirs:
+            path = Path(root) / name
+            with contextlib.suppress(OSError):  # a directory still holding logs stays
+                path.unlink() if path.is_symlink() else path.rmdir()
+
+
+def log_to(path: Path) -> logging.Handler:
     """Component logs go to a file; the terminal keeps the progress lines, warnings and the report."""
     root = logging.getLogger()
     for handler in root.handlers:
@@ -74,6 +134,7 @@ def log_to(path: Path) -> None:
     file_handler = logging.FileHandler(path)
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(file_handler)
+    return file_handler
 
 
 def render_pods(outcomes: Sequence[PodOutcome]) -> str:
@@ -104,8 +165,14 @@ def report(outcomes: Sequence[PodOutcome], policy: str, started: float, inspect:
     print(render_env(outcomes), file=out)
 
 
+def render_endpoints(endpoints: Sequence[tuple[str, str]]) -> str:
+    """One line per component: its name and where it answers."""
+    return render_table([["COMPONENT", "ENDPOINTS"], *([name, where] for name, where in endpoints)])
+
+
 def stay_up(hints: str, out: Any) -> None:
-    print(f"\nRunning. Try: {hints}\nCtrl-C to stop.", file=out, flush=True)
+    """Until Ctrl-C, which is how it is meant to end (SIGTERM and SIGHUP raise past it)."""
     with contextlib.suppress(KeyboardInterrupt):
+        print(f"\nRunning. Try: {hints}\nCtrl-C to stop.", file=out, flush=True)
         while True:
             time.sleep(3600)

@@ -6,10 +6,8 @@ containerd, the env kubelet would pass)."""
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,10 +15,11 @@ import grpc
 from gpushare.contract.request import requests_gpu
 from gpushare.kube.objects import bind_pod, get_pod, patch_pod_status
 from gpushare.placement import DEFAULT_POLICY
-from gpushare.sandbox.cluster import NodeSpec, Sandbox, SandboxError, SimNode
+from gpushare.sandbox.cluster import Sandbox, SandboxError, SimNode
 from gpushare.sandbox.examples import EXAMPLES, load_examples, with_string_quantities
 from gpushare.sandbox.kubelet import AdmissionResult
-from gpushare.sandbox.report import PodOutcome, Progress, cards_of, log_to, report, stay_up
+from gpushare.sandbox.nodespec import NodeSpec
+from gpushare.sandbox.report import KEEP_RUNNING_HINT, PodOutcome, Progress, RunDir, cards_of, report, stay_up
 from gpushare.sandbox.scheduler import ExtenderCallError, ExtenderClient, schedule_one
 
 
@@ -112,26 +111,27 @@ def run_standin(
     out: Any = sys.stdout,
     nvml_fake: Sequence[str] = (),
 ) -> int:
-    workdir = Path(tempfile.mkdtemp(prefix="gpushare-sandbox-"))
-    log_to(workdir / "sandbox.log")
     policy = policy or DEFAULT_POLICY
-    sandbox = Sandbox(specs, policy, containers, workdir, nvml_fake)
     progress = Progress(total=5)
     started = time.monotonic()
-    try:
-        sandbox.start(progress)
-        with progress.step(
-            f"scheduling and starting the example pods from {EXAMPLES.relative_to(EXAMPLES.parents[1])}"
-        ):
-            outcomes = submit(sandbox, load_examples())
+    with RunDir() as run_dir:
+        sandbox = Sandbox(specs, policy, containers, run_dir.path, nvml_fake)
+        run_dir.on_exit(sandbox.stop)
+        try:
+            sandbox.start(progress)
+            with progress.step(
+                f"scheduling and starting the example pods from {EXAMPLES.relative_to(EXAMPLES.parents[1])}"
+            ):
+                outcomes = submit(sandbox, load_examples())
+        except SandboxError as exc:
+            print(f"gpushare sandbox: {exc}", file=sys.stderr)
+            run_dir.failed = True
+            return 1
         report(outcomes, policy, started, sandbox.inspect(), sandbox.container_note, out)
-        if keep_running:
-            stay_up(
-                f"gpushare inspect --kubeconfig {sandbox.kubeconfig}\n         curl {sandbox.extender_url}/metrics", out
-            )
-    except SandboxError as exc:
-        print(f"gpushare sandbox: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        sandbox.stop()
+        if not keep_running:
+            print(f"\n{KEEP_RUNNING_HINT}", file=out)
+            return 0
+        stay_up(
+            f"gpushare inspect --kubeconfig {sandbox.kubeconfig}\n         curl {sandbox.extender_url}/metrics", out
+        )
     return 0

@@ -15,7 +15,7 @@ from gpushare.cli import build_parser
 from gpushare.contract.names import ENV_NODE_NAME, ENV_VISIBLE_DEVICES, RESOURCE_MEM, RESOURCES
 from gpushare.contract.request import parse_pod_request
 from gpushare.inventory import simulated_cards
-from gpushare.sandbox.cluster import DEFAULT_NODES, parse_node
+from gpushare.sandbox.nodespec import DEFAULT_NODES, parse_node
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KUBERNETES_VERSION = "1.30"

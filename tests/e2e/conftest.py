@@ -27,7 +27,7 @@ from gpushare.contract.names import ANN_MEM_IDX, RESOURCE_MEM
 from gpushare.contract.request import parse_pod_request
 from gpushare.kube.objects import get_pod
 from gpushare.kube.transport import load_api
-from gpushare.sandbox.realcluster import RealCluster, as_host_network, realcluster_available
+from gpushare.sandbox.realcluster import RealCluster, as_sandbox_pod, realcluster_available
 from gpushare.usage import pod_allocation
 
 E2E_DIR = Path(__file__).parent
@@ -118,7 +118,7 @@ def pod_manifest(
     metadata: dict[str, Any] = {"name": name, "namespace": namespace}
     if annotations:
         metadata["annotations"] = dict(annotations)
-    return as_host_network({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec})
+    return as_sandbox_pod({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec})
 
 
 class Pods:

@@ -1,5 +1,4 @@
-"""The pods of deploy/examples on the real cluster, as a user applies them (with host networking, the
-only network here)."""
+"""The pods of deploy/examples on the real cluster, as a user applies them."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from kubernetes import client
 
 from gpushare.contract.names import ENV_MEM_PREFIX, ENV_VISIBLE_DEVICES, RESOURCE_MEM, VISIBLE_DEVICES_VOID
 from gpushare.sandbox.examples import load_examples
-from gpushare.sandbox.realcluster import RealCluster, as_host_network
+from gpushare.sandbox.realcluster import RealCluster, as_sandbox_pod
 
 from .conftest import API_POLL, NODES, Pods, assert_sees_assigned_cards, wait_until
 
@@ -21,7 +20,7 @@ RUNNING = ("multi-container", "shared-1", "shared-2", "two-cards", "a100-only", 
 def examples(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[Pods]:
     made = Pods(cluster, core)
     for manifest in load_examples():
-        made.create(as_host_network(manifest))
+        made.create(as_sandbox_pod(manifest))
     try:
         yield made
     finally:

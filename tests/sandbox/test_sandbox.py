@@ -3,15 +3,17 @@ on a real Kubernetes where one can run here and on the stand-ins (``--standin``)
 
 from __future__ import annotations
 
-import re
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.sandboxrun import leftovers
 
 from gpushare.sandbox.containerd import containerd_available
-from gpushare.sandbox.realcluster import processes_using, realcluster_available
+from gpushare.sandbox.realcluster import realcluster_available
+from gpushare.sandbox.report import KEEP_RUNNING_HINT
 
 GPU_EXAMPLES = ("shared-1", "shared-2", "multi-container", "two-cards")
 
@@ -20,12 +22,25 @@ def row(output: str, pod: str) -> str:
     return next(line for line in output.splitlines() if line.startswith(f"{pod} "))
 
 
-def sandbox(*flags: str) -> subprocess.CompletedProcess[str]:
+def sandbox(directory: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """A whole run, with ``directory`` as its $TMPDIR."""
     proc = subprocess.run(
-        [sys.executable, "-m", "gpushare.cli", "sandbox", *flags], capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", "gpushare.cli", "sandbox", *flags],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "TMPDIR": str(directory)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+def assert_says_how_to_keep_it_and_leaves_nothing(proc: subprocess.CompletedProcess[str], directory: Path) -> None:
+    """Without --keep-running the cluster is gone when the command returns: no kubectl to offer, one line
+    saying how to keep it, and its temporary directory is removed."""
+    assert "kubectl --kubeconfig" not in proc.stdout and " is up" not in proc.stdout
+    assert [line for line in proc.stdout.splitlines() if "--keep-running" in line] == [KEEP_RUNNING_HINT]
+    assert leftovers(directory) == []
 
 
 def assert_every_example_reported(out: str, running: str, no_gpu_env: str) -> None:
@@ -41,31 +56,30 @@ def assert_every_example_reported(out: str, running: str, no_gpu_env: str) -> No
     assert "Per-card allocation" in out
 
 
-def test_standin_sandbox_runs_every_example_and_exits_zero() -> None:
-    proc = sandbox("--standin")
+def test_standin_sandbox_runs_every_example_and_exits_zero(directory: Path) -> None:
+    proc = sandbox(directory, "--standin")
     real_containers = containerd_available() is None
     assert_every_example_reported(proc.stdout, "Running" if real_containers else "Admitted",
                                   "void" if real_containers else "all")  # fmt: skip
     # the extender's own reason, as the stand-in's scheduling loop reports it
     assert "largest free" in row(proc.stdout, "too-big")
     assert "[5/5]" in proc.stderr  # the progress display
+    assert_says_how_to_keep_it_and_leaves_nothing(proc, directory)
 
 
 @pytest.mark.skipif(realcluster_available() is not None, reason=f"no real cluster here: {realcluster_available()}")
-def test_sandbox_runs_the_examples_on_real_kubernetes_and_leaves_no_process_behind() -> None:
-    proc = sandbox()
+def test_sandbox_runs_the_examples_on_real_kubernetes_and_leaves_nothing_behind(directory: Path) -> None:
+    proc = sandbox(directory)
     assert_every_example_reported(proc.stdout, "Running", "void")
     # kube-scheduler's own resource fit turns node-b away; the extender, asked about node-a, says why
     too_big = row(proc.stdout, "too-big")
     assert "1 Insufficient aliyun.com/gpu-mem" in too_big and "1 no single card has 90 GiB free" in too_big
     assert "[4/4]" in proc.stderr
-    kubeconfig = re.search(r"kubectl --kubeconfig (\S+) get pods", proc.stdout)
-    assert kubeconfig, proc.stdout[:500]
-    workdir = Path(kubeconfig.group(1)).parent
-    # kubelets, containerd, its shims and the containers, the node agents, extender, scheduler, etcd
-    assert processes_using(workdir) == []
+    # kubelets, containerd, its shims and the containers, the node agents, extender, scheduler, etcd,
+    # the nodes' mount namespaces, and the run directory
+    assert_says_how_to_keep_it_and_leaves_nothing(proc, directory)
 
 
-def test_without_the_binaries_the_sandbox_says_it_uses_the_standins() -> None:
-    proc = sandbox("--no-containers")  # a real cluster needs containers, so this takes the stand-in path
+def test_without_the_binaries_the_sandbox_says_it_uses_the_standins(directory: Path) -> None:
+    proc = sandbox(directory, "--no-containers")  # a real cluster needs containers, so this takes the stand-in path
     assert "using the API stand-in and kubelet emulator" in proc.stderr

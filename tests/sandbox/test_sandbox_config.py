@@ -1,0 +1,57 @@
+"""The real cluster's pod network, and what a failed run keeps, without starting anything."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from pathlib import Path
+
+from gpushare.sandbox.realcluster import bridge_name, pod_subnet, render_pod_network
+from gpushare.sandbox.report import keep_only_logs
+
+
+def test_each_node_of_each_cluster_has_a_bridge_name_linux_accepts_and_no_other_has() -> None:
+    names = [bridge_name(Path(f"/tmp/gpushare-sandbox-{run}"), index) for run in ("a", "b") for index in range(256)]
+    assert len(set(names)) == len(names)
+    assert max(len(name) for name in names) <= 15  # IFNAMSIZ - 1
+    assert bridge_name(Path("/tmp/x"), 1) == bridge_name(Path("/tmp/x"), 1)  # found again on stop
+
+
+def test_each_node_has_a_private_subnet_of_its_own() -> None:
+    subnets = [ipaddress.ip_network(pod_subnet(index)) for index in range(256)]
+    assert all(subnet.is_private for subnet in subnets)
+    assert not any(a.overlaps(b) for i, a in enumerate(subnets) for b in subnets[i + 1 :])
+
+
+def test_the_pod_network_reaches_nothing_beyond_the_node() -> None:
+    config = json.loads(render_pod_network("gsabcdefn0", "10.244.0.0/24", Path("/tmp/run/node-a/cni-ipam")))
+    (plugin,) = config["plugins"]
+    assert plugin["type"] == "bridge" and plugin["bridge"] == "gsabcdefn0"
+    # no address on the host's side, no default route in the pod, no masquerading (no iptables rules)
+    assert plugin["isGateway"] is False and plugin["ipMasq"] is False and "isDefaultGateway" not in plugin
+    assert "routes" not in plugin["ipam"]
+    assert plugin["ipam"] == {
+        "type": "host-local",
+        "ranges": [[{"subnet": "10.244.0.0/24"}]],
+        "dataDir": "/tmp/run/node-a/cni-ipam",
+    }
+
+
+def test_a_failed_run_keeps_its_logs_and_nothing_else(tmp_path: Path) -> None:
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    (run / "node-a" / "pod-logs" / "default_shared-1" / "main").mkdir(parents=True)
+    (run / "node-a" / "ctrd" / "root").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "plugin").write_text("not the run's")
+    for log in ("etcd.log", "node-a/pod-logs/default_shared-1/main/0.log"):
+        (run / log).write_text("log")
+    (run / "etcd").mkdir()
+    (run / "etcd" / "db").write_text("data")
+    (run / "node-a" / "ctrd" / "root" / "layer.tar").write_text("data")
+    (run / "node-a" / "cri.sock").write_text("")
+    (run / "node-a" / "ctrd" / "cni-bin").symlink_to(outside)
+    keep_only_logs(run)
+    kept = sorted(str(p.relative_to(run)) for p in run.rglob("*") if not p.is_dir())
+    assert kept == ["etcd.log", "node-a/pod-logs/default_shared-1/main/0.log"]
+    assert (outside / "plugin").read_text() == "not the run's"  # links are removed, never followed
+    assert not (run / "etcd").exists() and not (run / "node-a" / "ctrd").exists()
