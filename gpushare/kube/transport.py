@@ -74,7 +74,7 @@ _NO_RETRY_WARNINGS = _NoRetryWarnings()
 
 
 def load_api(kubeconfig: str | None) -> client.ApiClient:
-    """``kubeconfig`` when given; otherwise in-cluster configuration, then ``~/.kube/config``."""
+    """``kubeconfig`` when given; otherwise in-cluster configuration, then ``$KUBECONFIG`` or ``~/.kube/config``."""
     _URLLIB3_POOL_LOG.addFilter(_NO_RETRY_WARNINGS)  # once: a logger holds a filter at most once
     if kubeconfig:
         try:

@@ -34,7 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=Path, help="nodes CSV (sn,cpu_milli,memory_mib,gpu,model)")
     parser.add_argument("--pods", type=Path, help="pods CSV (name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec])")
     parser.add_argument("--from-cluster", action="store_true", help="snapshot the live cluster into the two CSVs")
-    parser.add_argument("--kubeconfig", default=None, help="with --from-cluster; default: in-cluster, ~/.kube/config")
+    parser.add_argument(
+        "--kubeconfig",
+        default=None,
+        metavar="FILE",
+        help="with --from-cluster; default: the in-cluster configuration, then $KUBECONFIG or ~/.kube/config",
+    )
     parser.add_argument(
         "--policy", action="append", help="repeatable; 'default' is the extender's default (default: all)"
     )
