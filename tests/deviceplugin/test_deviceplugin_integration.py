@@ -299,7 +299,7 @@ def test_a_request_no_pod_is_waiting_for_is_refused_not_faked_within_a_bounded_t
 def test_a_pod_kubelet_admits_before_the_plugin_cache_has_it_is_admitted_by_re_reading(
     kube_api: client.ApiClient, core_v1: client.CoreV1Api, monkeypatch: pytest.MonkeyPatch, rereads: int
 ) -> None:
-    """Issue 14's first defect: kubelet admits a pod the moment its watch shows it bound, while the
+    """Kubelet admits a pod the moment its watch shows it bound, while the
     plugin's informer is still behind. Allocate must re-read the API server, not refuse."""
     monkeypatch.setattr(deviceplugin_wiring, "node_pod_cache", lambda api, node: LaggingWatchCache(api, node, 30))
     directory = Path(tempfile.mkdtemp(prefix="dp", dir="/tmp"))

@@ -277,7 +277,7 @@ def test_restart_deletes_every_socket_and_creates_a_new_kubelet_socket(
 def test_the_sandbox_waits_for_both_device_lists_not_just_the_registrations(
     plugin: ScriptedPlugin, kubelet: KubeletEmulator, directory: Path
 ) -> None:
-    """Issue 11, point 10: a node published before gpu-count's first list shows gpu-count 0."""
+    """A node published before gpu-count's first list shows gpu-count 0."""
     replicas = ScriptedPlugin(directory, [], endpoint="replicas.sock")
     replicas.lists.get_nowait()  # hold the first list back
     try:
