@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from itertools import compress
 from typing import Any
 
@@ -51,14 +52,13 @@ def filter_result(
     pod = request_pod(body)
     names, nodes_mode = candidate_names(body)
     seen = waiters.seen() if waiters is not None else 0
-    passing, failed, unresolvable, logged = _verdict(engine, pod, names, gangs)
+    verdict = _verdict(engine, pod, names, gangs)
+    passing, failed, unresolvable, logged = verdict.passing, verdict.failed, verdict.unresolvable, verdict.logged
     refused = refused_nodes(failed, unresolvable)
-    if waiters is not None and not logged:
+    if waiters is not None:
         meta = pod.get("metadata") or {}
-        # the nodes that may yet take it: refused for room, or for a state of the node that passes
-        waits_on = frozenset(failed) | {n for n in unresolvable if engine.cache.problem(n) is not None}
-        if waits_on and not passing.names:
-            waiter = Waiter(meta.get("namespace", ""), meta.get("name", ""), ANN_RETRY, waits_on)
+        if verdict.waits_on and not passing.names:
+            waiter = Waiter(meta.get("namespace", ""), meta.get("name", ""), ANN_RETRY, verdict.waits_on)
             waiters.wait(meta.get("uid", ""), waiter, seen)
         else:
             waiters.forget(meta.get("uid", ""))
@@ -90,11 +90,21 @@ def refusal_message(refused: Mapping[str, str], offered: int) -> str:
     return message if len(message) <= EVENT_MESSAGE_LIMIT else message[: EVENT_MESSAGE_LIMIT - 3] + "..."
 
 
-def _verdict(
-    engine: PlacementEngine, pod: Mapping[str, Any], names: NodeNames, gangs: Gangs | None
-) -> tuple[NodeNames, dict[str, str], dict[str, str], bool]:
-    """The passing nodes, the failed and the unresolvable ones with their reasons, and whether the
-    decision was logged already."""
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    """The passing nodes, the failed and the unresolvable ones with their reasons, whether the decision
+    was logged already (gangs log their own; a pod without GPUs needs no line), and the refused nodes
+    that may take the pod later: for want of room, or for a state of the node that passes (gangs wait
+    for room by themselves)."""
+
+    passing: NodeNames
+    failed: dict[str, str] = field(default_factory=dict)
+    unresolvable: dict[str, str] = field(default_factory=dict)
+    logged: bool = False
+    waits_on: frozenset[str] = frozenset()
+
+
+def _verdict(engine: PlacementEngine, pod: Mapping[str, Any], names: NodeNames, gangs: Gangs | None) -> _Verdict:
     engine.cache.expire_holds()
     try:
         demands = demands_of(pod)
@@ -105,12 +115,12 @@ def _verdict(
             raise ContractError(f"pod {pod_key(pod)} is in gang {gang.name}, and this extender places no gangs")
     except (ContractError, ValueError) as exc:
         reason = str(exc)  # names the pod already
-        return NodeNames.of([]), {}, dict.fromkeys(names.names, reason), False
+        return _Verdict(NodeNames.of([]), unresolvable=dict.fromkeys(names.names, reason))
     if not demands:
-        return names, {}, {}, True
+        return _Verdict(names, logged=True)
     if gang is not None and gangs is not None:
         passing, failed, unresolvable = gangs.filter(pod, gang, names.names)
-        return NodeNames.of(passing), failed, unresolvable, True
+        return _Verdict(NodeNames.of(passing), failed, unresolvable, logged=True)
     if rule.topology and (len(demands) > 1 or demands[0].cards > 1):
         passing, others = [], names.names  # the node matrix knows no topology: each node is asked
     elif len(demands) == 1 and podfit.original_plugin_refusal(demands) is None:
@@ -137,7 +147,12 @@ def _verdict(
             passing.append(name)
         else:
             failed[name] = nofit.reason
-    return (names if passing == names.names else NodeNames.of(passing)), failed, unresolvable, False
+    return _Verdict(
+        names if passing == names.names else NodeNames.of(passing),
+        failed,
+        unresolvable,
+        waits_on=frozenset(failed) | frozenset(unresolvable),
+    )
 
 
 def _inferred(cache: ClusterCache, name: str) -> bool:
