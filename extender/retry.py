@@ -55,8 +55,9 @@ class RoomWaiters:
         self._waiting: dict[str, Waiter] = {}
         #: nodes last seen unable to take any GPU pod
         self._troubled: set[str] = set()
-        #: bound pods seen ending or going, so a refusal can tell whether it missed one
-        self._ended = 0
+        #: times room may have come free (a bound pod ending or going, a node able to take GPU pods again),
+        #: so a refusal can tell whether it missed one
+        self._freed = 0
         self._marks: queue.SimpleQueue[Waiter | None] = queue.SimpleQueue()
         self._marker = threading.Thread(target=self._mark_loop, name="room-retry", daemon=True)
         self._marker.start()
@@ -68,15 +69,16 @@ class RoomWaiters:
         self._marker.join(timeout=5)
 
     def seen(self) -> int:
-        """How many ends were seen so far: a filter takes this before it decides, for :meth:`wait`."""
+        """How many times room may have come free so far: a filter takes this before it decides, for
+        :meth:`wait`."""
         with self._lock:
-            return self._ended
+            return self._freed
 
     def wait(self, key: str, waiter: Waiter, seen: int) -> None:
-        """Remember that ``waiter`` waits for room; if a pod ended since ``seen`` (:meth:`seen` when its
-        filter began), the refusal may have missed the room it freed: mark the pod at once."""
+        """Remember that ``waiter`` waits for room; if room may have come free since ``seen`` (:meth:`seen`
+        when its filter began), the refusal may have missed it: mark the pod at once."""
         with self._lock:
-            missed = self._ended != seen
+            missed = self._freed != seen
             if not missed:
                 self._waiting[key] = waiter
         if missed:
@@ -111,7 +113,7 @@ class RoomWaiters:
 
     def _room_on(self, node: str) -> None:
         with self._lock:
-            self._ended += 1
+            self._freed += 1
             due = [key for key, w in self._waiting.items() if w.nodes is None or node in w.nodes]
             marked = [self._waiting.pop(key) for key in due]
         for waiter in marked:
