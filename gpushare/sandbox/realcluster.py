@@ -524,7 +524,7 @@ class RealCluster:
         self._started = True
         try:
             with step("etcd and kube-apiserver"):
-                self._start_control_plane()
+                self._start_control_plane(self.controllers)
             with step(f"{len(self.nodes_spec)} node(s): containerd, gpushare node agent, kubelet"):
                 self._start_nodes()
             with step("gpushare extender and kube-scheduler"):
@@ -544,7 +544,7 @@ class RealCluster:
             self.stop()
             raise
 
-    def _start_control_plane(self, controllers: Sequence[str] | None = None) -> None:
+    def _start_control_plane(self, controllers: Sequence[str]) -> None:
         from gpushare.kube.transport import load_api
 
         etcd_port, peer_port = free_port(), free_port()
@@ -601,7 +601,7 @@ class RealCluster:
         for who in self.identities:
             self.write_kubeconfig(who.user, who.token)
         self.api = load_api(str(self.kubeconfig))
-        self._start_controller_manager(sa_key, self.controllers if controllers is None else controllers)
+        self._start_controller_manager(sa_key, controllers)
         if self.rbac:
             self._apply_rbac()
 
