@@ -40,8 +40,10 @@ log = logging.getLogger(__name__)
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 SOCKETS = {RESOURCE_MEM: "gpushare-gpu-mem.sock", RESOURCE_COUNT: "gpushare-gpu-count.sock"}
-#: the longest the watchdog sleeps without an inotify event (a safety net, and how soon stop() is seen)
+#: the longest the watchdog sleeps without an inotify event (a safety net)
 WATCH_INTERVAL = 0.5
+#: the pause after a failed round, whose own socket events would otherwise wake the watchdog at once
+RETRY_INTERVAL = 0.2
 _DIRECTORY_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_FROM | flags.MOVED_TO | flags.ATTRIB
 
 
@@ -223,6 +225,8 @@ class DevicePlugin:
                 except grpc.RpcError as exc:
                     log.warning("registration with kubelet failed (%s); retrying", exc.details() or exc.code())
                     self._registered.clear()
+                    # our own sockets' events would wake the watch at once: retry no faster than this
+                    self._stop.wait(RETRY_INTERVAL)
                 except (OSError, RuntimeError) as exc:  # RuntimeError: gRPC could not bind the socket
                     log.warning(
                         "%s changed while the plugin was starting (%s): kubelet restarted? serving again",
@@ -230,5 +234,5 @@ class DevicePlugin:
                         exc,
                     )
                     self._shutdown()
-                    self._stop.wait(WATCH_INTERVAL)  # the directory is changing under us: let it settle
+                    self._stop.wait(RETRY_INTERVAL)
             self._watch.wait(WATCH_INTERVAL)
