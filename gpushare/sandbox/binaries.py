@@ -74,7 +74,8 @@ def main() -> int:
     from gpushare.sandbox.realcluster import realcluster_available
 
     reason = realcluster_available()
-    print(f"real cluster: {'unavailable: ' + reason if reason else 'Kubernetes ' + KUBE_VERSION}")
+    versions = f"Kubernetes {KUBE_VERSION}, etcd {ETCD_VERSION}, containerd {CONTAINERD_VERSION}"
+    print(f"real cluster: {'unavailable: ' + reason if reason else versions}")
     return 1 if reason and "--require" in sys.argv[1:] else 0
 
 
