@@ -137,7 +137,8 @@ def schedule(verbs: Verbs, pod: dict[str, Any], names: list[str]) -> tuple[float
     if not candidates:
         return spent_filter, 0.0, None
     reply, spent_prioritize = verbs.exchange("prioritize", json.dumps({"Pod": pod, "NodeNames": candidates}).encode())
-    best = max(json.loads(reply), key=lambda s: (s["Score"], s["Host"]))["Host"]
+    scored = json.loads(reply)  # nodes scoring 0 are left out
+    best = max(scored, key=lambda s: (s["Score"], s["Host"]))["Host"] if scored else max(candidates)
     return spent_filter, spent_prioritize, best
 
 

@@ -1,7 +1,7 @@
 """Pods bound per second by the real kube-scheduler, alone and with the gpushare extender.
 
-    python benchmarks/scheduler_throughput.py [--nodes 1000] [--pods 800] [--rounds 3] [--qps 1000]
-                                              [--gpus 4xA100-80GB:81920]
+    python benchmarks/scheduler_throughput.py [--nodes 1000,5000] [--pods 800] [--rounds 3] [--qps 1000]
+                                              [--gpus 4xA100-80GB:81920] [--calls] [--profile DIR]
 
 Root and the built Kubernetes binaries are needed (see the README). One etcd and kube-apiserver serve
 every round; no kubelets run: the nodes are Node objects carrying the advertiser's inventory annotation
@@ -17,22 +17,43 @@ Both setups give kube-scheduler the same client rate limit (``clientConnection.q
 ``--qps``): at its default of 50 requests/s the plain scheduler's own binding calls are what limits it.
 kube-controller-manager runs without its node lifecycle controller: no kubelet heartbeats these nodes, so
 it would otherwise mark them unreachable mid-run.
+
+``--nodes`` takes several sizes: the cluster grows to each in turn and both setups are measured there.
+``--calls`` has kube-apiserver audit kube-scheduler's and the extender's requests and reports them per pod
+bound (auditing costs the API server a little, so the rates of such a run are not the headline figures).
+``--profile DIR`` samples the extender with py-spy during its runs and prints the top of each profile;
+``--pprof DIR`` writes kube-apiserver's and kube-scheduler's CPU profiles of each run (``go tool pprof
+-top FILE``).
+``--pin`` runs the control plane (and this script) on the first CPU and the extender on the second, as
+when the extender runs as a Deployment of its own: its CPU then doesn't compete with kube-scheduler's
+and kube-apiserver's, and the ratio shows what it costs them and the scheduling cycle. Without it,
+everything shares every CPU, and on a small machine the ratio is mostly the CPU each setup needs per
+pod (printed per process after each run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
+import os
+import ssl
 import statistics
 import sys
 import threading
 import time
+import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import yaml
 from gpushare.deviceplugin.devices import count_replicas
 from kubernetes import client
+from profiling import sampled, top
+from prometheus_client.parser import text_string_to_metric_families
 from realbench import real_cluster
 
 from gpushare.contract.inventory import format_inventory
@@ -59,6 +80,8 @@ RUN_LABEL = "gpushare-bench-run"
 SHAPES = ((1, 0), (2, 0), (4, 0), (8, 0), (2, 0), (16, 0), (8, 2), (4, 0))
 BIND_TIMEOUT = 600.0
 SETUPS = ("scheduler alone", "with extender")
+#: whose requests --calls counts: what binding a pod costs the API server in each setup
+CALLERS = ("system:kube-scheduler", "gpushare-extender")
 
 
 def node_body(name: str, gpus: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -140,11 +163,73 @@ class BindTimes:
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
+class Extender:
+    """The extender process, and where its profiles go (None: not profiled)."""
+
+    def __init__(self, process: Process, url: str, profiles: Path | None) -> None:
+        self.process, self.url, self.profiles = process, url, profiles
+
+    def verb_seconds(self) -> dict[str, tuple[float, float]]:
+        """Per verb, the extender's (calls, seconds answering them) so far, from its /metrics."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        totals: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name != "gpushare_extender_verb_seconds":
+                continue
+            for sample in family.samples:
+                slot = {"gpushare_extender_verb_seconds_count": 0, "gpushare_extender_verb_seconds_sum": 1}
+                if sample.name in slot:
+                    totals.setdefault(sample.labels["verb"], [0.0, 0.0])[slot[sample.name]] = sample.value
+        return {verb: (calls, seconds) for verb, (calls, seconds) in totals.items()}
+
+    def sampled(self, run: str) -> contextlib.AbstractContextManager[None]:
+        if self.profiles is None:
+            return contextlib.nullcontext()
+        return sampled(self.process.pid, self.profiles / f"{run}.txt")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system) the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pprof_cpu(server: str, token: str, out: Path, seconds: int) -> None:
+    """A Kubernetes component's CPU profile over the next ``seconds`` (its /debug/pprof, on by default),
+    for ``go tool pprof -top``."""
+    request = urllib.request.Request(
+        f"{server}/debug/pprof/profile?seconds={seconds}", headers={"Authorization": f"Bearer {token}"} if token else {}
+    )
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # the API server's self-signed certificate, on loopback
+    with urllib.request.urlopen(request, timeout=seconds + 30, context=context) as reply:
+        out.write_bytes(reply.read())
+
+
+def audited_calls(log: Path, offset: int) -> tuple[Counter[str], int]:
+    """Requests of :data:`CALLERS` the audit log has after ``offset``, as ``"user verb resource"``; and
+    the log's end."""
+    calls: Counter[str] = Counter()
+    with log.open("rb") as lines:
+        lines.seek(offset)
+        for line in lines:
+            event = json.loads(line)
+            user = event.get("user", {}).get("username")
+            if user in CALLERS and event.get("stage") == "ResponseComplete":
+                ref = event.get("objectRef") or {}
+                resource = "/".join(filter(None, (ref.get("resource"), ref.get("subresource"))))
+                calls[f"{user} {event['verb']} {resource}"] += 1
+        return calls, lines.tell()
+
+
 def run_once(
     cluster: RealCluster, core: client.CoreV1Api, pool: ThreadPoolExecutor, args: argparse.Namespace, run: str,
-    extender_url: str | None,
-) -> float:  # fmt: skip
-    """Create the pods, start kube-scheduler, wait for every binding; pods bound per second."""
+    extender: Extender | None,
+) -> tuple[float, Counter[str]]:  # fmt: skip
+    """Create the pods, start kube-scheduler, wait for every binding; pods bound per second, and the
+    audited requests (with ``--calls``) from the scheduler's start to the pods' deletion."""
     names = [f"{run}-{i:04d}" for i in range(args.pods)]
     list(pool.map(lambda i: core.create_namespaced_pod(NAMESPACE, pod_body(names[i], run, SHAPES[i % len(SHAPES)])),
                   range(args.pods)))  # fmt: skip
@@ -154,21 +239,56 @@ def run_once(
     watch.start()
     watch.wait_synced(60)
     config = cluster.workdir / f"scheduler-{run}.yaml"
-    config.write_text(scheduler_config(cluster, extender_url, args.qps))
-    scheduler = Process(
-        f"kube-scheduler-{run}", scheduler_argv(config, free_port()), cluster.workdir / f"kube-scheduler-{run}.log"
-    ).start()
-    try:
-        wait_for(
-            lambda: scheduler.check() or bound.count() == args.pods,
-            BIND_TIMEOUT,
-            f"{args.pods} bindings in run {run} ({bound.count()} seen; log {scheduler.log_path})",
-            0.2,
-        )
-    finally:
-        scheduler.stop()
-        watch.stop()
-    if extender_url is not None:
+    config.write_text(scheduler_config(cluster, extender.url if extender else None, args.qps))
+    offset = cluster.audit_log.stat().st_size if args.calls else 0
+    verbs_before = extender.verb_seconds() if extender else {}
+    with extender.sampled(run) if extender else contextlib.nullcontext():
+        port = free_port()
+        open_paths = ("/debug/pprof/profile",) if args.pprof else ()
+        scheduler = Process(
+            f"kube-scheduler-{run}",
+            scheduler_argv(config, port, open_paths),
+            cluster.workdir / f"kube-scheduler-{run}.log",
+        ).start()
+        profiles = []
+        if args.pprof:
+            wait_for(
+                lambda: scheduler.check() or _get(f"https://127.0.0.1:{port}/healthz") == 200, 30, "kube-scheduler"
+            )
+            for who, url, token in (("apiserver", cluster.server, cluster.admin.token),
+                                    ("scheduler", f"https://127.0.0.1:{port}", "")):  # fmt: skip
+                out = args.pprof / f"{run}-{who}.pprof"
+                profiles.append(pool.submit(pprof_cpu, url, token, out, args.pprof_seconds))
+        measured = {p.name: p.pid for p in cluster.processes if p.alive} | {"kube-scheduler": scheduler.pid}
+        if extender is not None:
+            measured["extender"] = extender.process.pid
+        cpu_before = {name: cpu_seconds(pid) for name, pid in measured.items()}
+        try:
+            wait_for(
+                lambda: scheduler.check() or bound.count() == args.pods,
+                BIND_TIMEOUT,
+                f"{args.pods} bindings in run {run} ({bound.count()} seen; log {scheduler.log_path})",
+                0.2,
+            )
+            cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in measured.items()}
+        finally:
+            scheduler.stop()
+            watch.stop()
+    print(
+        f"  CPU ms per pod: {'; '.join(f'{name} {1000 * s / args.pods:.2f}' for name, s in cpu.items() if s)}",
+        flush=True,
+    )
+    for profile in profiles:
+        profile.result()
+    calls = audited_calls(cluster.audit_log, offset)[0] if args.calls else Counter()
+    if extender is not None:
+        spent = []
+        for verb, (count, seconds) in sorted(extender.verb_seconds().items()):
+            count0, seconds0 = verbs_before.get(verb, (0.0, 0.0))
+            if count > count0:
+                spent.append(f"{verb} {1000 * (seconds - seconds0) / (count - count0):.2f} ms x{count - count0:.0f}")
+        print(f"  extender, mean time per call: {'; '.join(spent)}", flush=True)
+    if extender is not None:
         placed = [p for p in core.list_namespaced_pod(NAMESPACE, label_selector=f"{RUN_LABEL}={run}").items
                   if ANN_ALLOCATION in (p.metadata.annotations or {})]  # fmt: skip
         if len(placed) != args.pods:
@@ -180,64 +300,116 @@ def run_once(
         f"the pods of run {run} to be deleted",
         0.5,
     )
-    return bound.rate()
+    return bound.rate(), calls
+
+
+def create_nodes(core: client.CoreV1Api, pool: ThreadPoolExecutor, first: int, last: int, gpus: str) -> None:
+    def create(i: int) -> None:
+        node, status = node_body(f"node-{i:05d}", gpus)
+        core.create_node(node)
+        core.patch_node_status(node["metadata"]["name"], status)
+        # the API server's admission taints every new node not-ready; kube-controller-manager's
+        # node lifecycle controller (off here) would lift it once kubelet reports Ready
+        core.patch_node(node["metadata"]["name"], {"spec": {"taints": None}})
+
+    list(pool.map(create, range(first, last)))
+
+
+def report_calls(calls: dict[str, Counter[str]], pods: int) -> None:
+    print("API requests per pod bound (kube-apiserver's audit log, all rounds):")
+    for setup in SETUPS:
+        total = sum(calls[setup].values())
+        print(f"  {setup}: {total / pods:.2f}")
+        for key, n in sorted(calls[setup].items(), key=lambda kv: -kv[1]):
+            print(f"    {n / pods:6.2f}  {key}")
+
+
+def measure(
+    cluster: RealCluster, core: client.CoreV1Api, pool: ThreadPoolExecutor, args: argparse.Namespace, size: int
+) -> str:
+    """Both setups, ``--rounds`` times, with an extender started on the cluster as it now is (as one
+    deployed on a running cluster starts); the medians."""
+    port = free_port()
+    pinned = ["taskset", "--cpu-list", str(args.extender_cpu)] if args.pin else []
+    process = Process(
+        f"extender-{size}",
+        [*pinned, sys.executable, "-m", "gpushare.cli", "extender", "--port", str(port),
+         *(["--policy", args.policy] if args.policy else []),
+         "--kubeconfig", str(cluster.kubeconfig_of("gpushare-extender"))],
+        cluster.workdir / f"extender-{size}.log",
+    ).start()  # fmt: skip
+    extender = Extender(process, f"http://127.0.0.1:{port}", args.profile)
+    rates: dict[str, list[float]] = {setup: [] for setup in SETUPS}
+    calls: dict[str, Counter[str]] = {setup: Counter() for setup in SETUPS}
+    try:
+        wait_for(lambda: process.check() or _get(f"{extender.url}/readyz") == 200, 300, "the extender to be ready")
+        for round_ in range(args.rounds):
+            order = SETUPS if round_ % 2 == 0 else SETUPS[::-1]
+            for setup in order:
+                via = extender if setup == SETUPS[1] else None
+                run = f"n{size}-r{round_}-{'ext' if via else 'plain'}"
+                rate, counted = run_once(cluster, core, pool, args, run, via)
+                rates[setup].append(rate)
+                calls[setup] += counted
+                print(f"{size} nodes, round {round_ + 1}: {setup}: {rate:.1f} pods/s", flush=True)
+                if via and args.profile:
+                    print(top(args.profile / f"{run}.txt"), flush=True)
+    finally:
+        process.stop()
+    if args.calls:
+        report_calls(calls, args.pods * args.rounds)
+    alone, ext = (statistics.median(rates[s]) for s in SETUPS)
+    return (
+        f"{size} nodes, {args.pods} pods, {args.rounds} rounds (medians): scheduler alone "
+        f"{alone:.1f} pods/s, with extender {ext:.1f} pods/s: {100 * ext / alone:.0f}%"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--nodes", default="1000,5000", help="cluster sizes measured in turn, comma-separated")
     parser.add_argument("--pods", type=int, default=800)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gpus", default="4xA100-80GB:81920", help="every node's cards, as --gpus sim:... takes them")
     parser.add_argument(
         "--qps", type=float, default=1000.0, help="kube-scheduler's client qps and burst, in both setups"
     )
+    parser.add_argument("--calls", action="store_true", help="count API requests per pod from an audit log")
+    parser.add_argument("--profile", type=Path, help="sample the extender with py-spy into this directory")
+    parser.add_argument("--policy", default="", help="the extender's placement policy (its default if empty)")
+    parser.add_argument("--pprof", type=Path, help="write Go CPU profiles of each run here")
+    parser.add_argument("--pprof-seconds", type=int, default=8, help="how long each profile samples from the start")
+    parser.add_argument("--pin", action="store_true", help="the extender on a CPU of its own (needs 2 CPUs)")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs) afterwards")
     args = parser.parse_args()
+    sizes = [int(n) for n in args.nodes.split(",")]
+    for directory in (args.profile, args.pprof):
+        if directory:
+            directory.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.WARNING)
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            parser.error("--pin needs two CPUs")
+        os.sched_setaffinity(0, cpus[:1])  # every process started from here on inherits it
+        args.extender_cpu = cpus[1]
+    summary = []
     with real_cluster(
-        "gs-tput-", (), args.keep, scheduler_names=(), controllers=("*", "-node-lifecycle-controller")
-    ) as cluster:
+        "gs-tput-", (), args.keep, scheduler_names=(), controllers=("*", "-node-lifecycle-controller"),
+        audited_users=CALLERS if args.calls else (),
+    ) as cluster:  # fmt: skip
         core = client.CoreV1Api(cluster.api)
-        started = time.monotonic()
         with ThreadPoolExecutor(8) as pool:
-
-            def create(i: int) -> None:
-                node, status = node_body(f"node-{i:04d}", args.gpus)
-                core.create_node(node)
-                core.patch_node_status(node["metadata"]["name"], status)
-                # the API server's admission taints every new node not-ready; kube-controller-manager's
-                # node lifecycle controller (off here) would lift it once kubelet reports Ready
-                core.patch_node(node["metadata"]["name"], {"spec": {"taints": None}})
-
-            list(pool.map(create, range(args.nodes)))
-            print(f"{args.nodes} nodes ({args.gpus}) created in {time.monotonic() - started:.0f}s", flush=True)
-            port = free_port()
-            extender = Process(
-                "extender",
-                [sys.executable, "-m", "gpushare.cli", "extender", "--port", str(port),
-                 "--kubeconfig", str(cluster.kubeconfig_of("gpushare-extender"))],
-                cluster.workdir / "extender.log",
-            ).start()  # fmt: skip
-            try:
-                url = f"http://127.0.0.1:{port}"
-                wait_for(lambda: extender.check() or _get(f"{url}/readyz") == 200, 120, "the extender to be ready")
-                rates: dict[str, list[float]] = {setup: [] for setup in SETUPS}
-                for round_ in range(args.rounds):
-                    order = SETUPS if round_ % 2 == 0 else SETUPS[::-1]
-                    for setup in order:
-                        via = url if setup == SETUPS[1] else None
-                        rate = run_once(cluster, core, pool, args, f"r{round_}-{'ext' if via else 'plain'}", via)
-                        rates[setup].append(rate)
-                        print(f"round {round_ + 1}: {setup}: {rate:.1f} pods/s", flush=True)
-            finally:
-                extender.stop()
-    alone, ext = (statistics.median(rates[s]) for s in SETUPS)
-    print(
-        f"\nKubernetes {KUBE_VERSION}, client qps/burst {args.qps:g} in both setups\n"
-        f"{args.nodes} nodes, {args.pods} pods, {args.rounds} rounds (medians): "
-        f"scheduler alone {alone:.1f} pods/s, with extender {ext:.1f} pods/s: {100 * ext / alone:.0f}%"
-    )
+            created = 0
+            for size in sizes:
+                started = time.monotonic()
+                create_nodes(core, pool, created, size, args.gpus)
+                created = size
+                print(f"{size} nodes ({args.gpus}) in {time.monotonic() - started:.0f}s", flush=True)
+                summary.append(measure(cluster, core, pool, args, size))
+                print(summary[-1], flush=True)
+    pinned = "; control plane on one CPU, the extender on another" if args.pin else ""
+    print(f"\nKubernetes {KUBE_VERSION}, client qps/burst {args.qps:g} in both setups{pinned}", *summary, sep="\n")
     return 0
 
 

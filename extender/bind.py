@@ -1,14 +1,19 @@
 """bind: choose the cards, write them on the pod, then create the binding.
 
-Correctness, also with two extender replicas:
-1. Under a per-node lock (within this replica), read the node from the API server, then its pods as of
-   a version no older than the node's (from the API server's watch cache).
+Correctness, also with two extender replicas (docs/extender.md, "Running two replicas", has the
+argument in full):
+1. Under a per-node lock (within this replica), take the node and its pods from this replica's watch
+   cache, the node's ledger of pending binds included.
 2. Place the pod on those cards, counting this replica's other in-flight binds too.
-3. Compare-and-swap a bind counter on the node, conditional on the node's resourceVersion read in 1.
-   If another replica bound something to this node meanwhile, the swap fails and the whole sequence
-   starts again from fresh reads.
-4. Create the binding, carrying every annotation: the API server sets them on the pod in the same
-   write that binds it, so a pod is never bound without them nor annotated without being bound.
+3. Compare-and-swap a bind counter on the node, conditional on the node's resourceVersion taken in 1,
+   in the same patch that adds the pod to the node's ledger. If anything changed the node since that
+   version (another replica's bind, or a cache that lagged), the swap fails and the sequence starts
+   again from a node read from the API server. A node the swap succeeded on holds every earlier bind
+   of every replica in its ledger, so a cache that lags behind pods can't hide one of them.
+4. Release the node, then create the binding, carrying every annotation: the API server sets them on
+   the pod in the same write that binds it, so a pod is never bound without them nor annotated without
+   being bound. Until the pod is seen with them, this replica counts the bind as in flight and the
+   node's ledger counts it for everyone else.
 A write whose answer was lost (a timeout while the API server paused) may still have landed; its retry
 then conflicts with its own success. So a failed binding is checked against what the pod now carries
 before it counts: bound here with our own annotations is taken as done, not as a failure.
@@ -26,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gpushare.extender import podfit
@@ -119,6 +125,15 @@ def pod_annotations(pod: Mapping[str, Any], allocation: Allocation, inventory: N
     return annotations
 
 
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """What a bind writes on the pod: its cards per container, and the annotations saying so."""
+
+    allocation: Allocation
+    annotations: dict[str, str]
+    unit: MemoryUnit
+
+
 class Binder:
     def __init__(self, api: Any, cache: ClusterCache, engine: PlacementEngine) -> None:
         self._api = api
@@ -154,11 +169,7 @@ class Binder:
 
     def bind(self, namespace: str, name: str, uid: str | None, node: str) -> None:
         where = f"pod {namespace}/{name} on node {node}"
-        try:
-            pod = get_pod(self._api, namespace, name)
-        except KubeError as exc:
-            BIND_FAILURES.labels(reason="pod-unreadable").inc()
-            raise BindError(f"bind to node {node}: {exc}") from None
+        pod = self._pod(namespace, name, uid, node)
         if uid and (pod.get("metadata") or {}).get("uid") != uid:
             BIND_FAILURES.labels(reason="uid-mismatch").inc()
             raise BindError(f"bind {where}: the pod was replaced (uid {quoted(uid)} is gone)")
@@ -171,17 +182,35 @@ class Binder:
             BIND_FAILURES.labels(reason="not-managed").inc()
             raise BindError(f"bind {where}: the pod requests no gpushare resource; kube-scheduler binds it")
         with self.node_lock(node):
-            self._bind_gpu_pod(pod, demands, node, where)
+            placed = self._record(pod, demands, node, where)
+        self._create_binding(pod, node, placed, where)
 
-    def _bind_gpu_pod(self, pod: Mapping[str, Any], demands: tuple, node: str, where: str) -> None:
+    def _pod(self, namespace: str, name: str, uid: str | None, node: str) -> Mapping[str, Any]:
+        """The pod from the watch cache when it has this uid (kube-scheduler names the pod it placed),
+        else from the API server: a pod's requests can't change under one uid, and its annotations are
+        gpushare's or validated by the webhook."""
+        cached = self._cache.pods.get(name, namespace)
+        if cached is not None and uid and (cached.get("metadata") or {}).get("uid") == uid:
+            return cached
+        try:
+            return get_pod(self._api, namespace, name)
+        except KubeError as exc:
+            BIND_FAILURES.labels(reason="pod-unreadable").inc()
+            raise BindError(f"bind to node {node}: {exc}") from None
+
+    def _node(self, node: str, fresh: bool) -> Mapping[str, Any]:
+        """The node from the watch cache, or (``fresh``, or not cached) from the API server."""
+        cached = None if fresh else self._cache.nodes.get(node)
+        return cached if cached is not None else get_node(self._api, node)
+
+    def _record(self, pod: Mapping[str, Any], demands: tuple, node: str, where: str) -> _Placed:
+        """Steps 1 to 3 of the module doc, under the node's lock."""
         meta = pod["metadata"]
-        namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+        uid = meta.get("uid", "")
         for attempt in range(ATTEMPTS):
             try:
-                if attempt:
-                    pod = get_pod(self._api, namespace, name)
                 _, policy = self._engine.policy_for(pod)
-                node_obj = get_node(self._api, node)
+                node_obj = self._node(node, fresh=attempt > 0)
                 if refusal := kubelet_refusal(node_obj):
                     BIND_FAILURES.labels(reason="kubelet-not-watching").inc()
                     raise BindError(f"bind {where}: {refusal}")
@@ -192,7 +221,7 @@ class Binder:
                 if refusal := node_refusal(parse_pod_nodes(pod), parse_node_facts(node_obj)):
                     BIND_FAILURES.labels(reason="node-selector").inc()
                     raise BindError(f"bind {where}: {refusal}")
-                ledger, cards, _ = self.fresh_cards(node_obj, inventory, {uid})
+                ledger, cards, _ = self.node_cards(node_obj, inventory, {uid}, self._cache.pods_on(node))
                 if (gang := parse_gang(pod)) is not None:
                     hold = ledger.get(uid)
                     if hold is None or hold.gang != gang.key:
@@ -209,9 +238,9 @@ class Binder:
                     BIND_FAILURES.labels(reason="no-fit").inc()
                     raise BindError(f"bind {where}: {nofit.reason}") from None
                 allocation = allocation_of(assignments)
-                annotations = pod_annotations(pod, allocation, inventory)
-                if self._write(pod, node, node_obj, ledger, allocation, annotations, where, inventory.unit):
-                    return
+                placed = _Placed(allocation, pod_annotations(pod, allocation, inventory), inventory.unit)
+                if self._swap(pod, node, node_obj, ledger, placed, where):
+                    return placed
             except ContractError as exc:
                 BIND_FAILURES.labels(reason="bad-annotation").inc()
                 raise BindError(f"bind to node {node}: {exc}") from None
@@ -221,21 +250,20 @@ class Binder:
         BIND_FAILURES.labels(reason="contention").inc()
         raise BindError(f"bind {where}: the node kept changing under {ATTEMPTS} attempts; the scheduler will retry")
 
-    def _write(
+    def _swap(
         self,
         pod: Mapping[str, Any],
         node: str,
         node_obj: Mapping[str, Any],
         ledger: Ledger,
-        allocation: Allocation,
-        annotations: dict[str, str],
+        placed: _Placed,
         where: str,
-        unit: MemoryUnit,
     ) -> bool:
-        """Steps 3 and 4 of the module doc. False when another writer got to the node first."""
+        """Step 3 of the module doc: the pod is assumed here and in the node's ledger. False when the
+        node changed since ``node_obj``."""
         meta = pod["metadata"]
         namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
-        held = held_units(allocation, parse_pod_request(pod))
+        held = held_units(placed.allocation, parse_pod_request(pod))
         self._cache.assume(uid, node, held)
         sequence = int(annotations_of(node_obj).get(NODE_ANN_BIND_SEQUENCE) or 0) + 1
         ledger = {**ledger, uid: PendingBind(f"{namespace}/{name}", held, time.time())}
@@ -248,21 +276,14 @@ class Binder:
                 f"with {len(ledger)} entries, more than the {LEDGER_BYTES} allowed"
             )
         try:
-            patch_node(
+            written = patch_node(
                 self._api,
                 node,
-                {
-                    "metadata": {
-                        "annotations": {
-                            NODE_ANN_BIND_SEQUENCE: str(sequence),
-                            NODE_ANN_PENDING_BINDS: text,
-                        }
-                    }
-                },
+                {"metadata": {"annotations": {NODE_ANN_BIND_SEQUENCE: str(sequence), NODE_ANN_PENDING_BINDS: text}}},
                 resource_version=(node_obj.get("metadata") or {}).get("resourceVersion"),
             )
         except KubeConflict:
-            log.info("bind %s: node %s changed meanwhile; placing again from fresh state", where, node)
+            log.info("bind %s: node %s changed meanwhile; placing again from a fresh read", where, node)
             self._cache.forget(uid)
             return False
         except KubeError as exc:
@@ -271,32 +292,46 @@ class Binder:
             raise BindError(
                 f"bind {where}: recording the bind on the node failed, assignment taken back: {exc}"
             ) from None
+        self._cache.note_node(written)  # the next bind onto the node starts from this version
+        return True
+
+    def _create_binding(self, pod: Mapping[str, Any], node: str, placed: _Placed, where: str) -> None:
+        """Step 4 of the module doc."""
+        meta = pod["metadata"]
+        namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
         try:
-            bind_pod(self._api, namespace, name, uid, node, annotations)
+            bind_pod(self._api, namespace, name, uid, node, placed.annotations)
         except KubeError as exc:
-            if not self._bound(namespace, name, uid, node, annotations):
+            if not self._bound(namespace, name, uid, node, placed.annotations):
                 BIND_FAILURES.labels(reason="binding").inc()
                 self._cache.forget(uid)
                 raise BindError(f"bind {where}: creating the binding failed, assignment taken back: {exc}") from None
             log.info("bind %s: the binding had been created before its answer was lost", where)
         cards = "; ".join(
-            f"{c}: {', '.join(f'card {s.index} ({unit.describe(s.units)})' for s in ss)}"
-            for c, ss in allocation.items()
+            f"{c}: {', '.join(f'card {s.index} ({placed.unit.describe(s.units)})' for s in ss)}"
+            for c, ss in placed.allocation.items()
         )
         log.info("bound pod %s/%s to node %s: %s", namespace, name, node, cards)
         self.events.record(pod, reason="GPUAssigned", message=f"node {node}: {cards}")
-        return True
 
     def fresh_cards(
         self, node_obj: Mapping[str, Any], inventory: NodeInventory, own: set[str]
     ) -> tuple[dict[str, PendingBind], tuple[placement.CardCapacity, ...], set[str]]:
-        """The node's ledger entries that stay (see :meth:`_ledger`), its cards as the API server has
-        them with every pod, in-flight bind and gang hold counted except those of the pods ``own``, and
-        which of ``own`` the same read shows bound to the node."""
+        """:meth:`node_cards` with the node's pods listed by the API server as of a version no older than
+        ``node_obj``'s (a gang's hold is written without a binding after it, so the pods it is checked
+        against are read fresh)."""
         node = node_obj["metadata"]["name"]
-        # not older than the node as read: see "Running two replicas" in docs/extender.md
         node_version = (node_obj.get("metadata") or {}).get("resourceVersion")
         listed = list_pods(self._api, field_selector=f"spec.nodeName={node}", resource_version=node_version)
+        return self.node_cards(node_obj, inventory, own, listed)
+
+    def node_cards(
+        self, node_obj: Mapping[str, Any], inventory: NodeInventory, own: set[str], listed: Sequence[Mapping[str, Any]]
+    ) -> tuple[dict[str, PendingBind], tuple[placement.CardCapacity, ...], set[str]]:
+        """The node's ledger entries that stay (see :meth:`_ledger`), its cards with every pod of ``listed``
+        (the pods bound to it), in-flight bind and gang hold counted except those of the pods ``own``, and
+        which of ``own`` ``listed`` shows bound to the node."""
+        node = node_obj["metadata"]["name"]
         others = [p for p in listed if (p.get("metadata") or {}).get("uid") not in own]
         bound = {uid for p in listed if (uid := (p.get("metadata") or {}).get("uid")) in own}
         # a pod the fresh read shows placed is counted from its annotations, not again as in flight
@@ -322,7 +357,7 @@ class Binder:
         An entry stays while its pod is listed and holds its cards, with no API call. An entry whose pod
         isn't listed stays while the pod (this uid) is still there, not bound elsewhere, and either bound
         here or unexpired (a binding may be under way, or a gang holds the cards); only these few cost a
-        GET."""
+        GET, except this replica's own binds in flight, which stay without one."""
         try:
             ledger = node_ledger(node_obj)
         except ContractError as exc:
@@ -335,12 +370,16 @@ class Binder:
             log.error("%s; rebuilt from the %d entries last read, which this write puts back", exc, len(trusted))
             ledger = dict(trusted)
         uids = {(p.get("metadata") or {}).get("uid"): p for p in listed}
+        binding = self._cache.assumed_uids()
         kept: dict[str, PendingBind] = {}
         unlisted: dict[str, PendingBind] = {}
         for uid, entry in ledger.items():
             if uid in uids:
                 if holds_resources(uids[uid]):
                     kept[uid] = entry
+                continue
+            if uid in binding:  # this replica's own bind, not yet seen bound: in flight, no read needed
+                kept[uid] = unlisted[uid] = entry
                 continue
             namespace, _, name = entry.pod.partition("/")
             try:

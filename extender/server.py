@@ -129,7 +129,11 @@ class ExtenderServer:
             "/preempt": lambda body: preempt_result(engine, body),
             "/bind": lambda body: _bind(binder, body),
         }
-        self._http = HttpServer(host, port, self._handle, tls=tls, limits=limits or Limits(), name="extender")
+        # binds wait on the API server and, onto one node, on each other: on workers of their own they
+        # never hold up the filter and prioritize calls that kube-scheduler makes one pod at a time
+        self._http = HttpServer(
+            host, port, self._handle, tls=tls, limits=limits or Limits(), name="extender", slow=_is_bind
+        )
         self.port = self._http.port
 
     def _handle(self, request: Request) -> Reply:
@@ -175,6 +179,10 @@ class ExtenderServer:
 
     def stop(self) -> None:
         self._http.stop()
+
+
+def _is_bind(request: Request) -> bool:
+    return request.path.rstrip("/").endswith("/bind")
 
 
 def _loopback(host: str) -> bool:

@@ -61,6 +61,8 @@ class Limits:
     #: seconds a connection may wait for its next request
     idle_timeout: float = 60.0
     workers: int = 8
+    #: workers for the requests the server's ``slow`` predicate picks (none without one)
+    slow_workers: int = 8
     max_connections: int = 256
 
 
@@ -328,7 +330,10 @@ class HttpServer:
         tls: ServerTLS | None = None,
         limits: Limits = DEFAULT_LIMITS,
         name: str = "http",
+        slow: Callable[[Request], bool] | None = None,
     ) -> None:
+        """Requests for which ``slow`` is true run on workers of their own, so that however many of them
+        wait (on other servers, on each other) the others never queue behind them."""
         self._handler = handler
         self._tls = tls
         self._limits = limits
@@ -341,6 +346,10 @@ class HttpServer:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._pool = ThreadPoolExecutor(limits.workers, thread_name_prefix=f"{name}-worker")
+        self._slow = slow
+        self._slow_pool = (
+            ThreadPoolExecutor(limits.slow_workers, thread_name_prefix=f"{name}-slow") if slow is not None else None
+        )
         self._lock = threading.Lock()
         #: every open connection, oldest accepted first (the selector thread alone adds and removes)
         self._open: dict[_Conn, None] = {}
@@ -365,7 +374,9 @@ class HttpServer:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         self._thread.join(timeout=5)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._slow_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             conns = list(self._open)
             self._open.clear()
@@ -524,7 +535,8 @@ class HttpServer:
         conn.events = 0
         conn.state = _BUSY
         try:
-            self._pool.submit(self._work, conn, request)
+            slow = self._slow_pool is not None and self._slow is not None and self._slow(request)
+            (self._slow_pool if slow else self._pool).submit(self._work, conn, request)
         except RuntimeError:  # stopped meanwhile
             self._close(conn)
 

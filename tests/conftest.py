@@ -7,7 +7,7 @@ import shutil
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,16 @@ def wait_until(
         return wait_for(predicate, timeout, what, interval)
     except ClusterError as exc:
         raise AssertionError(str(exc)) from None
+
+
+def host_scores(reply: list[dict[str, Any]], names: Sequence[str]) -> dict[str, int]:
+    """A prioritize reply (a HostPriorityList) as kube-scheduler counts it: every node of ``names``, a
+    node the reply leaves out scoring 0; each entry a node asked about, once, with a score of 0..10."""
+    hosts = [entry["Host"] for entry in reply]
+    assert len(set(hosts)) == len(hosts) and set(hosts) <= set(names), hosts
+    assert all(set(entry) == {"Host", "Score"} and isinstance(entry["Score"], int) for entry in reply)
+    assert all(1 <= entry["Score"] <= 10 for entry in reply), reply
+    return dict.fromkeys(names, 0) | {entry["Host"]: entry["Score"] for entry in reply}
 
 
 @pytest.fixture

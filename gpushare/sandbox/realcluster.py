@@ -356,16 +356,19 @@ class Process:
         log.info("stopped %s (pid %d)", self.name, self.popen.pid)
 
 
-def scheduler_argv(config: Path, port: int) -> list[str]:
+def scheduler_argv(config: Path, port: int, open_paths: Sequence[str] = ()) -> list[str]:
     """kube-scheduler reading ``config``, serving /healthz and /metrics on 127.0.0.1:``port`` over HTTPS
-    (its only listener since 1.23; /healthz needs no credentials)."""
-    return [
+    (its only listener since 1.23; /healthz needs no credentials, nor do ``open_paths``)."""
+    argv = [
         str(binaries.built("kube-scheduler")),
         f"--config={config}",
         "--bind-address=127.0.0.1",
         f"--secure-port={port}",
         "--v=2",
     ]
+    if open_paths:
+        argv.append(f"--authorization-always-allow-paths={','.join(('/healthz', '/readyz', '/livez', *open_paths))}")
+    return argv
 
 
 def _get(url: str, token: str = "", timeout: float = 1.0) -> int:
@@ -483,6 +486,8 @@ class RealCluster:
     node_taints: Mapping[str, Sequence[str]] = field(default_factory=dict)
     #: kube-controller-manager's ``--controllers``
     controllers: Sequence[str] = ("*",)
+    #: users whose completed requests kube-apiserver writes to :attr:`audit_log` (verb, resource, user)
+    audited_users: Sequence[str] = ()
     nodes: dict[str, RealNode] = field(default_factory=dict)
     controls: list[Control] = field(default_factory=list)
     processes: list[Process] = field(default_factory=list)
@@ -590,6 +595,7 @@ class RealCluster:
                 "--service-cluster-ip-range=10.96.0.0/24",
                 "--allow-privileged=true",
                 "--enable-priority-and-fairness=false",
+                *self._audit_flags(),
             ],
         )
 
@@ -604,6 +610,22 @@ class RealCluster:
         self._start_controller_manager(sa_key, controllers)
         if self.rbac:
             self._apply_rbac()
+
+    @property
+    def audit_log(self) -> Path:
+        return self._path("audit.log")
+
+    def _audit_flags(self) -> list[str]:
+        if not self.audited_users:
+            return []
+        policy = {
+            "apiVersion": "audit.k8s.io/v1",
+            "kind": "Policy",
+            "omitStages": ["RequestReceived"],
+            "rules": [{"level": "Metadata", "users": list(self.audited_users)}, {"level": "None"}],
+        }
+        self._path("audit-policy.yaml").write_text(json.dumps(policy))
+        return [f"--audit-policy-file={self._path('audit-policy.yaml')}", f"--audit-log-path={self.audit_log}"]
 
     def _start_controller_manager(self, sa_key: Path, controllers: Sequence[str]) -> None:
         """kube-controller-manager with its default controllers, as on any cluster: it lifts a node's

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
-from conftest import readiness, wait_until
+from conftest import host_scores, readiness, wait_until
 from gpushare.advertiser.agent import Advertiser
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.wiring import RunningExtender, start_extender
@@ -48,6 +48,7 @@ from gpushare.contract.request import parse_pod_request
 from gpushare.contract.units import GIB
 from gpushare.inventory import SimulatedBackend
 from gpushare.kube.objects import get_pod, list_nodes
+from gpushare.sandbox import apiserver as standin
 from gpushare.usage import held_units, node_usage, pod_allocation
 
 NODES = {"n1": "2xA100-80GB:81920,1xT4:15360", "n2": "1xA10:24576"}
@@ -164,8 +165,7 @@ def test_prioritize_scores_in_range_and_binpack_prefers_the_fuller_node(cluster:
     scores = cluster.post(
         "prioritize", {"Pod": cluster.pod(gpu_pod("next", [container("main", 4)])), "NodeNames": ["n1", "n2"]}
     )
-    assert all(0 <= s["Score"] <= 10 for s in scores)
-    by_host = {s["Host"]: s["Score"] for s in scores}
+    by_host = host_scores(scores, ["n1", "n2"])
     assert by_host["n2"] > by_host["n1"]
 
 
@@ -298,6 +298,47 @@ def test_a_bind_another_replica_recorded_on_the_node_counts_until_its_pod_is_gon
     assert cluster.bind(pod, "n2")["Error"] == ""
     recorded = parse_pending_binds(cluster.core.read_node("n2").metadata.annotations[NODE_ANN_PENDING_BINDS])
     assert list(recorded) == [pod["metadata"]["uid"]] and recorded[pod["metadata"]["uid"]].held == {a10: 8}
+
+
+def test_a_replica_whose_caches_lag_never_overcommits(cluster: Cluster) -> None:
+    """A bind places from the replica's watch caches; the node's compare-and-swap catches a stale node,
+    and the node's ledger holds the binds the stale pod cache misses."""
+    second = start_extender(cluster.api, 0, "binpack", host="127.0.0.1")
+    try:
+        other = Cluster.beside(cluster, second)
+        assert second.cache.wait_synced(5)
+        wait_until(lambda: second.cache.view("n1"), what="n1 in the second replica's cache")
+        second.cache.nodes.stop()  # from here on it sees n1 as it was, with every card free
+        second.cache.pods.stop()
+        first = cluster.pod(gpu_pod("first", [container("main", 70)]))
+        assert cluster.bind(first, "n1")["Error"] == ""
+        late = other.pod(gpu_pod("late", [container("main", 70)]))
+        assert other.bind(late, "n1")["Error"] == ""
+        third = other.pod(gpu_pod("third", [container("main", 70)]))
+        assert "no single card has 70 GiB free" in other.bind(third, "n1")["Error"]
+        cards = [s.uuid for name in ("first", "late") for s in cluster.allocation(name)["main"]]
+        assert len(set(cards)) == 2
+    finally:
+        second.stop()
+
+
+def test_a_bind_reads_nothing_from_the_api_server_and_writes_the_node_and_the_binding(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What binding a GPU pod costs the API server (an Event follows, written in the background)."""
+    pod = cluster.pod(gpu_pod("p", [container("main", 4)]))
+    wait_until(lambda: cluster.extender.cache.pods.get("p", "default"), what="the pod in the cache")
+    requests: list[str] = []
+    original = standin._Handler._send
+
+    def record(self: standin._Handler, code: int, body: Any) -> None:
+        if "watch=" not in self.path and "/events" not in self.path:
+            requests.append(f"{self.command} {self.path.split('?')[0]}")
+        original(self, code, body)
+
+    monkeypatch.setattr(standin._Handler, "_send", record)
+    assert cluster.bind(pod, "n1")["Error"] == ""
+    assert requests == ["PATCH /api/v1/nodes/n1", "POST /api/v1/namespaces/default/pods/p/binding"]
 
 
 def test_failed_binding_takes_the_assignment_back(cluster: Cluster) -> None:
@@ -555,10 +596,8 @@ def test_nodes_without_inventory_or_pods_that_can_never_fit_are_unresolvable(ext
 
 def scores(ext: Extender, pod: Mapping[str, Any], names: Sequence[str]) -> dict[str, int]:
     reply = ext.call("prioritize", {"Pod": pod, "NodeNames": list(names)})
-    assert [entry["Host"] for entry in reply] == list(names)
-    assert all(set(entry) == {"Host", "Score"} and isinstance(entry["Score"], int) for entry in reply)
-    assert all(0 <= entry["Score"] <= 10 for entry in reply)
-    return {entry["Host"]: entry["Score"] for entry in reply}
+    assert [entry["Host"] for entry in reply] == [n for n in names if n in {e["Host"] for e in reply}]
+    return host_scores(reply, names)
 
 
 def test_prioritize_returns_a_host_priority_list_and_honours_the_pod_policy(ext: Extender) -> None:

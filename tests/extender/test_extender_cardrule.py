@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from conftest import wait_until
+from conftest import host_scores, wait_until
 from kubernetes import client
 from podfactory import container, gpu_pod
 from test_extender import Cluster
@@ -50,7 +50,7 @@ def test_prioritize_and_bind_skip_avoided_models(cluster: Cluster) -> None:
     pod = cluster.pod(ruled("no-a10", [container("main", 14)], **{ANN_GPU_MODEL_AVOID: "A10|T4"}))
     assert cluster.filter(pod)["NodeNames"] == ["n1"]
     scores = cluster.post("prioritize", {"Pod": pod, "NodeNames": ["n1", "n2"]})
-    assert {s["Host"]: s["Score"] for s in scores} == {"n1": 10, "n2": 0}
+    assert host_scores(scores, ["n1", "n2"]) == {"n1": 10, "n2": 0}
     assert cluster.bind(pod, "n2")["Error"].endswith("no non-A10 non-T4 card on the node (A10 cards ignored)")
     assert cluster.bind(pod, "n1")["Error"] == ""
     assert cluster.allocation("no-a10")["main"][0].index in (0, 1)
@@ -77,7 +77,7 @@ def test_a_topology_requirement_filters_out_nodes_that_cant_meet_it(
     )
     assert result["FailedNodes"]["n2"].startswith("needs 2 cards with 10 GiB free each, 1 have")
     scores = cluster.post("prioritize", {"Pod": pair, "NodeNames": ["n1"]})
-    assert scores == [{"Host": "n1", "Score": 0}]
+    assert host_scores(scores, ["n1"]) == {"n1": 0}
     assert f"no cards {words} (required)" in cluster.bind(pair, "n1")["Error"]
     # once the first pod is gone, the NVLinked A100 pair on NUMA 0 takes it
     cluster.core.delete_namespaced_pod("whole", "default", grace_period_seconds=0)

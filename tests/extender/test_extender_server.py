@@ -174,3 +174,34 @@ def test_a_bug_is_a_logged_500_without_python_details(
         status, reply = _post(cluster.extender.server.port, "/filter", b'{"Pod": {}, "NodeNames": []}')
     assert status == 500 and "attribute" not in reply.decode()
     assert any("/filter failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_binds_waiting_on_the_api_server_never_hold_up_filter(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kube-scheduler filters one pod at a time while the binds of earlier pods are under way: with more
+    binds stuck than the server has workers, a filter still answers at once."""
+    stuck = threading.Event()
+    entered = threading.Semaphore(0)
+
+    def bind(*_args: object) -> None:
+        entered.release()
+        stuck.wait(60)
+
+    monkeypatch.setattr(cluster.extender.binder, "bind", bind)
+    pod = cluster.pod(gpu_pod("p", [container("main", 4)]))
+    binds = [threading.Thread(target=cluster.bind, args=(pod, "n1")) for _ in range(Limits().workers + 4)]
+    for thread in binds:
+        thread.start()
+    try:
+        for _ in range(Limits().slow_workers):  # every bind worker is taken
+            assert entered.acquire(timeout=10)
+        # within _post's 10 s, while every bind is still stuck
+        status, body = _post(
+            cluster.extender.server.port, "/filter", json.dumps({"Pod": pod, "NodeNames": ["n1"]}).encode()
+        )
+        assert status == 200 and json.loads(body)["NodeNames"] == ["n1"]
+    finally:
+        stuck.set()
+        for thread in binds:
+            thread.join(30)

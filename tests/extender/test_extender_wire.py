@@ -33,7 +33,7 @@ def test_name_lists_and_priority_lists_are_what_json_dumps_writes(odd: bool) -> 
         got = NodeNames.of(names)
         assert (got.text is None) == (odd and count > 0)
         assert encode(got.json()) == json.dumps(names).encode()
-        expected = [{"Host": n, "Score": s} for n, s in zip(names, scores.tolist(), strict=True)]
+        expected = [{"Host": n, "Score": s} for n, s in zip(names, scores.tolist(), strict=True) if s]
         assert encode(got.priorities(scores)) == json.dumps(expected).encode()
 
 
@@ -45,6 +45,12 @@ def test_every_odd_name_is_written_as_json_does() -> None:
         scores = np.array([3, 10])
         expected = [{"Host": "plain", "Score": 3}, {"Host": name, "Score": 10}]
         assert encode(NodeNames.of(names).priorities(scores)) == json.dumps(expected).encode()
+
+
+def test_nodes_scoring_zero_are_left_out_as_kube_scheduler_counts_them_zero() -> None:
+    names = NodeNames.of(["a", "b", "c"])
+    assert encode(names.priorities(np.array([0, 7, 0]))) == b'[{"Host": "b", "Score": 7}]'
+    assert encode(names.priorities(np.zeros(3, dtype=np.int64))) == b"[]"
 
 
 def test_a_list_with_a_non_string_is_refused() -> None:

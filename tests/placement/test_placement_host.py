@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import host_scores
 from gpushare.extender.cache import ClusterCache, host_request
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.verbs import host_prioritize_result, prioritize_result
@@ -177,24 +178,26 @@ def gpu_cluster() -> ClusterCache:
     return cache
 
 
+NAMES = ["idle", "busy", "cpu-only"]
+
+
 def body(pod: dict) -> dict:
-    return {"Pod": pod, "NodeNames": ["idle", "busy", "cpu-only"]}
+    return {"Pod": pod, "NodeNames": NAMES}
 
 
 def test_host_prioritize_steers_pods_without_gpus_and_leaves_gpu_pods_to_the_gpu_entry() -> None:
     engine = PlacementEngine(gpu_cluster(), "fgdfit")
-    scores = {
-        e["Host"]: e["Score"] for e in _json(host_prioritize_result(engine, body(plain_pod("p", None, "1", "1Gi"))))
-    }
+    scores = host_scores(_json(host_prioritize_result(engine, body(plain_pod("p", None, "1", "1Gi")))), NAMES)
     assert scores["idle"] < scores["busy"] == scores["cpu-only"] == 10
     gpu = gpu_pod("g", [container("main", 4)], node=None)
-    assert {e["Score"] for e in _json(host_prioritize_result(engine, body(gpu)))} == {0}
-    assert max(e["Score"] for e in _json(prioritize_result(engine, body(gpu)))) == 10
+    assert set(host_scores(_json(host_prioritize_result(engine, body(gpu))), NAMES).values()) == {0}
+    assert max(host_scores(_json(prioritize_result(engine, body(gpu))), NAMES).values()) == 10
 
 
 def test_host_prioritize_is_neutral_under_a_policy_that_ignores_cpu() -> None:
     engine = PlacementEngine(gpu_cluster(), "binpack")
-    assert {e["Score"] for e in _json(host_prioritize_result(engine, body(plain_pod("p", None, "1", "1Gi"))))} == {0}
+    reply = _json(host_prioritize_result(engine, body(plain_pod("p", None, "1", "1Gi"))))
+    assert set(host_scores(reply, NAMES).values()) == {0}
 
 
 def _json(reply: Raw | list[dict]) -> list[dict]:
