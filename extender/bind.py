@@ -30,14 +30,14 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gpushare.extender import podfit
 from gpushare.extender.cache import ClusterCache, demands_of, placement_cards
 from gpushare.extender.engine import PlacementEngine
-from gpushare.extender.metrics import BIND_FAILURES
+from gpushare.extender.metrics import BIND_BATCH, BIND_FAILURES
 
 from gpushare import placement
 from gpushare.contract.aliyun import format_assume_time, format_bool, format_framework_allocation
@@ -65,7 +65,7 @@ from gpushare.contract.units import MemoryUnit
 from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import bind_pod, get_node, get_pod, list_pods, patch_node
-from gpushare.placement.gang import within
+from gpushare.placement.gang import taking, within
 from gpushare.usage import (
     alibaba_total_per_card,
     held_units,
@@ -134,6 +134,33 @@ class _Placed:
     unit: MemoryUnit
 
 
+@dataclass(eq=False)
+class _Bind:
+    """A bind waiting for its node, and how it went: placed, or refused with the error for kube-scheduler."""
+
+    pod: Mapping[str, Any]
+    demands: tuple[placement.Demand, ...]
+    where: str
+    placed: _Placed | None = None
+    error: BindError | None = None
+
+    @property
+    def uid(self) -> str:
+        return self.pod["metadata"].get("uid", "")
+
+    @property
+    def decided(self) -> bool:
+        return self.placed is not None or self.error is not None
+
+
+def _refuse(batch: list[_Bind], reason: str, message: Callable[[_Bind], str], replace: bool = False) -> None:
+    """Refuse the binds of ``batch`` not decided yet (with ``replace``, every one), counting ``reason``."""
+    for request in batch:
+        if replace or not request.decided:
+            BIND_FAILURES.labels(reason=reason).inc()
+            request.placed, request.error = None, BindError(message(request))
+
+
 class Binder:
     def __init__(self, api: Any, cache: ClusterCache, engine: PlacementEngine) -> None:
         self._api = api
@@ -143,6 +170,8 @@ class Binder:
         self.events = EventRecorder(api, COMPONENT)
         #: node -> (its lock, binds holding or waiting for it); an entry lives only while a bind uses it
         self._locks: dict[str, tuple[threading.Lock, int]] = {}
+        #: node -> binds waiting for its lock; whichever takes the lock first records them all
+        self._waiting: dict[str, list[_Bind]] = {}
         self._locks_guard = threading.Lock()
 
     @contextlib.contextmanager
@@ -167,6 +196,11 @@ class Binder:
         with self._locks_guard:
             return len(self._locks)
 
+    def waiting_on(self, node: str) -> int:
+        """Binds waiting for the node's lock, to be recorded together by the first that takes it."""
+        with self._locks_guard:
+            return len(self._waiting.get(node, ()))
+
     def bind(self, namespace: str, name: str, uid: str | None, node: str) -> None:
         where = f"pod {namespace}/{name} on node {node}"
         pod = self._pod(namespace, name, uid, node)
@@ -181,9 +215,18 @@ class Binder:
         if not demands:
             BIND_FAILURES.labels(reason="not-managed").inc()
             raise BindError(f"bind {where}: the pod requests no gpushare resource; kube-scheduler binds it")
+        request = _Bind(pod, demands, where)
+        with self._locks_guard:
+            self._waiting.setdefault(node, []).append(request)
         with self.node_lock(node):
-            placed = self._record(pod, demands, node, where)
-        self._create_binding(pod, node, placed, where)
+            if not request.decided:  # no bind before it took it along: it records those waiting now
+                with self._locks_guard:
+                    batch = self._waiting.pop(node)
+                self._record_batch(batch, node)
+        if request.error is not None:
+            raise request.error
+        assert request.placed is not None
+        self._create_binding(pod, node, request.placed, where)
 
     def _pod(self, namespace: str, name: str, uid: str | None, node: str) -> Mapping[str, Any]:
         """The pod from the watch cache when it has this uid (kube-scheduler names the pod it placed),
@@ -203,95 +246,134 @@ class Binder:
         cached = None if fresh else self._cache.nodes.get(node)
         return cached if cached is not None else get_node(self._api, node)
 
-    def _record(self, pod: Mapping[str, Any], demands: tuple, node: str, where: str) -> _Placed:
-        """Steps 1 to 3 of the module doc, under the node's lock."""
-        meta = pod["metadata"]
-        uid = meta.get("uid", "")
-        for attempt in range(ATTEMPTS):
-            try:
-                _, policy = self._engine.policy_for(pod)
-                node_obj = self._node(node, fresh=attempt > 0)
-                if refusal := kubelet_refusal(node_obj):
-                    BIND_FAILURES.labels(reason="kubelet-not-watching").inc()
-                    raise BindError(f"bind {where}: {refusal}")
-                inventory = node_inventory(node_obj)
-                if inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(demands)):
-                    BIND_FAILURES.labels(reason="original-plugin").inc()
-                    raise BindError(f"bind {where}: node {node} {refusal}")
-                if refusal := node_refusal(parse_pod_nodes(pod), parse_node_facts(node_obj)):
-                    BIND_FAILURES.labels(reason="node-selector").inc()
-                    raise BindError(f"bind {where}: {refusal}")
-                ledger, cards, _ = self.node_cards(node_obj, inventory, {uid}, self._cache.pods_on(node))
-                if (gang := parse_gang(pod)) is not None:
-                    hold = ledger.get(uid)
-                    if hold is None or hold.gang != gang.key:
-                        BIND_FAILURES.labels(reason="gang-not-held").inc()
-                        raise BindError(
-                            f"bind {where}: gang {gang.name}: no cards are held for this member on the node; "
-                            "it is bound only once a place is held for enough of its gang"
-                        )
-                    cards = within(cards, hold.held)
-                try:
-                    order = podfit.InitOrder.of(demands, podfit.init_names(pod))
-                    assignments = order.place(cards, policy, inventory.unit.name, parse_card_rule(pod))
-                except placement.NoFit as nofit:
-                    BIND_FAILURES.labels(reason="no-fit").inc()
-                    raise BindError(f"bind {where}: {nofit.reason}") from None
-                allocation = allocation_of(assignments)
-                placed = _Placed(allocation, pod_annotations(pod, allocation, inventory), inventory.unit)
-                if self._swap(pod, node, node_obj, ledger, placed, where):
-                    return placed
-            except ContractError as exc:
-                BIND_FAILURES.labels(reason="bad-annotation").inc()
-                raise BindError(f"bind to node {node}: {exc}") from None
-            except KubeError as exc:
-                BIND_FAILURES.labels(reason="api").inc()
-                raise BindError(f"bind to node {node}: {exc}") from None
-        BIND_FAILURES.labels(reason="contention").inc()
-        raise BindError(f"bind {where}: the node kept changing under {ATTEMPTS} attempts; the scheduler will retry")
+    def _record_batch(self, batch: list[_Bind], node: str) -> None:
+        """Steps 1 to 3 of the module doc for every bind waiting on the node, under its lock: one swap
+        records them all. Each leaves decided, placed or with its error."""
+        BIND_BATCH.observe(len(batch))
+        try:
+            for attempt in range(ATTEMPTS):
+                if self._try_batch(batch, node, fresh=attempt > 0):
+                    return
+            _refuse(
+                batch,
+                "contention",
+                lambda r: f"bind {r.where}: the node kept changing under {ATTEMPTS} attempts; the scheduler will retry",
+            )
+        except (ContractError, KubeError) as exc:
+            failure = f"bind to node {node}: {exc}"
+            _refuse(batch, "api" if isinstance(exc, KubeError) else "bad-annotation", lambda _r: failure)
+        except BaseException:
+            log.exception("binding %d pod(s) onto node %s failed", len(batch), node)
+            for request in batch:
+                self._cache.forget(request.uid)
+            _refuse(batch, "internal", lambda r: f"bind {r.where}: internal error; see the extender's log", True)
+            raise
 
-    def _swap(
+    def _try_batch(self, batch: list[_Bind], node: str, fresh: bool) -> bool:
+        """One attempt at the undecided binds of ``batch``; False when the node changed under it."""
+        node_obj = self._node(node, fresh)
+        if refusal := kubelet_refusal(node_obj):
+            _refuse(batch, "kubelet-not-watching", lambda r: f"bind {r.where}: {refusal}")
+            return True
+        inventory = node_inventory(node_obj)
+        pending = [r for r in batch if not r.decided]
+        own = {r.uid for r in pending}
+        ledger, cards, _ = self.node_cards(node_obj, inventory, own, self._cache.pods_on(node))
+        recorded = []
+        for request in pending:
+            try:
+                request.placed = self._place(request, node, node_obj, inventory, ledger, cards)
+            except BindError as exc:
+                request.error = exc
+                if (entry := ledger.get(request.uid)) is not None:  # what it held stays held
+                    cards = taking(cards, entry.held)
+                continue
+            held = held_units(request.placed.allocation, parse_pod_request(request.pod))
+            cards = taking(cards, held)
+            meta = request.pod["metadata"]
+            entry = PendingBind(f"{meta['namespace']}/{meta['name']}", held, time.time())
+            if len(format_pending_binds({**ledger, request.uid: entry})) > LEDGER_BYTES:
+                BIND_FAILURES.labels(reason="ledger-full").inc()
+                request.placed, request.error = (
+                    None,
+                    BindError(
+                        f"bind {request.where}: node {node} annotation {NODE_ANN_PENDING_BINDS} would take more than "
+                        f"the {LEDGER_BYTES} bytes allowed with {len(ledger) + 1} entries"
+                    ),
+                )
+                continue
+            ledger = {**ledger, request.uid: entry}
+            self._cache.assume(request.uid, node, held)
+            recorded.append(request)
+        if not recorded:
+            return True
+        if self._swap(node, node_obj, ledger, recorded):
+            return True
+        for request in recorded:
+            self._cache.forget(request.uid)
+            request.placed = None
+        return False
+
+    def _place(
         self,
-        pod: Mapping[str, Any],
+        request: _Bind,
         node: str,
         node_obj: Mapping[str, Any],
+        inventory: NodeInventory,
         ledger: Ledger,
-        placed: _Placed,
-        where: str,
-    ) -> bool:
-        """Step 3 of the module doc: the pod is assumed here and in the node's ledger. False when the
-        node changed since ``node_obj``."""
-        meta = pod["metadata"]
-        namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
-        held = held_units(placed.allocation, parse_pod_request(pod))
-        self._cache.assume(uid, node, held)
+        cards: tuple[placement.CardCapacity, ...],
+    ) -> _Placed:
+        """The cards of one pod on ``cards`` (step 2), or BindError saying why not."""
+        pod, where = request.pod, request.where
+        if inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(request.demands)):
+            BIND_FAILURES.labels(reason="original-plugin").inc()
+            raise BindError(f"bind {where}: node {node} {refusal}")
+        if refusal := node_refusal(parse_pod_nodes(pod), parse_node_facts(node_obj)):
+            BIND_FAILURES.labels(reason="node-selector").inc()
+            raise BindError(f"bind {where}: {refusal}")
+        if (gang := parse_gang(pod)) is not None:
+            hold = ledger.get(request.uid)
+            if hold is None or hold.gang != gang.key:
+                BIND_FAILURES.labels(reason="gang-not-held").inc()
+                raise BindError(
+                    f"bind {where}: gang {gang.name}: no cards are held for this member on the node; "
+                    "it is bound only once a place is held for enough of its gang"
+                )
+            cards = within(cards, hold.held)
+        try:
+            _, policy = self._engine.policy_for(pod)
+            order = podfit.InitOrder.of(request.demands, podfit.init_names(pod))
+            assignments = order.place(cards, policy, inventory.unit.name, parse_card_rule(pod))
+        except ContractError as exc:
+            BIND_FAILURES.labels(reason="bad-annotation").inc()
+            raise BindError(f"bind to node {node}: {exc}") from None
+        except placement.NoFit as nofit:
+            BIND_FAILURES.labels(reason="no-fit").inc()
+            raise BindError(f"bind {where}: {nofit.reason}") from None
+        allocation = allocation_of(assignments)
+        return _Placed(allocation, pod_annotations(pod, allocation, inventory), inventory.unit)
+
+    def _swap(self, node: str, node_obj: Mapping[str, Any], ledger: Ledger, recorded: list[_Bind]) -> bool:
+        """Step 3 of the module doc: ``ledger`` (with the entries of ``recorded``) on the node, if it is
+        still as ``node_obj``; False when it changed. Any other failure refuses the binds."""
         sequence = int(annotations_of(node_obj).get(NODE_ANN_BIND_SEQUENCE) or 0) + 1
-        ledger = {**ledger, uid: PendingBind(f"{namespace}/{name}", held, time.time())}
-        text = format_pending_binds(ledger)
-        if len(text) > LEDGER_BYTES:
-            BIND_FAILURES.labels(reason="ledger-full").inc()
-            self._cache.forget(uid)
-            raise BindError(
-                f"bind {where}: node {node} annotation {NODE_ANN_PENDING_BINDS} would take {len(text)} bytes "
-                f"with {len(ledger)} entries, more than the {LEDGER_BYTES} allowed"
-            )
+        annotations = {NODE_ANN_BIND_SEQUENCE: str(sequence), NODE_ANN_PENDING_BINDS: format_pending_binds(ledger)}
         try:
             written = patch_node(
                 self._api,
                 node,
-                {"metadata": {"annotations": {NODE_ANN_BIND_SEQUENCE: str(sequence), NODE_ANN_PENDING_BINDS: text}}},
+                {"metadata": {"annotations": annotations}},
                 resource_version=(node_obj.get("metadata") or {}).get("resourceVersion"),
             )
         except KubeConflict:
-            log.info("bind %s: node %s changed meanwhile; placing again from a fresh read", where, node)
-            self._cache.forget(uid)
+            log.info("bind of %d pod(s) onto node %s: the node changed meanwhile; placing again", len(recorded), node)
             return False
         except KubeError as exc:
-            BIND_FAILURES.labels(reason="api").inc()
-            self._cache.forget(uid)
-            raise BindError(
-                f"bind {where}: recording the bind on the node failed, assignment taken back: {exc}"
-            ) from None
+            for request in recorded:
+                self._cache.forget(request.uid)
+            failure = f"recording the bind on the node failed, assignment taken back: {exc}"
+            _refuse(recorded, "api", lambda r: f"bind {r.where}: {failure}", replace=True)
+            return True
         self._cache.note_node(written)  # the next bind onto the node starts from this version
         return True
 

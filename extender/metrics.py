@@ -10,6 +10,11 @@ VERB_LATENCY = Histogram(
     ["verb"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
 )
+BIND_BATCH = Histogram(
+    "gpushare_extender_bind_batch_size",
+    "Binds onto one node recorded by one write of the node (those that waited for it together)",
+    buckets=(1, 2, 4, 8, 16),
+)
 BIND_FAILURES = Counter("gpushare_extender_bind_failures_total", "Binds that failed", ["reason"])
 CARD_ALLOCATED = Gauge(
     "gpushare_extender_card_allocated_units",

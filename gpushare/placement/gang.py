@@ -78,6 +78,11 @@ def within(cards: Sequence[CardCapacity], held: Mapping[str, int]) -> tuple[Card
     return tuple(replace(c, used=c.capacity - min(c.free, held.get(c.uuid, 0))) for c in cards)
 
 
+def taking(cards: Sequence[CardCapacity], held: Mapping[str, int]) -> tuple[CardCapacity, ...]:
+    """The cards once a pod holding ``held`` (units per card UUID) is on them."""
+    return tuple(replace(c, used=c.used + held.get(c.uuid, 0)) for c in cards)
+
+
 def held_of(assignments: Iterable[Assignment]) -> dict[str, int]:
     """Units per card UUID that assignments take."""
     held: dict[str, int] = {}
@@ -114,7 +119,7 @@ class _Node:
         return self.pods > 0 and member.host[0] <= self.cpu and member.host[1] <= self.memory
 
     def take(self, member: Member, held: Mapping[str, int]) -> None:
-        self.cards = [replace(c, used=c.used + held.get(c.uuid, 0)) for c in self.cards]
+        self.cards = list(taking(self.cards, held))
         self.cpu, self.memory = self.cpu - member.host[0], self.memory - member.host[1]
         self.pods -= 1
         self.costs.clear()

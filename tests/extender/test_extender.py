@@ -284,6 +284,40 @@ def test_concurrent_bind_storm_never_overcommits(cluster: Cluster) -> None:
     assert not bad and all(used[card.uuid] <= card.memory_mib // 1024 for card in cards)
 
 
+def test_binds_waiting_on_one_node_are_recorded_by_one_write_and_never_overcommit(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pods = [cluster.pod(gpu_pod(f"w{i}", [container("main", 30)])) for i in range(7)]
+    for pod in pods:
+        wait_until(lambda p=pod: cluster.extender.cache.pods.get(p["metadata"]["name"], "default"), what="the pods")
+    writes: list[str] = []
+    original = standin._Handler._send
+
+    def record(self: standin._Handler, code: int, body: Any) -> None:
+        if self.command == "PATCH" and self.path.startswith("/api/v1/nodes/"):
+            writes.append(self.path)
+        original(self, code, body)
+
+    monkeypatch.setattr(standin._Handler, "_send", record)
+    replies: list[dict] = []
+    binder = cluster.extender.binder
+    with binder.node_lock("n1"):  # a bind onto n1 under way: the others wait for it
+        threads = [threading.Thread(target=lambda p=p: replies.append(cluster.bind(p, "n1"))) for p in pods]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: binder.waiting_on("n1") == len(pods), what="every bind waiting for n1")
+    for thread in threads:
+        thread.join(30)
+    # 30 GiB pods: two on each A100 (80 GiB), none on the T4 (15 GiB)
+    assert sorted(r["Error"] == "" for r in replies) == [False] * 3 + [True] * 4
+    assert all("no single card has 30 GiB free" in r["Error"] for r in replies if r["Error"])
+    assert len(writes) == 1
+    cards = cluster.backends["n1"].cards()
+    listed = cluster.api.sanitize_for_serialization(cluster.core.list_namespaced_pod("default"))["items"]
+    used, _, bad = node_usage([p for p in listed if p["spec"].get("nodeName") == "n1"], NodeInventory(GIB, cards))
+    assert not bad and all(used[card.uuid] <= card.memory_mib // 1024 for card in cards)
+
+
 def test_a_bind_another_replica_recorded_on_the_node_counts_until_its_pod_is_gone(cluster: Cluster) -> None:
     # another replica has bumped node n2 for its pod "other" (20 of the A10's 24 GiB) and not yet bound it
     other = cluster.pod(gpu_pod("other", [container("main", 20)]))
