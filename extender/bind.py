@@ -439,7 +439,8 @@ class Binder:
         An entry stays while its pod is listed and holds its cards, with no API call. An entry whose pod
         isn't listed stays while the pod (this uid) is still there, not bound elsewhere, and either bound
         here or unexpired (a binding may be under way, or a gang holds the cards); only these few cost a
-        GET, except this replica's own binds in flight, which stay without one."""
+        GET, except this replica's own binds in flight, which stay without one, and pods the cache saw
+        deleted, which go without one."""
         try:
             ledger = node_ledger(node_obj)
         except ContractError as exc:
@@ -462,6 +463,8 @@ class Binder:
                 continue
             if uid in binding:  # this replica's own bind, not yet seen bound: in flight, no read needed
                 kept[uid] = unlisted[uid] = entry
+                continue
+            if self._cache.gone(uid):  # seen deleted: it holds nothing, and no read is needed to know
                 continue
             namespace, _, name = entry.pod.partition("/")
             try:

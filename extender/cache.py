@@ -11,7 +11,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +40,9 @@ from gpushare.kube.watch import WatchCache
 from gpushare.usage import holds_resources, kubelet_refusal, node_inventory, node_ledger, node_usage
 
 log = logging.getLogger(__name__)
+
+#: deleted pods whose uids are kept; a ledger entry of an older one costs a read of its pod
+GONE_KEPT = 100_000
 
 #: one GPU container as the fragmentation-aware policy learns it: (GPU shape, CPU milli, memory bytes, card rule)
 PodShape = tuple[placement.Shape, int, int, placement.CardRule]
@@ -175,6 +178,8 @@ class ClusterCache:
         self._pod_shapes: Counter[PodShape] = Counter()
         self._pod_shapes_of_pod: dict[str, tuple[PodShape, ...]] = {}
         self._change_listeners: list[Callable[[str], None]] = []
+        #: uids of pods seen deleted (oldest first), so a ledger entry of one is dropped without a read
+        self._gone: OrderedDict[str, None] = OrderedDict()
         #: gang holds written on each node (its ledger entries that name a gang), the nodes holding for
         #: each member uid, and per node when the first hold it counts expires
         self._holds: dict[str, dict[str, PendingBind]] = {}
@@ -330,6 +335,10 @@ class ClusterCache:
                 self._bump(node)
             for held_on in self._hold_nodes.get(uid, ()):
                 self._bump(held_on)  # a held member was created, bound or deleted
+            if kind == "DELETED" and uid:
+                self._gone[uid] = None
+                if len(self._gone) > GONE_KEPT:
+                    self._gone.popitem(last=False)
             placed = any(key in annotations_of(pod) for key in PLACEMENT_ANNOTATIONS)
             if kind == "DELETED" or placed or not holds_resources(pod):
                 # the pod's own annotation (or its end) now speaks for what we assumed
@@ -373,6 +382,12 @@ class ClusterCache:
         self.shapes_version += 1
 
     # --- queries ----------------------------------------------------------------------------------------
+
+    def gone(self, uid: str) -> bool:
+        """Whether the pod with this uid was seen deleted (among the last :data:`GONE_KEPT`): a uid is
+        never used again, so it stays gone."""
+        with self._lock:
+            return uid in self._gone
 
     def node_names(self) -> list[str]:
         with self._lock:

@@ -373,6 +373,16 @@ def test_a_bind_reads_nothing_from_the_api_server_and_writes_the_node_and_the_bi
     monkeypatch.setattr(standin._Handler, "_send", record)
     assert cluster.bind(pod, "n1")["Error"] == ""
     assert requests == ["PATCH /api/v1/nodes/n1", "POST /api/v1/namespaces/default/pods/p/binding"]
+    # a pod that ended leaves its entry in the node's ledger; the next bind drops it, reading nothing
+    cluster.core.delete_namespaced_pod("p", "default", grace_period_seconds=0)
+    wait_until(lambda: cluster.extender.cache.gone(pod["metadata"]["uid"]), what="the deletion in the cache")
+    after = cluster.pod(gpu_pod("after", [container("main", 4)]))
+    wait_until(lambda: cluster.extender.cache.pods.get("after", "default"), what="the pod in the cache")
+    requests.clear()
+    assert cluster.bind(after, "n1")["Error"] == ""
+    assert requests == ["PATCH /api/v1/nodes/n1", "POST /api/v1/namespaces/default/pods/after/binding"]
+    ledger = parse_pending_binds(cluster.core.read_node("n1").metadata.annotations[NODE_ANN_PENDING_BINDS])
+    assert list(ledger) == [after["metadata"]["uid"]]
 
 
 def test_failed_binding_takes_the_assignment_back(cluster: Cluster) -> None:
