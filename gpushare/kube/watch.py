@@ -123,8 +123,8 @@ class WatchCache:
                     return
                 self._objects.pop(key, None)
             else:
-                if current is not None and _rv(current) > _rv(obj):
-                    return  # we already hold a newer version (our own write)
+                if current is not None and _rv(current) >= _rv(obj) > 0:
+                    return  # we already hold this version or a newer one (our own write)
                 self._objects[key] = obj
         for listener in self._listeners:
             try:
