@@ -321,7 +321,8 @@ def report_calls(calls: dict[str, Counter[str]], pods: int) -> None:
         total = sum(calls[setup].values())
         print(f"  {setup}: {total / pods:.2f}")
         for key, n in sorted(calls[setup].items(), key=lambda kv: -kv[1]):
-            print(f"    {n / pods:6.2f}  {key}")
+            if n / pods >= 0.005:  # not the watches each client keeps open
+                print(f"    {n / pods:6.2f}  {key}")
 
 
 def measure(
