@@ -23,6 +23,7 @@ import http.client
 import json
 import logging
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -154,6 +155,7 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=300, help="pods scheduled while measuring")
     parser.add_argument("--binds", type=int, default=200, help="pods for the bind-throughput runs")
     parser.add_argument("--policy", default="fgd")
+    parser.add_argument("--keep", action="store_true", help="keep the working directory (logs) afterwards")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rng = random.Random(7)
@@ -161,6 +163,8 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="extbench"))
     kubeconfig = workdir / "kubeconfig"
     with contextlib.ExitStack() as stack:
+        # registered first, so it runs last: after the processes writing there have stopped
+        stack.callback(lambda: print(f"logs in {workdir}") if args.keep else shutil.rmtree(workdir, ignore_errors=True))
         serve(stack, workdir / "apiserver.log", "apiserver", "--port", str(free_port()), "--kubeconfig-out", kubeconfig)
         wait_for(kubeconfig.exists, "the API stand-in to write its kubeconfig")
         api = load_api(str(kubeconfig))
@@ -181,7 +185,7 @@ def main() -> int:
         extender_args = ("extender", "--port", str(port), "--kubeconfig", kubeconfig, "--policy", args.policy)
         serve(stack, workdir / "extender.log", *extender_args)
         wait_for(lambda: ready(port), "the extender to become ready")
-        print(f"extender ready in {time.perf_counter() - started:.1f}s (log: {workdir / 'extender.log'})")
+        print(f"extender ready in {time.perf_counter() - started:.1f}s")
         return measure(args, api, core, names, placed, Verbs(port), rng)
 
 
