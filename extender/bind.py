@@ -153,12 +153,12 @@ class _Bind:
         return self.placed is not None or self.error is not None
 
 
-def _refuse(batch: list[_Bind], reason: str, message: Callable[[_Bind], str], replace: bool = False) -> None:
-    """Refuse the binds of ``batch`` not decided yet (with ``replace``, every one), counting ``reason``."""
+def _refuse(batch: list[_Bind], reason: str, message: Callable[[_Bind], str]) -> None:
+    """Refuse the binds of ``batch`` not decided yet, counting ``reason``."""
     for request in batch:
-        if replace or not request.decided:
+        if not request.decided:
             BIND_FAILURES.labels(reason=reason).inc()
-            request.placed, request.error = None, BindError(message(request))
+            request.error = BindError(message(request))
 
 
 class Binder:
@@ -260,14 +260,21 @@ class Binder:
                 lambda r: f"bind {r.where}: the node kept changing under {ATTEMPTS} attempts; the scheduler will retry",
             )
         except (ContractError, KubeError) as exc:
+            self._take_back(batch)
             failure = f"bind to node {node}: {exc}"
             _refuse(batch, "api" if isinstance(exc, KubeError) else "bad-annotation", lambda _r: failure)
         except BaseException:
             log.exception("binding %d pod(s) onto node %s failed", len(batch), node)
-            for request in batch:
-                self._cache.forget(request.uid)
-            _refuse(batch, "internal", lambda r: f"bind {r.where}: internal error; see the extender's log", True)
+            self._take_back(batch)
+            _refuse(batch, "internal", lambda r: f"bind {r.where}: internal error; see the extender's log")
             raise
+
+    def _take_back(self, batch: list[_Bind]) -> None:
+        """Undo the placements of ``batch`` that no swap recorded: they count in flight no more."""
+        for request in batch:
+            if request.placed is not None:
+                self._cache.forget(request.uid)
+                request.placed = None
 
     def _try_batch(self, batch: list[_Bind], node: str, fresh: bool) -> bool:
         """One attempt at the undecided binds of ``batch``; False when the node changed under it."""
@@ -279,39 +286,36 @@ class Binder:
         pending = [r for r in batch if not r.decided]
         own = {r.uid for r in pending}
         ledger, cards, _ = self.node_cards(node_obj, inventory, own, self._cache.pods_on(node))
-        recorded = []
+        recorded: list[_Bind] = []
+        text = ""
         for request in pending:
             try:
-                request.placed = self._place(request, node, node_obj, inventory, ledger, cards)
+                placed = self._place(request, node, node_obj, inventory, ledger, cards)
             except BindError as exc:
                 request.error = exc
                 if (entry := ledger.get(request.uid)) is not None:  # what it held stays held
                     cards = taking(cards, entry.held)
                 continue
-            held = held_units(request.placed.allocation, parse_pod_request(request.pod))
-            cards = taking(cards, held)
+            held = held_units(placed.allocation, parse_pod_request(request.pod))
             meta = request.pod["metadata"]
-            entry = PendingBind(f"{meta['namespace']}/{meta['name']}", held, time.time())
-            if len(format_pending_binds({**ledger, request.uid: entry})) > LEDGER_BYTES:
+            grown = {**ledger, request.uid: PendingBind(f"{meta['namespace']}/{meta['name']}", held, time.time())}
+            grown_text = format_pending_binds(grown)
+            if len(grown_text) > LEDGER_BYTES:
                 BIND_FAILURES.labels(reason="ledger-full").inc()
-                request.placed, request.error = (
-                    None,
-                    BindError(
-                        f"bind {request.where}: node {node} annotation {NODE_ANN_PENDING_BINDS} would take more than "
-                        f"the {LEDGER_BYTES} bytes allowed with {len(ledger) + 1} entries"
-                    ),
+                request.error = BindError(
+                    f"bind {request.where}: node {node} annotation {NODE_ANN_PENDING_BINDS} would take "
+                    f"{len(grown_text)} bytes with {len(grown)} entries, more than the {LEDGER_BYTES} allowed"
                 )
                 continue
-            ledger = {**ledger, request.uid: entry}
+            ledger, text, cards = grown, grown_text, taking(cards, held)
+            request.placed = placed
             self._cache.assume(request.uid, node, held)
             recorded.append(request)
         if not recorded:
             return True
-        if self._swap(node, node_obj, ledger, recorded):
+        if self._swap(node, node_obj, text, recorded):
             return True
-        for request in recorded:
-            self._cache.forget(request.uid)
-            request.placed = None
+        self._take_back(recorded)
         return False
 
     def _place(
@@ -353,11 +357,11 @@ class Binder:
         allocation = allocation_of(assignments)
         return _Placed(allocation, pod_annotations(pod, allocation, inventory), inventory.unit)
 
-    def _swap(self, node: str, node_obj: Mapping[str, Any], ledger: Ledger, recorded: list[_Bind]) -> bool:
-        """Step 3 of the module doc: ``ledger`` (with the entries of ``recorded``) on the node, if it is
-        still as ``node_obj``; False when it changed. Any other failure refuses the binds."""
+    def _swap(self, node: str, node_obj: Mapping[str, Any], ledger_text: str, recorded: list[_Bind]) -> bool:
+        """Step 3 of the module doc: ``ledger_text`` (the ledger with the entries of ``recorded``) on the
+        node, if it is still as ``node_obj``; False when it changed. Any other failure refuses the binds."""
         sequence = int(annotations_of(node_obj).get(NODE_ANN_BIND_SEQUENCE) or 0) + 1
-        annotations = {NODE_ANN_BIND_SEQUENCE: str(sequence), NODE_ANN_PENDING_BINDS: format_pending_binds(ledger)}
+        annotations = {NODE_ANN_BIND_SEQUENCE: str(sequence), NODE_ANN_PENDING_BINDS: ledger_text}
         try:
             written = patch_node(
                 self._api,
@@ -369,10 +373,9 @@ class Binder:
             log.info("bind of %d pod(s) onto node %s: the node changed meanwhile; placing again", len(recorded), node)
             return False
         except KubeError as exc:
-            for request in recorded:
-                self._cache.forget(request.uid)
+            self._take_back(recorded)
             failure = f"recording the bind on the node failed, assignment taken back: {exc}"
-            _refuse(recorded, "api", lambda r: f"bind {r.where}: {failure}", replace=True)
+            _refuse(recorded, "api", lambda r: f"bind {r.where}: {failure}")
             return True
         self._cache.note_node(written)  # the next bind onto the node starts from this version
         return True
