@@ -38,7 +38,6 @@ import contextlib
 import json
 import logging
 import os
-import ssl
 import statistics
 import sys
 import threading
@@ -69,6 +68,7 @@ from gpushare.sandbox.realcluster import (
     RealCluster,
     _get,
     free_port,
+    loopback_get,
     render_scheduler_config,
     scheduler_argv,
     wait_for,
@@ -198,30 +198,24 @@ def cpu_seconds(pid: int) -> float:
 def pprof_cpu(server: str, token: str, out: Path, seconds: int) -> None:
     """A Kubernetes component's CPU profile over the next ``seconds`` (its /debug/pprof, on by default),
     for ``go tool pprof -top``."""
-    request = urllib.request.Request(
-        f"{server}/debug/pprof/profile?seconds={seconds}", headers={"Authorization": f"Bearer {token}"} if token else {}
-    )
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE  # the API server's self-signed certificate, on loopback
-    with urllib.request.urlopen(request, timeout=seconds + 30, context=context) as reply:
+    with loopback_get(f"{server}/debug/pprof/profile?seconds={seconds}", token, seconds + 30) as reply:
         out.write_bytes(reply.read())
 
 
-def audited_calls(log: Path, offset: int) -> tuple[Counter[str], int]:
-    """Requests of :data:`CALLERS` the audit log has after ``offset``, as ``"user verb resource"``; and
-    the log's end."""
+def audited_calls(log: Path, offset: int) -> Counter[str]:
+    """Requests but watches of :data:`CALLERS` the audit log has after ``offset``, as ``"user verb resource"``."""
     calls: Counter[str] = Counter()
     with log.open("rb") as lines:
         lines.seek(offset)
         for line in lines:
             event = json.loads(line)
             user = event.get("user", {}).get("username")
-            if user in CALLERS and event.get("stage") == "ResponseComplete":
+            # not the watches each client keeps open
+            if user in CALLERS and event.get("stage") == "ResponseComplete" and event["verb"] != "watch":
                 ref = event.get("objectRef") or {}
                 resource = "/".join(filter(None, (ref.get("resource"), ref.get("subresource"))))
                 calls[f"{user} {event['verb']} {resource}"] += 1
-        return calls, lines.tell()
+    return calls
 
 
 def run_once(
@@ -271,6 +265,8 @@ def run_once(
                 0.2,
             )
             cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in measured.items()}
+            for profile in profiles:  # before kube-scheduler stops: it serves its own profile
+                profile.result()
         finally:
             scheduler.stop()
             watch.stop()
@@ -278,9 +274,7 @@ def run_once(
         f"  CPU ms per pod: {'; '.join(f'{name} {1000 * s / args.pods:.2f}' for name, s in cpu.items() if s)}",
         flush=True,
     )
-    for profile in profiles:
-        profile.result()
-    calls = audited_calls(cluster.audit_log, offset)[0] if args.calls else Counter()
+    calls = audited_calls(cluster.audit_log, offset) if args.calls else Counter()
     if extender is not None:
         spent = []
         for verb, (count, seconds) in sorted(extender.verb_seconds().items()):
@@ -288,7 +282,6 @@ def run_once(
             if count > count0:
                 spent.append(f"{verb} {1000 * (seconds - seconds0) / (count - count0):.2f} ms x{count - count0:.0f}")
         print(f"  extender, mean time per call: {'; '.join(spent)}", flush=True)
-    if extender is not None:
         placed = [p for p in core.list_namespaced_pod(NAMESPACE, label_selector=f"{RUN_LABEL}={run}").items
                   if ANN_ALLOCATION in (p.metadata.annotations or {})]  # fmt: skip
         if len(placed) != args.pods:
@@ -321,8 +314,7 @@ def report_calls(calls: dict[str, Counter[str]], pods: int) -> None:
         total = sum(calls[setup].values())
         print(f"  {setup}: {total / pods:.2f}")
         for key, n in sorted(calls[setup].items(), key=lambda kv: -kv[1]):
-            if n / pods >= 0.005:  # not the watches each client keeps open
-                print(f"    {n / pods:6.2f}  {key}")
+            print(f"    {n / pods:6.2f}  {key}")
 
 
 def measure(

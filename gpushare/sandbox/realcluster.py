@@ -371,14 +371,20 @@ def scheduler_argv(config: Path, port: int, open_paths: Sequence[str] = ()) -> l
     return argv
 
 
-def _get(url: str, token: str = "", timeout: float = 1.0) -> int:
-    """HTTP(S) status of a GET, 0 when nothing answers; certificates are not checked (loopback, self-signed)."""
+def loopback_get(url: str, token: str = "", timeout: float = 1.0) -> Any:
+    """The open reply to a GET of a component on loopback, with ``token`` as its bearer token when
+    given; certificates are not checked (loopback, self-signed)."""
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    return urllib.request.urlopen(request, timeout=timeout, context=context)
+
+
+def _get(url: str, token: str = "", timeout: float = 1.0) -> int:
+    """HTTP(S) status of a GET (:func:`loopback_get`), 0 when nothing answers."""
     try:
-        with urllib.request.urlopen(request, timeout=timeout, context=context) as reply:
+        with loopback_get(url, token, timeout) as reply:
             return reply.status
     except urllib.error.HTTPError as exc:
         return exc.code
