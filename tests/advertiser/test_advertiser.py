@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
 from gpushare.advertiser.agent import Advertiser
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.cli import main
 from gpushare.contract.inventory import NodeInventory, parse_inventory

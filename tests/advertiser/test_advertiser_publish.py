@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from conftest import wait_until
 from gpushare.advertiser.agent import Advertiser
 from gpushare.advertiser.publish import node_patch
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.contract.inventory import NodeInventory, format_inventory, parse_inventory
 from gpushare.contract.names import NODE_ANN_INVENTORY, NODE_LABEL_MODEL

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
+from support.waiting import wait_until
 
 from gpushare.kube.errors import KubeCacheBehind, KubeUnavailable
 from gpushare.kube.events import EventRecorder

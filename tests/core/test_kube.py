@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import wait_until
 from kubernetes import client
 from kubernetes.config import kube_config
+from support.waiting import wait_until
 
 from gpushare.contract.names import ANN_ALLOCATION
 from gpushare.kube import errors, events, objects, retry, transport, watch

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from support.waiting import wait_until
 
 from gpushare.observability import LIMITS, serve_http
 from gpushare.sandbox.realcluster import free_port

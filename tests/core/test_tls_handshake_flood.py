@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from support.waiting import wait_until
 from tlscerts import Certs, make_certs
 
 from gpushare.tlshttp import DEFAULT_LIMITS, HttpServer, Limits, Reply, ServerTLS

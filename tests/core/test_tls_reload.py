@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from support.waiting import wait_until
 from tlscerts import Certs, Pair, make_certs, server_pair_valid
 
 from gpushare.tlshttp import HttpServer, Reply, ServerTLS

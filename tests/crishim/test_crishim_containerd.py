@@ -22,7 +22,6 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import wait_until
 from gpushare.crishim.frames import (
     DATA,
     END_HEADERS,
@@ -44,6 +43,7 @@ from gpushare.crishim.server import EVENT_CORRECTED
 from gpushare.crishim.wiring import RunningShim, ShimSettings, start_cri_shim
 from hpack import Encoder
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.contract.allocation import CardSlice, format_allocation
 from gpushare.contract.env import assigned_env

@@ -14,7 +14,6 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import wait_until
 from gpushare.deviceplugin import plugin as plugin_module
 from gpushare.deviceplugin import wiring as deviceplugin_wiring
 from gpushare.deviceplugin.devices import card_of_device
@@ -22,6 +21,7 @@ from gpushare.deviceplugin.plugin import SOCKETS
 from gpushare.deviceplugin.wiring import RunningPlugin, start_device_plugin
 from kubernetes import client
 from podfactory import container, gpu_pod, slices
+from support.waiting import wait_until
 
 from gpushare.contract.allocation import CardSlice, parse_assigned_containers
 from gpushare.contract.names import (

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_until
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.contract.allocation import CardSlice
 from gpushare.contract.env import assigned_env

@@ -17,13 +17,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
-from conftest import host_scores, readiness, wait_until
 from gpushare.advertiser.agent import Advertiser
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.wiring import RunningExtender, start_extender
 from kubernetes import client
 from podfactory import container, gpu_pod
+from support.extender import NODES, Cluster, host_scores, pod_events
 from support.original import original_inspect_usage, original_node
+from support.waiting import readiness, wait_until
 
 from gpushare.cards import Card
 from gpushare.contract.aliyun import format_framework_allocation
@@ -50,62 +51,6 @@ from gpushare.inventory import SimulatedBackend
 from gpushare.kube.objects import get_pod, list_nodes
 from gpushare.sandbox import apiserver as standin
 from gpushare.usage import held_units, node_usage, pod_allocation
-
-NODES = {"n1": "2xA100-80GB:81920,1xT4:15360", "n2": "1xA10:24576"}
-
-
-class Cluster:
-    def __init__(self, api: client.ApiClient, core: client.CoreV1Api, policy: str = "binpack") -> None:
-        self.api, self.core = api, core
-        self.backends = {}
-        for name, spec in NODES.items():
-            core.create_node({"metadata": {"name": name}})
-            self.backends[name] = SimulatedBackend(name, spec)
-            Advertiser(api, name, self.backends[name], GIB).publish_once()
-        self.extender: RunningExtender = start_extender(api, 0, policy, host="127.0.0.1")
-        assert self.extender.cache.wait_synced(5)
-        wait_until(lambda: all(self.extender.cache.view(n) for n in NODES), what="the inventories in the cache")
-        self.url = f"http://127.0.0.1:{self.extender.server.port}"
-
-    @classmethod
-    def beside(cls, cluster: Cluster, extender: RunningExtender) -> Cluster:
-        """The same cluster through another extender replica."""
-        other = cls.__new__(cls)
-        other.api, other.core, other.backends, other.extender = cluster.api, cluster.core, cluster.backends, extender
-        other.url = f"http://127.0.0.1:{extender.server.port}"
-        return other
-
-    def post(self, verb: str, body: Any, raw: bytes | None = None) -> Any:
-        data = raw if raw is not None else json.dumps(body).encode()
-        request = urllib.request.Request(f"{self.url}/{verb}", data=data, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return json.loads(reply.read())
-
-    def pod(self, pod: dict) -> dict:
-        """Create ``pod`` unbound and return it as the scheduler would send it (a full v1.Pod)."""
-        pod = {**pod, "spec": {k: v for k, v in pod["spec"].items() if k != "nodeName"}}
-        created = self.core.create_namespaced_pod("default", pod)
-        return self.api.sanitize_for_serialization(created)
-
-    def filter(self, pod: dict, names=tuple(NODES)) -> dict:
-        return self.post("filter", {"Pod": pod, "NodeNames": list(names)})
-
-    def bind(self, pod: dict, node: str) -> dict:
-        meta = pod["metadata"]
-        return self.post(
-            "bind", {"PodName": meta["name"], "PodNamespace": "default", "PodUID": meta["uid"], "Node": node}
-        )
-
-    def allocation(self, name: str) -> dict:
-        ann = self.core.read_namespaced_pod(name, "default").metadata.annotations or {}
-        return parse_allocation(ann[ANN_ALLOCATION]) if ANN_ALLOCATION in ann else {}
-
-
-@pytest.fixture
-def cluster(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> Iterator[Cluster]:
-    cl = Cluster(kube_api, core_v1)
-    yield cl
-    cl.extender.stop()
 
 
 def test_filter_node_names_mode_with_reasons(cluster: Cluster) -> None:
@@ -197,13 +142,6 @@ def test_a_bind_records_which_cards_the_pod_got_in_an_event(cluster: Cluster) ->
 
     wait_until(events, what="the pod's event")
     assert events() == [("GPUAssigned", "node n2: main: card 0 (6 GiB)")]
-
-
-def pod_events(cluster: Cluster, pod: dict) -> list[tuple[str, str]]:
-    """(reason, message) of the Events on ``pod``, oldest first."""
-    listed = cluster.core.list_namespaced_event("default").items
-    mine = [e for e in listed if e.involved_object.uid == pod["metadata"]["uid"]]
-    return [(e.reason, e.message) for e in sorted(mine, key=lambda e: e.last_timestamp)]
 
 
 @pytest.mark.parametrize(

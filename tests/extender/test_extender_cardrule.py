@@ -3,22 +3,12 @@ require NVLink / one NUMA node (n1: two NVLinked A100-80GB on NUMA 0 and a T4 on
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from conftest import host_scores, wait_until
-from kubernetes import client
 from podfactory import container, gpu_pod
-from test_extender import Cluster
+from support.extender import Cluster, host_scores
+from support.waiting import wait_until
 
 from gpushare.contract.names import ANN_GPU_MODEL, ANN_GPU_MODEL_AVOID, ANN_REQUIRE_NVLINK, ANN_REQUIRE_SAME_NUMA
-
-
-@pytest.fixture
-def cluster(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> Iterator[Cluster]:
-    cl = Cluster(kube_api, core_v1)  # binpack: a small pod would go to the fullest card that fits
-    yield cl
-    cl.extender.stop()
 
 
 def ruled(name: str, containers: list[dict], **annotations: str) -> dict:

@@ -3,28 +3,18 @@ n2 one A10 (24 GiB)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from conftest import wait_until
 from gpushare.extender import gang as gang_module
 from gpushare.extender.wiring import start_extender
-from kubernetes import client
 from podfactory import container, gpu_pod
-from test_extender import NODES, Cluster, pod_events
+from support.extender import NODES, Cluster, pod_events
+from support.waiting import wait_until
 
 from gpushare.contract.cardrule import card_rule_annotations
 from gpushare.contract.gang import format_gang, parse_gang
 from gpushare.contract.names import ANN_GANG_HOLD, ANN_GANG_RETRY, ANN_RETRY, NODE_ANN_PENDING_BINDS
 from gpushare.contract.pending import parse_pending_binds
 from gpushare.placement import ANY_CARD, CardRule
-
-
-@pytest.fixture
-def cluster(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> Iterator[Cluster]:
-    cl = Cluster(kube_api, core_v1)
-    yield cl
-    cl.extender.stop()
 
 
 def member(

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 from podfactory import container, gpu_pod
-from test_extender import Cluster
+from support.extender import Cluster
 
 from gpushare.contract.aliyun import parse_assume_time
 from gpushare.contract.errors import ContractError

@@ -9,12 +9,12 @@ import random
 import threading
 
 import pytest
-from conftest import wait_until
 from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.matrix import CostMemo, NodeMatrix
 from gpushare.extender.wire import NodeNames
 from podfactory import container, gpu_pod
+from support.waiting import wait_until
 
 from gpushare import placement
 from gpushare.cards import Card

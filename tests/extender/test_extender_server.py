@@ -9,26 +9,18 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
 from gpushare.extender.wiring import Serving, start_extender
 from kubernetes import client
 from podfactory import container, gpu_pod
-from test_extender import NODES, Cluster
+from support.extender import NODES, Cluster
+from support.waiting import wait_until
 from tlscerts import Certs, make_certs
 
 from gpushare.settings import UsageError
 from gpushare.tlshttp import Limits, ServerTLS
-
-
-@pytest.fixture
-def cluster(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> Iterator[Cluster]:
-    cl = Cluster(kube_api, core_v1)
-    yield cl
-    cl.extender.stop()
 
 
 @pytest.fixture

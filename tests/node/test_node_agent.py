@@ -10,8 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from conftest import wait_until
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.kube.objects import get_node

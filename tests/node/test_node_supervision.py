@@ -8,12 +8,12 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import readiness, wait_until
 from gpushare.deviceplugin import plugin as plugin_module
 from gpushare.deviceplugin.plugin import SOCKETS, DevicePlugin
 from gpushare.deviceplugin.wiring import start_device_plugin
 from kubernetes import client
 from podfactory import container, gpu_pod
+from support.waiting import readiness, wait_until
 
 from gpushare.contract.names import ENV_VISIBLE_DEVICES, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import wait_until
 from gpushare.advertiser.agent import Advertiser
 from gpushare.deviceplugin.devices import card_of_device, device_id
 from gpushare.deviceplugin.plugin import SOCKETS
@@ -23,6 +22,7 @@ from gpushare.deviceplugin.wiring import RunningPlugin, start_device_plugin
 from kubernetes import client
 from podfactory import container, gpu_pod
 from support.nvml import described_cards, fake_machine, nvml_backend
+from support.waiting import wait_until
 
 from gpushare.contract.inventory import NodeInventory, parse_inventory
 from gpushare.contract.names import (

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import host_scores
 from gpushare.extender.cache import ClusterCache, host_request
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.verbs import host_prioritize_result, prioritize_result
 from gpushare.extender.wire import Raw
 from podfactory import container, gpu_pod
+from support.extender import host_scores
 
 from gpushare.cards import Card
 from gpushare.contract.allocation import CardSlice

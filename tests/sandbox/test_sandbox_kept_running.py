@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
 from support.sandboxrun import SandboxRun
+from support.waiting import wait_until
 
 from gpushare.kube.objects import list_pods
 from gpushare.kube.transport import load_api

@@ -1,10 +1,10 @@
 """The sandbox's kube-scheduler stand-in: node choice and the unschedulable message; and what a user
 sees for the too-big example."""
 
-from conftest import wait_until
 from gpushare.advertiser.agent import Advertiser
 from gpushare.extender.wiring import start_extender
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.contract.names import RESOURCE_MEM
 from gpushare.contract.request import parse_pod_request
