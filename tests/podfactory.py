@@ -20,13 +20,15 @@ from gpushare.contract.names import (
 _assume = itertools.count(1_700_000_000_000_000_000, 1_000)
 
 
-def container(name: str, mem: int = 0, count: int = 0, env: dict[str, str] | None = None) -> dict[str, Any]:
+def container(
+    name: str, mem: int = 0, count: int = 0, env: dict[str, str] | None = None, image: str = "busybox"
+) -> dict[str, Any]:
     limits = {}
     if mem:
         limits[RESOURCE_MEM] = str(mem)
     if count:
         limits[RESOURCE_COUNT] = str(count)
-    spec: dict[str, Any] = {"name": name, "image": "busybox", "resources": {"limits": limits}}
+    spec: dict[str, Any] = {"name": name, "image": image, "resources": {"limits": limits}}
     if env:
         spec["env"] = [{"name": k, "value": v} for k, v in env.items()]
     return spec

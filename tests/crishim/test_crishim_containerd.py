@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import podfactory
 import pytest
 from gpushare.crishim.frames import (
     DATA,
@@ -50,22 +51,19 @@ from gpushare.contract.env import assigned_env
 from gpushare.contract.names import (
     ANN_ALLOCATION,
     CRI_LABEL_CONTAINER_NAME,
-    CRI_LABEL_POD_NAME,
-    CRI_LABEL_POD_NAMESPACE,
-    CRI_LABEL_POD_UID,
     CTR_ANN_CARDS,
     CTR_ANN_CONTAINER,
     CTR_ANN_POD,
     CTR_ANN_POD_UID,
     ENV_MEM_IDX,
     ENV_VISIBLE_DEVICES,
-    RESOURCE_MEM,
     VISIBLE_DEVICES_VOID,
 )
 from gpushare.contract.units import GIB
 from gpushare.inventory import SimulatedBackend
 from gpushare.pb import cri_pb2 as pb
 from gpushare.pb import cri_pb2_grpc as pb_grpc
+from gpushare.sandbox import cri_kubelet
 from gpushare.sandbox.containerd import TEST_IMAGE, Containerd, containerd_available, running_containerd
 from gpushare.settings import NodeSettings
 
@@ -153,13 +151,8 @@ def shim(containerd: Containerd, direct: Cri, start_shim: ShimFactory) -> Iterat
 
 
 def sandbox_config(pod: str, uid: str, annotations: dict[str, str] | None = None) -> pb.PodSandboxConfig:
-    return pb.PodSandboxConfig(
-        metadata=pb.PodSandboxMetadata(name=pod, namespace="default", uid=uid),
-        labels={CRI_LABEL_POD_NAME: pod, CRI_LABEL_POD_NAMESPACE: "default", CRI_LABEL_POD_UID: uid},
-        annotations=annotations or {},
-        linux=pb.LinuxPodSandboxConfig(
-            security_context=pb.LinuxSandboxSecurityContext(namespace_options=pb.NamespaceOption(network=pb.NODE))
-        ),
+    return cri_kubelet.sandbox_config(
+        {"metadata": {"name": pod, "namespace": "default", "uid": uid, "annotations": annotations}}
     )
 
 
@@ -207,17 +200,9 @@ def slice_of(index: int, units: int = 20) -> CardSlice:
 
 
 def api_pod(name: str, allocation: dict[str, tuple[CardSlice, ...]]) -> dict[str, Any]:
-    return {
-        "metadata": {
-            "name": name,
-            "namespace": "default",
-            "annotations": {ANN_ALLOCATION: format_allocation(allocation)},
-        },
-        "spec": {
-            "nodeName": NODE,
-            "containers": [{"name": "worker", "image": TEST_IMAGE, "resources": {"limits": {RESOURCE_MEM: "20"}}}],
-        },
-    }
+    worker = podfactory.container("worker", 20, image=TEST_IMAGE)
+    annotations = {ANN_ALLOCATION: format_allocation(allocation)}
+    return podfactory.gpu_pod(name, [worker], node=NODE, extra_annotations=annotations)
 
 
 def counter(metric: Any, reason: str) -> float:

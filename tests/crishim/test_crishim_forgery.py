@@ -7,7 +7,7 @@ from typing import Any
 
 from gpushare.crishim.resolve import CachedPods, Resolver, Target
 from gpushare.crishim.rewrite import RewriteOptions, rewrite
-from test_crishim_rewrite import (
+from support.crishim import (
     A0,
     A1,
     CARDS,

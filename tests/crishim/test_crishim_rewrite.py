@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
 
 import grpc
 import pytest
@@ -20,10 +18,25 @@ from gpushare.crishim.resolve import (
 from gpushare.crishim.rewrite import RewriteOptions, rewrite
 from gpushare.crishim.server import CreateContainerGuard
 from gpushare.crishim.splice import Forward, Refuse
+from support.crishim import (
+    A0,
+    A1,
+    CARDS,
+    POD,
+    T4,
+    UNITS,
+    FakePods,
+    allocation_of,
+    env_of,
+    plain_config,
+    plugin_config,
+    pod_dict,
+    request_for,
+    slice_of,
+)
 
 from gpushare.assignment import Refusal
-from gpushare.contract.allocation import CardSlice, format_allocation
-from gpushare.contract.env import assigned_env
+from gpushare.contract.allocation import CardSlice
 from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_GPU_MODEL,
@@ -31,7 +44,6 @@ from gpushare.contract.names import (
     CDI_KIND,
     CRI_LABEL_CONTAINER_NAME,
     CTR_ANN_CARDS,
-    CTR_ANN_CONTAINER,
     CTR_ANN_POD,
     CTR_ANN_POD_UID,
     DEV_CONTROL_FILES,
@@ -40,58 +52,14 @@ from gpushare.contract.names import (
     ENV_MEM_IDX,
     ENV_MEM_POD,
     ENV_VISIBLE_DEVICES,
-    RESOURCE_MEM,
     VISIBLE_DEVICES_VOID,
     cdi_device_name,
     device_file,
 )
-from gpushare.contract.pending import Ledger
 from gpushare.contract.units import GIB
-from gpushare.inventory import simulated_cards
-from gpushare.kube.errors import KubeUnavailable
 from gpushare.pb import cri_pb2
 
-CARDS = simulated_cards("node-a", "2xA100-80GB:81920,1xT4:15360")
-A0, A1, T4 = CARDS
-UNITS = {c.uuid: GIB.units_of(c.memory_mib) for c in CARDS}
-POD = Target(namespace="default", pod="train", uid="uid-train", container="worker")
 OTHER = Target(namespace="default", pod="infer", uid="uid-infer", container="worker")
-
-
-def slice_of(card: Any, units: int = 20) -> CardSlice:
-    return CardSlice(index=card.index, uuid=card.uuid, units=units)
-
-
-def plugin_config(target: Target, slices: Sequence[CardSlice], pod_mem: int = 20) -> cri_pb2.ContainerConfig:
-    """A ContainerConfig as kubelet builds it from a device plugin answer meant for ``target``."""
-    env = assigned_env(tuple(slices), pod_mem, UNITS)
-    return cri_pb2.ContainerConfig(
-        metadata=cri_pb2.ContainerMetadata(name=target.container),
-        image=cri_pb2.ImageSpec(image="busybox"),
-        envs=[cri_pb2.KeyValue(key="PATH", value="/bin"), *(cri_pb2.KeyValue(key=k, value=v) for k, v in env.items())],
-        annotations={
-            CTR_ANN_POD_UID: target.uid,
-            CTR_ANN_POD: target.pod_key,
-            CTR_ANN_CONTAINER: target.container,
-            CTR_ANN_CARDS: ",".join(s.uuid for s in slices),
-        },
-        devices=[
-            cri_pb2.Device(
-                container_path=device_file(CARDS[s.index].minor),
-                host_path=device_file(CARDS[s.index].minor),
-                permissions="rw",
-            )
-            for s in slices
-        ],
-        CDI_devices=[cri_pb2.CDIDevice(name=cdi_device_name(s.uuid)) for s in slices],
-    )
-
-
-def env_of(config: cri_pb2.ContainerConfig) -> dict[str, list[str]]:
-    env: dict[str, list[str]] = {}
-    for kv in config.envs:
-        env.setdefault(kv.key, []).append(kv.value)
-    return env
 
 
 def gpu(target: Target, *slices: CardSlice, pod_mem: int = 20) -> Resolution:
@@ -178,12 +146,6 @@ def test_card_index_disagreeing_with_the_node_is_refused() -> None:
 # --- containers that request no GPU ---------------------------------------------------------------------
 
 
-def plain_config(*env: tuple[str, str]) -> cri_pb2.ContainerConfig:
-    return cri_pb2.ContainerConfig(
-        metadata=cri_pb2.ContainerMetadata(name="sidecar"), envs=[cri_pb2.KeyValue(key=k, value=v) for k, v in env]
-    )
-
-
 NO_GPU = Resolution(target=POD, wants_gpu=False)
 
 
@@ -211,23 +173,6 @@ def test_refusal_from_resolution_is_passed_on() -> None:
 
 
 # --- reading the assignment from the sandbox annotations ---------------------------------------------------
-
-
-def request_for(
-    target: Target, annotations: Mapping[str, str], config: cri_pb2.ContainerConfig
-) -> cri_pb2.CreateContainerRequest:
-    return cri_pb2.CreateContainerRequest(
-        pod_sandbox_id="sb",
-        config=config,
-        sandbox_config=cri_pb2.PodSandboxConfig(
-            metadata=cri_pb2.PodSandboxMetadata(name=target.pod, namespace=target.namespace, uid=target.uid),
-            annotations=dict(annotations),
-        ),
-    )
-
-
-def allocation_of(**containers: tuple[CardSlice, ...]) -> dict[str, str]:
-    return {ANN_ALLOCATION: format_allocation(containers)}
 
 
 def test_target_falls_back_to_labels() -> None:
@@ -269,43 +214,6 @@ def test_unusable_annotations_leave_it_open(annotations: dict[str, str]) -> None
 
 
 # --- the resolver with the API fallback --------------------------------------------------------------------
-
-
-class FakePods:
-    def __init__(self, pods: list[dict[str, Any]], fail: bool = False, synced: bool = True) -> None:
-        self.pods = pods
-        self.fail = fail
-        self.synced = synced
-        self.asked: list[tuple[str, str]] = []
-        #: the node's ledger
-        self.recorded: Ledger = {}
-
-    def pod(self, namespace: str, name: str, uid: str) -> Mapping[str, Any] | None:
-        self.asked.append((namespace, name))
-        if self.fail:
-            raise KubeUnavailable(f"pod {namespace}/{name}: API server unreachable")
-        return next((p for p in self.pods if p["metadata"]["name"] == name and p["metadata"]["uid"] == uid), None)
-
-    def node_pods(self) -> Sequence[Mapping[str, Any]] | None:
-        return self.pods if self.synced else None
-
-    def ledger(self) -> Ledger:
-        return self.recorded
-
-
-def pod_dict(name: str, uid: str, allocation: dict[str, tuple[CardSlice, ...]] | None, mem: int = 20) -> dict[str, Any]:
-    annotations = {ANN_ALLOCATION: format_allocation(allocation)} if allocation else {}
-    return {
-        "metadata": {"name": name, "namespace": "default", "uid": uid, "annotations": annotations},
-        "spec": {
-            "nodeName": "node-a",
-            "containers": [
-                {"name": "worker", "resources": {"limits": {RESOURCE_MEM: str(mem)}}},
-                {"name": "sidecar"},
-            ],
-        },
-        "status": {"phase": "Running"},
-    }
 
 
 def test_without_api_a_served_container_lacking_annotations_is_refused() -> None:
