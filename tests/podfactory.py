@@ -51,10 +51,13 @@ def gpu_pod(
     uid: str | None = None,
     created: str | None = None,
     phase: str | None = None,
+    namespace: str | None = "default",
+    labels: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A pod as the extender binds it: our allocation and/or the original keys, ASSIGNED=false.
 
-    ``uid``, ``created`` and ``phase`` stand in for what the API server fills in, for pure tests.
+    ``uid``, ``created`` and ``phase`` stand in for what the API server fills in, for pure tests;
+    ``namespace=None`` leaves the namespace to the request that creates the pod.
     """
     annotations: dict[str, str] = {}
     if allocation is not None or original_index is not None:
@@ -72,7 +75,11 @@ def gpu_pod(
         spec["initContainers"] = list(init)
     if node:
         spec["nodeName"] = node
-    meta: dict[str, Any] = {"name": name, "namespace": "default", "annotations": annotations}
+    meta: dict[str, Any] = {"name": name, "annotations": annotations}
+    if namespace is not None:
+        meta["namespace"] = namespace
+    if labels is not None:
+        meta["labels"] = labels
     if uid is not None:
         meta["uid"] = uid
     if created is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
+from podfactory import container, gpu_pod
 from support.waiting import wait_until
 
 from gpushare.kube.errors import KubeCacheBehind, KubeUnavailable
@@ -81,10 +82,7 @@ def core_v1(request: pytest.FixtureRequest) -> client.CoreV1Api:
 
 
 def make_pod(name: str, node: str | None = None, labels: dict[str, str] | None = None) -> dict:
-    spec: dict = {"containers": [{"name": "c", "image": "busybox"}]}
-    if node:
-        spec["nodeName"] = node
-    return {"metadata": {"name": name, "labels": labels or {}}, "spec": spec}
+    return gpu_pod(name, [container("c")], node=node, namespace=None, labels=labels or {})
 
 
 def status_of(err: ApiException) -> dict:

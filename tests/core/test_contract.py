@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from podfactory import gpu_pod
 
 from gpushare.cards import Card
 from gpushare.contract.aliyun import format_assume_time, parse_assume_time, parse_card_index
@@ -38,10 +39,8 @@ def pod(containers, init=(), annotations=None, name="p", uid="u1"):
             limits[RESOURCE_COUNT] = count
         return {"name": name, "resources": {"limits": limits}}
 
-    return {
-        "metadata": {"name": name, "namespace": "ns", "uid": uid, "annotations": annotations or {}},
-        "spec": {"containers": [ctr(*x) for x in containers], "initContainers": [ctr(*x) for x in init]},
-    }
+    specs, init_specs = [ctr(*x) for x in containers], [ctr(*x) for x in init]
+    return gpu_pod(name, specs, init=init_specs, node=None, namespace="ns", uid=uid, extra_annotations=annotations)
 
 
 def test_request_semantics_mem_count_and_both() -> None:

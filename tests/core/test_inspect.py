@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from podfactory import gpu_pod
 
 from gpushare.cli import main
 from gpushare.contract import names
@@ -44,14 +45,10 @@ def pod(
     annotations: dict | None = None,
     phase: str = "Pending",
 ) -> dict:
-    return {
-        "metadata": {"name": name, "namespace": "team", "uid": f"uid-{name}", "annotations": annotations or {}},
-        "spec": {
-            **({"nodeName": node_name} if node_name else {}),
-            "containers": [{"name": n, "resources": {"limits": limits}} for n, limits in containers.items()],
-        },
-        "status": {"phase": phase},
-    }
+    specs = [{"name": n, "resources": {"limits": limits}} for n, limits in containers.items()]
+    return gpu_pod(
+        name, specs, node=node_name, namespace="team", uid=f"uid-{name}", phase=phase, extra_annotations=annotations
+    )
 
 
 def mem(units: int, count: int | None = None) -> dict[str, str]:

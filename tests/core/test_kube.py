@@ -16,6 +16,7 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.config import kube_config
+from podfactory import container, gpu_pod
 from support.waiting import wait_until
 
 from gpushare.contract.names import ANN_ALLOCATION
@@ -28,10 +29,7 @@ FAST = retry.Backoff(initial=0.02, maximum=0.1)
 
 
 def pod(name: str, node: str | None = None, labels: dict[str, str] | None = None) -> dict:
-    spec: dict = {"containers": [{"name": "c", "image": "b"}]}
-    if node:
-        spec["nodeName"] = node
-    return {"metadata": {"name": name, "labels": labels or {}}, "spec": spec}
+    return gpu_pod(name, [container("c")], node=node, namespace=None, labels=labels or {})
 
 
 @pytest.fixture

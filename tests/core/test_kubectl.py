@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client
+from podfactory import container, gpu_pod
 
 from gpushare.kube.events import EventRecorder
 from gpushare.sandbox import binaries
@@ -35,7 +36,7 @@ def kubectl(kubeconfig: Path, tmp_path: Path):
 
 
 def pod(name: str, node: str) -> dict:
-    return {"metadata": {"name": name}, "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]}}
+    return gpu_pod(name, [container("c")], node=node, namespace=None)
 
 
 def test_discovery_and_listing(kubectl, core_v1: client.CoreV1Api) -> None:

@@ -1,6 +1,7 @@
 """Per-card usage from pod annotations: what every component uses to refuse over-commitment."""
 
 import pytest
+from podfactory import gpu_pod
 
 from gpushare.contract.allocation import CardSlice, format_allocation
 from gpushare.contract.errors import OverClaimError
@@ -18,14 +19,11 @@ INVENTORY = NodeInventory(GIB, CARDS)
 
 
 def pod(name, mem, annotations, phase="Pending", count=None):
-    limits = {RESOURCE_MEM: str(mem)}
-    if count:
-        limits[RESOURCE_COUNT] = str(count)
-    return {
-        "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "annotations": annotations},
-        "spec": {"nodeName": "n1", "containers": [{"name": "main", "resources": {"limits": limits}}]},
-        "status": {"phase": phase},
+    main = {
+        "name": "main",
+        "resources": {"limits": {RESOURCE_MEM: str(mem), **({RESOURCE_COUNT: str(count)} if count else {})}},
     }
+    return gpu_pod(name, [main], namespace="ns", uid=f"uid-{name}", phase=phase, extra_annotations=annotations)
 
 
 def ours(*slices):
