@@ -7,20 +7,8 @@ from typing import Any
 
 from gpushare.crishim.resolve import CachedPods, Resolver, Target
 from gpushare.crishim.rewrite import RewriteOptions, rewrite
-from support.crishim import (
-    A0,
-    A1,
-    CARDS,
-    POD,
-    FakePods,
-    allocation_of,
-    env_of,
-    plain_config,
-    plugin_config,
-    pod_dict,
-    request_for,
-    slice_of,
-)
+from support.cri import env_of, plain_config, plugin_config, request_for
+from support.crishim import A0, A1, CARDS, POD, FakePods, allocation_of, pod_dict, slice_of
 
 from gpushare.contract.names import ANN_MEM_IDX, ENV_MEM_CONTAINER, ENV_MEM_IDX, ENV_VISIBLE_DEVICES
 from gpushare.contract.pending import PendingBind

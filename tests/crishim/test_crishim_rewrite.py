@@ -18,22 +18,8 @@ from gpushare.crishim.resolve import (
 from gpushare.crishim.rewrite import RewriteOptions, rewrite
 from gpushare.crishim.server import CreateContainerGuard
 from gpushare.crishim.splice import Forward, Refuse
-from support.crishim import (
-    A0,
-    A1,
-    CARDS,
-    POD,
-    T4,
-    UNITS,
-    FakePods,
-    allocation_of,
-    env_of,
-    plain_config,
-    plugin_config,
-    pod_dict,
-    request_for,
-    slice_of,
-)
+from support.cri import env_of, plain_config, plugin_config, request_for
+from support.crishim import A0, A1, CARDS, POD, T4, UNITS, FakePods, allocation_of, pod_dict, slice_of
 
 from gpushare.assignment import Refusal
 from gpushare.contract.allocation import CardSlice

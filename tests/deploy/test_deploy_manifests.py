@@ -25,32 +25,24 @@ SCHEDULER_CONFIG_KIND = "KubeSchedulerConfiguration"
 
 MANIFESTS = sorted([*DEPLOY.glob("*.yaml"), *DEPLOY.glob("examples/*.yaml")])
 
+
+def core_grants(resource: str, *verbs: str) -> set[tuple[str, str, str]]:
+    """(API group, resource, verb) of each of ``verbs`` on a core-group ``resource``."""
+    return {("", resource, verb) for verb in verbs}
+
+
 NODE_AGENT_GRANTS = {
-    ("", "pods", "get"),
-    ("", "pods", "list"),
-    ("", "pods", "watch"),
-    ("", "pods", "patch"),
-    ("", "nodes", "get"),
-    ("", "nodes", "patch"),
-    ("", "events", "create"),
-    ("", "events", "patch"),
+    *core_grants("pods", "get", "list", "watch", "patch"),
+    *core_grants("nodes", "get", "patch"),
+    *core_grants("events", "create", "patch"),
 }
 EXTENDER_GRANTS = {
-    ("", "pods", "get"),
-    ("", "pods", "list"),
-    ("", "pods", "watch"),
-    ("", "pods", "patch"),
-    ("", "pods/binding", "create"),
-    ("", "nodes", "get"),
-    ("", "nodes", "list"),
-    ("", "nodes", "watch"),
-    ("", "nodes", "patch"),  # the bind's compare-and-swap on the node
-    ("", "events", "create"),
-    ("", "events", "patch"),
+    *core_grants("pods", "get", "list", "watch", "patch"),
+    *core_grants("pods/binding", "create"),
+    *core_grants("nodes", "get", "list", "watch", "patch"),  # patch: the bind's compare-and-swap on the node
+    *core_grants("events", "create", "patch"),
     # the original gpushare's fenced cards, only in kube-system
-    ("", "configmaps", "get"),
-    ("", "configmaps", "list"),
-    ("", "configmaps", "watch"),
+    *core_grants("configmaps", "get", "list", "watch"),
 }
 
 

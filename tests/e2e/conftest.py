@@ -252,6 +252,11 @@ def forgery_refused(tenant: client.CoreV1Api, namespace: str, marker: str) -> bo
     return False
 
 
+def wait_enforced(tenant: client.ApiClient, namespace: str, marker: str, what: str) -> None:
+    """Wait until ``tenant``'s forgeries in ``namespace`` are refused with ``marker`` in the reply."""
+    wait_until(lambda: forgery_refused(client.CoreV1Api(tenant), namespace, marker), 30, what, API_POLL)
+
+
 def denial(call: Callable[[], Any]) -> str:
     """The API server's message when ``call`` is refused for its content (403 from a webhook or a
     policy); fails the test if it succeeds."""

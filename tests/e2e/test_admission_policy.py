@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.contract.allocation import CardSlice, format_allocation, parse_allocation
 from gpushare.contract.names import ANN_ALLOCATION, ANN_GPU_MODEL, ANN_MEM_ASSIGNED, RESOURCE_MEM
 from gpushare.sandbox.realcluster import SCHEDULER_CONFIG, RealCluster
 
-from .conftest import API_POLL, TENANT_POD_RULES, denial, forgery_refused, make_tenant, pod_manifest, wait_until
+from .conftest import API_POLL, TENANT_POD_RULES, denial, make_tenant, pod_manifest, wait_enforced
 
 POLICY_FILE = SCHEDULER_CONFIG.parent / "admission-policy.yaml"
 NAMESPACE = "gpushare-e2e-policy"
@@ -48,10 +49,7 @@ def tenant(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.Core
     admission.create_validating_admission_policy(policy)
     admission.create_validating_admission_policy_binding(binding)
     try:
-        wait_until(
-            lambda: forgery_refused(client.CoreV1Api(api), NAMESPACE, "ValidatingAdmissionPolicy"),
-            30, "the API server to enforce the policy", API_POLL,
-        )  # fmt: skip
+        wait_enforced(api, NAMESPACE, "ValidatingAdmissionPolicy", "the API server to enforce the policy")
         yield client.CoreV1Api(api)
     finally:
         admission.delete_validating_admission_policy_binding(binding["metadata"]["name"])

@@ -5,19 +5,12 @@ from __future__ import annotations
 
 from gpushare.extender.verbs import REFUSAL_EVENT
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.contract.names import ANN_GPU_MODEL, ANN_REQUIRE_NVLINK, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.sandbox.realcluster import RealCluster
 
-from .conftest import (
-    API_POLL,
-    POD_TIMEOUT,
-    Pods,
-    assert_sees_assigned_cards,
-    pod_manifest,
-    scheduling_failure,
-    wait_until,
-)
+from .conftest import API_POLL, POD_TIMEOUT, Pods, assert_sees_assigned_cards, pod_manifest, scheduling_failure
 
 
 def models_of(cluster: RealCluster, node: str) -> dict[str, str]:

@@ -6,12 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.contract.names import ENV_MEM_PREFIX, ENV_VISIBLE_DEVICES, RESOURCE_MEM, VISIBLE_DEVICES_VOID
 from gpushare.sandbox.examples import load_examples
 from gpushare.sandbox.realcluster import RealCluster, as_sandbox_pod
 
-from .conftest import API_POLL, NODES, Pods, assert_sees_assigned_cards, wait_until
+from .conftest import API_POLL, NODES, Pods, assert_sees_assigned_cards
 
 RUNNING = ("multi-container", "shared-1", "shared-2", "two-cards", "a100-only", "nvlink-pair", "no-gpu-all-devices")
 

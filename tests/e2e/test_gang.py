@@ -7,12 +7,13 @@ from __future__ import annotations
 import time
 
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.contract.gang import format_gang
 from gpushare.contract.names import NODE_ANN_PENDING_BINDS, RESOURCE_MEM
 from gpushare.contract.pending import parse_pending_binds
 
-from .conftest import API_POLL, Pods, assert_sees_assigned_cards, pod_manifest, wait_until
+from .conftest import API_POLL, Pods, assert_sees_assigned_cards, pod_manifest
 
 GANG_SIZE = 8
 NODE = "node-b"

@@ -4,11 +4,12 @@ libnvidia-ml presenting a DGX A100 through pynvml, and the real kubelet takes it
 from __future__ import annotations
 
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.sandbox.realcluster import RealCluster
 
-from .conftest import API_POLL, NVML_NODE, NVML_RECOVERY, Pods, assert_sees_assigned_cards, pod_manifest, wait_until
+from .conftest import API_POLL, NVML_NODE, NVML_RECOVERY, Pods, assert_sees_assigned_cards, pod_manifest
 
 CARDS, CARD_GIB = 8, 80
 

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.contract.names import NODE_ANN_KUBELET_WATCHING, RESOURCE_MEM
 from gpushare.sandbox.realcluster import RealCluster
 
-from .conftest import (
-    API_POLL,
-    POD_TIMEOUT,
-    Pods,
-    assert_sees_assigned_cards,
-    pod_manifest,
-    scheduling_failure,
-    wait_until,
-)
+from .conftest import API_POLL, POD_TIMEOUT, Pods, assert_sees_assigned_cards, pod_manifest, scheduling_failure
 
 
 def container_id(pods: Pods, name: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client
+from support.waiting import wait_until
 
 from gpushare.contract.allocation import CardSlice, format_allocation, parse_allocation
 from gpushare.contract.names import (
@@ -39,11 +40,10 @@ from .conftest import (
     Pods,
     assert_sees_assigned_cards,
     denial,
-    forgery_refused,
     make_tenant,
     pod_manifest,
     remove_tenant,
-    wait_until,
+    wait_enforced,
 )
 
 GUARDED = "gpushare-e2e-guarded"
@@ -135,10 +135,7 @@ def webhook(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[client.Api
         tenant = make_tenant(cluster, GUARDED, TENANT)
         admission.create_validating_webhook_configuration(shipped)
         try:
-            wait_until(
-                lambda: forgery_refused(client.CoreV1Api(tenant), GUARDED, "denied the request"),
-                30, "the API server to call the webhook", API_POLL,
-            )  # fmt: skip
+            wait_enforced(tenant, GUARDED, "denied the request", "the API server to call the webhook")
             yield tenant
         finally:
             admission.delete_validating_webhook_configuration(WEBHOOK_CONFIG)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from support.waiting import wait_until
+
 from gpushare.contract.aliyun import format_assume_time
 from gpushare.contract.names import (
     ANN_MEM_ASSIGNED,
@@ -21,7 +23,7 @@ from gpushare.contract.names import (
 )
 from gpushare.usage import holds_resources
 
-from .conftest import API_POLL, SECOND_SCHEDULER, Pods, assert_sees_assigned_cards, pod_manifest, wait_until
+from .conftest import API_POLL, SECOND_SCHEDULER, Pods, assert_sees_assigned_cards, pod_manifest
 
 
 def test_two_equal_requests_each_see_their_own_card(pods: Pods) -> None:

@@ -38,6 +38,17 @@ def marked(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
     return done
 
 
+@pytest.fixture
+def cache() -> Cache:
+    return Cache()
+
+
+@pytest.fixture
+def waiters(cache: Cache, marked: list) -> RoomWaiters:
+    """Waiters over ``cache`` whose marks land in ``marked``."""
+    return RoomWaiters(None, cache)
+
+
 def bound(name: str, node: str, phase: str = "Running") -> dict[str, Any]:
     return {"metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}"}, "spec": {"nodeName": node},
             "status": {"phase": phase}}  # fmt: skip
@@ -52,10 +63,8 @@ def settle(waiters: RoomWaiters) -> None:
     waiters.close()
 
 
-def test_an_end_marks_the_pods_refused_on_its_node_once(marked: list) -> None:
-    cache = Cache()
+def test_an_end_marks_the_pods_refused_on_its_node_once(marked: list, cache: Cache, waiters: RoomWaiters) -> None:
     pods = cache.pods
-    waiters = RoomWaiters(None, cache)
     waiters.wait("uid-a", waiter("a", {"n1"}), waiters.seen())
     waiters.wait("uid-b", waiter("b", {"n2"}), waiters.seen())
     waiters.wait("gang-g", waiter("g0", None), waiters.seen())
@@ -66,10 +75,10 @@ def test_an_end_marks_the_pods_refused_on_its_node_once(marked: list) -> None:
     assert marked == [("default", "a", "gpushare.io/retry"), ("default", "g0", "gpushare.io/retry")]
 
 
-def test_a_refusal_that_may_have_missed_an_end_is_marked_at_once(marked: list) -> None:
-    cache = Cache()
+def test_a_refusal_that_may_have_missed_an_end_is_marked_at_once(
+    marked: list, cache: Cache, waiters: RoomWaiters
+) -> None:
     pods = cache.pods
-    waiters = RoomWaiters(None, cache)
     seen = waiters.seen()  # the filter begins
     pods.listener("DELETED", bound("done", "n1"))  # an end before its refusal is remembered
     waiters.wait("uid-a", waiter("a", {"n2"}), seen)
@@ -77,10 +86,8 @@ def test_a_refusal_that_may_have_missed_an_end_is_marked_at_once(marked: list) -
     assert marked == [("default", "a", "gpushare.io/retry")]
 
 
-def test_a_pod_bound_deleted_or_admitted_waits_no_more(marked: list) -> None:
-    cache = Cache()
+def test_a_pod_bound_deleted_or_admitted_waits_no_more(marked: list, cache: Cache, waiters: RoomWaiters) -> None:
     pods = cache.pods
-    waiters = RoomWaiters(None, cache)
     waiters.wait("uid-a", waiter("a", {"n1"}), waiters.seen())
     waiters.wait("uid-b", waiter("b", {"n1"}), waiters.seen())
     pods.listener("MODIFIED", bound("a", "n2"))  # a was bound elsewhere
@@ -90,9 +97,9 @@ def test_a_pod_bound_deleted_or_admitted_waits_no_more(marked: list) -> None:
     assert marked == []
 
 
-def test_a_node_that_can_take_gpu_pods_again_marks_the_pods_refused_there(marked: list) -> None:
-    cache = Cache()
-    waiters = RoomWaiters(None, cache)
+def test_a_node_that_can_take_gpu_pods_again_marks_the_pods_refused_there(
+    marked: list, cache: Cache, waiters: RoomWaiters
+) -> None:
     node = {"metadata": {"name": "n1"}}
     cache.problems["n1"] = "node n1: no kubelet is watching its gpushare device plugin"
     cache.nodes.listener("MODIFIED", node)

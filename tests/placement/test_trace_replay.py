@@ -73,26 +73,22 @@ def test_every_policy_drops_what_does_not_fit_and_averages_per_bucket(tmp_path: 
     assert run(nodes, pods, policy) == {25: 25.0, 50: 50.0, 75: 75.0, 100: 100.0, 125: 100.0}
 
 
+def replayed(tmp_path: Path, policy: str, rows: list[str]) -> report.Run:
+    """The pods of ``rows`` replayed once onto ``NODES`` under ``policy``, as the report runs them."""
+    nodes, pods = write(tmp_path, rows)
+    state = ClusterState.of(load_nodes(nodes), load_pods(pods))
+    chooser = report.chooser(policy, load_pods(pods), state)
+    return report.Run.of("t", policy, 1, replay(state, load_pods(pods), chooser, 1))
+
+
 @pytest.mark.parametrize("policy", report.policy_names())
 def test_every_policy_respects_card_models_and_cpu(tmp_path: Path, policy: str) -> None:
     # only n0 has T4s: the third T4 pod is dropped though n1's cards are idle
-    nodes, pods = write(tmp_path, ["g0,8000,1024,1,1000,T4", "g1,8000,1024,1,1000,T4", "g2,8000,1024,1,1000,T4"])
-    state = ClusterState.of(load_nodes(nodes), load_pods(pods))
-    chooser = report.chooser(policy, load_pods(pods), state)
-    assert report.Run.of("t", policy, 1, replay(state, load_pods(pods), chooser, 1)).buckets == {
-        25: 25.0,
-        50: 50.0,
-        75: 50.0,
-    }
+    rows = ["g0,8000,1024,1,1000,T4", "g1,8000,1024,1,1000,T4", "g2,8000,1024,1,1000,T4"]
+    assert replayed(tmp_path, policy, rows).buckets == {25: 25.0, 50: 50.0, 75: 50.0}
     # 20 CPUs each: one pod per node, whatever the free cards
-    nodes, pods = write(tmp_path, [f"c{i},20000,1024,1,1000," for i in range(3)])
-    state = ClusterState.of(load_nodes(nodes), load_pods(pods))
-    chooser = report.chooser(policy, load_pods(pods), state)
-    assert report.Run.of("t", policy, 1, replay(state, load_pods(pods), chooser, 1)).buckets == {
-        25: 25.0,
-        50: 50.0,
-        75: 50.0,
-    }
+    rows = [f"c{i},20000,1024,1,1000," for i in range(3)]
+    assert replayed(tmp_path, policy, rows).buckets == {25: 25.0, 50: 50.0, 75: 50.0}
 
 
 def state_with(free: list[list[int]], cpu: list[int]) -> ClusterState:

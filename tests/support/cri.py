@@ -1,0 +1,71 @@
+"""CRI messages as kubelet sends them to the shim, for the tests of tests/crishim."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from gpushare.crishim.resolve import Target
+
+from gpushare.contract.allocation import CardSlice
+from gpushare.contract.env import assigned_env
+from gpushare.contract.names import (
+    CTR_ANN_CARDS,
+    CTR_ANN_CONTAINER,
+    CTR_ANN_POD,
+    CTR_ANN_POD_UID,
+    cdi_device_name,
+    device_file,
+)
+from gpushare.pb import cri_pb2
+from support.crishim import CARDS, UNITS
+
+
+def plugin_config(target: Target, slices: Sequence[CardSlice], pod_mem: int = 20) -> cri_pb2.ContainerConfig:
+    """A ContainerConfig as kubelet builds it from a device plugin answer meant for ``target``."""
+    env = assigned_env(tuple(slices), pod_mem, UNITS)
+    return cri_pb2.ContainerConfig(
+        metadata=cri_pb2.ContainerMetadata(name=target.container),
+        image=cri_pb2.ImageSpec(image="busybox"),
+        envs=[cri_pb2.KeyValue(key="PATH", value="/bin"), *(cri_pb2.KeyValue(key=k, value=v) for k, v in env.items())],
+        annotations={
+            CTR_ANN_POD_UID: target.uid,
+            CTR_ANN_POD: target.pod_key,
+            CTR_ANN_CONTAINER: target.container,
+            CTR_ANN_CARDS: ",".join(s.uuid for s in slices),
+        },
+        devices=[
+            cri_pb2.Device(
+                container_path=device_file(CARDS[s.index].minor),
+                host_path=device_file(CARDS[s.index].minor),
+                permissions="rw",
+            )
+            for s in slices
+        ],
+        CDI_devices=[cri_pb2.CDIDevice(name=cdi_device_name(s.uuid)) for s in slices],
+    )
+
+
+def env_of(config: cri_pb2.ContainerConfig) -> dict[str, list[str]]:
+    env: dict[str, list[str]] = {}
+    for kv in config.envs:
+        env.setdefault(kv.key, []).append(kv.value)
+    return env
+
+
+def plain_config(*env: tuple[str, str]) -> cri_pb2.ContainerConfig:
+    return cri_pb2.ContainerConfig(
+        metadata=cri_pb2.ContainerMetadata(name="sidecar"), envs=[cri_pb2.KeyValue(key=k, value=v) for k, v in env]
+    )
+
+
+def request_for(
+    target: Target, annotations: Mapping[str, str], config: cri_pb2.ContainerConfig
+) -> cri_pb2.CreateContainerRequest:
+    return cri_pb2.CreateContainerRequest(
+        pod_sandbox_id="sb",
+        config=config,
+        sandbox_config=cri_pb2.PodSandboxConfig(
+            metadata=cri_pb2.PodSandboxMetadata(name=target.pod, namespace=target.namespace, uid=target.uid),
+            annotations=dict(annotations),
+        ),
+    )
