@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpushare.inspection.model import build_cluster
 from gpushare.inspection.render import render_details
+from gpushare.inspection.views import build_cluster
 from gpushare.kube.objects import get_pod, list_nodes, list_pods
 from gpushare.placement import DEFAULT_POLICY
 from gpushare.sandbox.examples import EXAMPLES, load_examples

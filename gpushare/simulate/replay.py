@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from gpushare.placement.batch import able_cards
-from gpushare.placement.model import CardRule
+from gpushare.placement.demand import CardRule
 from gpushare.simulate.trace import MILLI_PER_CARD, TraceNode, TracePod
 
 LOAD = 1.3

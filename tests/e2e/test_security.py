@@ -28,7 +28,7 @@ from gpushare.contract.names import (
     RESOURCE_MEM,
     VISIBLE_DEVICES_VOID,
 )
-from gpushare.inspection.model import build_cluster
+from gpushare.inspection.views import build_cluster
 from gpushare.kube.objects import list_nodes, list_pods
 from gpushare.kube.transport import load_api
 from gpushare.sandbox.certs import Certs, make_certs
