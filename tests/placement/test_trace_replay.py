@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpushare.cli import main as gpushare
-from gpushare.simulate import baselines, report
+from gpushare.simulate import baselines, runs
 from gpushare.simulate.replay import ClusterState, arrival_order, replay
 from gpushare.simulate.trace import TraceError, TraceNode, TracePod, load_nodes, load_pods
 
@@ -25,7 +25,7 @@ def write(directory: Path, pods: list[str], nodes: str = NODES) -> tuple[Path, P
 
 
 def run(nodes: Path, pods: Path, policy: str, seed: int = 42) -> dict[int, float]:
-    return report.run_one("t", load_nodes(nodes), load_pods(pods), policy, seed).buckets
+    return runs.run_one("t", load_nodes(nodes), load_pods(pods), policy, seed).buckets
 
 
 def test_loader_reads_gpu_spec_and_ignores_gpu_fields_of_cpu_only_pods(tmp_path: Path) -> None:
@@ -66,20 +66,20 @@ def test_arrival_order_shuffles_originals_then_adds_clones_up_to_the_load() -> N
     assert order == arrival_order(pods, seed=5, capacity_milli=4000)
 
 
-@pytest.mark.parametrize("policy", report.policy_names())
+@pytest.mark.parametrize("policy", runs.policy_names())
 def test_every_policy_drops_what_does_not_fit_and_averages_per_bucket(tmp_path: Path, policy: str) -> None:
     nodes, pods = write(tmp_path, [f"p{i},4000,1024,1,1000," for i in range(3)])
     # five whole-card pods arrive on four cards: the fifth is dropped but still counts as arrived
     assert run(nodes, pods, policy) == {25: 25.0, 50: 50.0, 75: 75.0, 100: 100.0, 125: 100.0}
 
 
-@pytest.mark.parametrize("policy", report.policy_names())
+@pytest.mark.parametrize("policy", runs.policy_names())
 def test_every_policy_respects_card_models_and_cpu(tmp_path: Path, policy: str) -> None:
     # only n0 has T4s: the third T4 pod is dropped though n1's cards are idle
     nodes, pods = write(tmp_path, ["g0,8000,1024,1,1000,T4", "g1,8000,1024,1,1000,T4", "g2,8000,1024,1,1000,T4"])
     state = ClusterState.of(load_nodes(nodes), load_pods(pods))
-    chooser = report.chooser(policy, load_pods(pods), state)
-    assert report.Run.of("t", policy, 1, replay(state, load_pods(pods), chooser, 1)).buckets == {
+    chooser = runs.chooser(policy, load_pods(pods), state)
+    assert runs.Run.of("t", policy, 1, replay(state, load_pods(pods), chooser, 1)).buckets == {
         25: 25.0,
         50: 50.0,
         75: 50.0,
@@ -87,8 +87,8 @@ def test_every_policy_respects_card_models_and_cpu(tmp_path: Path, policy: str) 
     # 20 CPUs each: one pod per node, whatever the free cards
     nodes, pods = write(tmp_path, [f"c{i},20000,1024,1,1000," for i in range(3)])
     state = ClusterState.of(load_nodes(nodes), load_pods(pods))
-    chooser = report.chooser(policy, load_pods(pods), state)
-    assert report.Run.of("t", policy, 1, replay(state, load_pods(pods), chooser, 1)).buckets == {
+    chooser = runs.chooser(policy, load_pods(pods), state)
+    assert runs.Run.of("t", policy, 1, replay(state, load_pods(pods), chooser, 1)).buckets == {
         25: 25.0,
         50: 50.0,
         75: 50.0,
