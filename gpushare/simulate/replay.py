@@ -93,9 +93,6 @@ class ClusterState:
     def total_milli(self) -> int:
         return int(self.capacity.sum())
 
-    def card_model(self, row: int, card: int) -> str:
-        return self.models[self.card_models[row, card]]
-
     def allowed(self, pod: TracePod) -> np.ndarray | None:
         """Per (node, card): whether the pod's ``gpu_spec`` accepts the card's model, by the rule the
         extender applies to ``gpushare.io/gpu-model`` (:class:`CardRule`); None when any model will do."""
