@@ -17,7 +17,7 @@ from kubernetes import client
 from gpushare.kube.transport import load_api
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import KubeletEmulator
-from gpushare.sandbox.realcluster import ClusterError, wait_for
+from gpushare.sandbox.launch import ClusterError, wait_for
 
 
 def wait_until(
