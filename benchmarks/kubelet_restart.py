@@ -24,7 +24,8 @@ from realbench import real_cluster
 
 from gpushare.contract.names import RESOURCE_MEM
 from gpushare.sandbox.binaries import KUBE_VERSION
-from gpushare.sandbox.realcluster import as_sandbox_pod, wait_for
+from gpushare.sandbox.launch import wait_for
+from gpushare.sandbox.realcluster import as_sandbox_pod
 
 NODE = "node-a"
 

@@ -28,7 +28,8 @@ from realbench import real_cluster
 from gpushare.contract.names import RESOURCE_MEM
 from gpushare.kube.watch import WatchCache
 from gpushare.sandbox.binaries import KUBE_VERSION
-from gpushare.sandbox.realcluster import as_sandbox_pod, wait_for
+from gpushare.sandbox.launch import wait_for
+from gpushare.sandbox.realcluster import as_sandbox_pod
 
 NAMESPACE = "default"
 LABEL = "gpushare-bench-startup"

@@ -61,18 +61,10 @@ from gpushare.contract.units import GIB
 from gpushare.inventory import simulated_cards
 from gpushare.kube.watch import WatchCache
 from gpushare.sandbox.binaries import KUBE_VERSION
-from gpushare.sandbox.realcluster import (
-    SCHEDULER_CONFIG,
-    ClusterError,
-    Process,
-    RealCluster,
-    _get,
-    free_port,
-    loopback_get,
-    render_scheduler_config,
-    scheduler_argv,
-    wait_for,
-)
+from gpushare.sandbox.configfiles import SCHEDULER_CONFIG, render_scheduler_config
+from gpushare.sandbox.controlplane import scheduler_argv
+from gpushare.sandbox.launch import ClusterError, Process, free_port, http_status, loopback_get, wait_for
+from gpushare.sandbox.realcluster import RealCluster
 
 NAMESPACE = "default"
 RUN_LABEL = "gpushare-bench-run"
@@ -247,7 +239,9 @@ def run_once(
         profiles = []
         if args.pprof:
             wait_for(
-                lambda: scheduler.check() or _get(f"https://127.0.0.1:{port}/healthz") == 200, 30, "kube-scheduler"
+                lambda: scheduler.check() or http_status(f"https://127.0.0.1:{port}/healthz") == 200,
+                30,
+                "kube-scheduler",
             )
             for who, url, token in (("apiserver", cluster.server, cluster.admin.token),
                                     ("scheduler", f"https://127.0.0.1:{port}", "")):  # fmt: skip
@@ -335,7 +329,9 @@ def measure(
     rates: dict[str, list[float]] = {setup: [] for setup in SETUPS}
     calls: dict[str, Counter[str]] = {setup: Counter() for setup in SETUPS}
     try:
-        wait_for(lambda: process.check() or _get(f"{extender.url}/readyz") == 200, 300, "the extender to be ready")
+        wait_for(
+            lambda: process.check() or http_status(f"{extender.url}/readyz") == 200, 300, "the extender to be ready"
+        )
         for round_ in range(args.rounds):
             order = SETUPS if round_ % 2 == 0 else SETUPS[::-1]
             for setup in order:

@@ -41,7 +41,7 @@ from gpushare.contract.units import MemoryUnit
 from gpushare.kube.errors import KubeError, KubeNotFound
 from gpushare.kube.objects import get_node, get_pod
 from gpushare.pb import cri_pb2
-from gpushare.placement.model import ANY_CARD, CardRule
+from gpushare.placement.demand import ANY_CARD, CardRule
 from gpushare.usage import card_by_minor, node_ledger, node_usage, pod_allocation
 
 log = logging.getLogger(__name__)

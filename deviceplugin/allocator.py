@@ -33,7 +33,7 @@ from gpushare.kube.errors import KubeError, KubeUnavailable
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import get_node, list_pods, patch_pod
 from gpushare.kube.watch import WatchCache
-from gpushare.placement.model import ANY_CARD, CardRule
+from gpushare.placement.demand import ANY_CARD, CardRule
 from gpushare.settings import DEFAULT_REREAD, Reread
 from gpushare.usage import node_ledger, node_usage
 

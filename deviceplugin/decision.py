@@ -38,7 +38,7 @@ from gpushare.contract.names import (
 )
 from gpushare.contract.pending import Ledger
 from gpushare.contract.units import MemoryUnit
-from gpushare.placement.model import ANY_CARD, CardRule
+from gpushare.placement.demand import ANY_CARD, CardRule
 from gpushare.usage import node_usage, pod_allocation
 
 

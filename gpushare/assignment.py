@@ -19,7 +19,7 @@ from gpushare.contract.errors import LedgerMismatch
 from gpushare.contract.names import NODE_ANN_PENDING_BINDS
 from gpushare.contract.pending import Ledger
 from gpushare.contract.units import MemoryUnit
-from gpushare.placement.model import ANY_CARD, CardCapacity, CardRule
+from gpushare.placement.demand import ANY_CARD, CardCapacity, CardRule
 from gpushare.usage import PodCards, describe_held
 
 

@@ -22,7 +22,7 @@ from gpushare.contract.names import (
     CARD_RULE_ANNOTATIONS,
 )
 from gpushare.contract.request import annotations_of, pod_key
-from gpushare.placement.model import ANY_CARD, CardRule
+from gpushare.placement.demand import ANY_CARD, CardRule
 
 #: what a model pattern may hold: the characters of NVML's product names
 _PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._()/+-]*")

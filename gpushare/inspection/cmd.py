@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser, layout: str = "gpushare") -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpushare.inspection import model, render
+    from gpushare.inspection import render, views
     from gpushare.kube.errors import KubeError
     from gpushare.kube.objects import get_node, list_nodes, list_pods
     from gpushare.kube.transport import load_api
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     except KubeError as exc:
         print(f"gpushare inspect: {exc}", file=sys.stderr)
         return 1
-    cluster = model.build_cluster(nodes, pods)
+    cluster = views.build_cluster(nodes, pods)
     if args.node and not cluster.nodes:
         print(f"gpushare inspect: node {args.node} has no gpushare GPUs", file=sys.stderr)
         return 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpushare.contract.units import MemoryUnit
-from gpushare.inspection.model import CardView, ClusterView, NodeView
+from gpushare.inspection.views import CardView, ClusterView, NodeView
 
 
 def render_table(rows: list[list[str]], gap: int = 2) -> str:

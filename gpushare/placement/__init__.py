@@ -12,10 +12,7 @@ from gpushare.placement.batch import (
     fits,
     node_order,
 )
-from gpushare.placement.fit import SEARCH_BUDGET, check_fit, node_cost, place
-from gpushare.placement.fragmentation import Workload, fragmentation
-from gpushare.placement.memo import CostMemo
-from gpushare.placement.model import (
+from gpushare.placement.demand import (
     ANY_CARD,
     Assignment,
     CardCapacity,
@@ -26,6 +23,9 @@ from gpushare.placement.model import (
     model_matches,
     shape_key,
 )
+from gpushare.placement.fit import SEARCH_BUDGET, check_fit, node_cost, place
+from gpushare.placement.fragmentation import Workload, fragmentation
+from gpushare.placement.memo import CostMemo
 from gpushare.placement.policies import (
     DEFAULT_POLICY,
     POLICIES,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpushare.placement.model import Shape
+from gpushare.placement.demand import Shape
 from gpushare.placement.policies import HostFit, NodeHosts, Policy, host_fit
 
 
@@ -50,7 +50,7 @@ def batch_place(
 ) -> BatchChoice:
     """Where ``shape`` would go on each node and at what cost. ``shape.cards == 0`` asks for no GPU
     (the cost then only reflects what ``host`` says changes). ``allowed``: per (node, card), whether
-    the pod's :class:`~gpushare.placement.model.CardRule` accepts the card's model (None: every card)."""
+    the pod's :class:`~gpushare.placement.demand.CardRule` accepts the card's model (None: every card)."""
     nodes = free.shape[0]
     able = able_cards(capacity, free, shape, allowed)
     rows = np.flatnonzero(able.sum(axis=1) >= shape.cards)

@@ -22,7 +22,7 @@ from itertools import combinations
 
 import numpy as np
 
-from gpushare.placement.model import ANY_CARD, Assignment, CardCapacity, CardRule, Demand, NoFit, Shape
+from gpushare.placement.demand import ANY_CARD, Assignment, CardCapacity, CardRule, Demand, NoFit, Shape
 from gpushare.placement.policies import POLICIES, Policy
 
 #: at most this many options are tried per pod before giving up as "don't fit together"

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from gpushare.placement.model import CardRule, Shape
+from gpushare.placement.demand import CardRule, Shape
 
 #: threshold for an absent card: nothing fits on it
 _NEVER = 1 << 62

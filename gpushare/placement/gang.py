@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from gpushare.placement.demand import ANY_CARD, Assignment, CardCapacity, CardRule, Demand, NoFit
 from gpushare.placement.fit import node_cost, place
-from gpushare.placement.model import ANY_CARD, Assignment, CardCapacity, CardRule, Demand, NoFit
 from gpushare.placement.policies import Policy
 
 #: how much a whole card weighs when members are ordered largest first

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gpushare.placement.batch import batch_costs
-from gpushare.placement.model import Shape
+from gpushare.placement.demand import Shape
 from gpushare.placement.policies import NodeHosts, Policy
 
 #: the generation of a row whose value was never computed (or whose node can't be placed on)

@@ -21,8 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
+from gpushare.placement.demand import CardRule, Shape
 from gpushare.placement.fragmentation import Workload, fragmentation, placement_deltas
-from gpushare.placement.model import CardRule, Shape
 
 Pod = tuple[Shape, ...]
 

@@ -30,8 +30,8 @@ from gpushare.contract.names import (
     RESOURCES,
 )
 from gpushare.contract.units import GIB
-from gpushare.inspection.model import build_cluster
 from gpushare.inspection.render import render_details
+from gpushare.inspection.views import build_cluster
 from gpushare.inventory import SimulatedBackend
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import list_nodes, list_pods

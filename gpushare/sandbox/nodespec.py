@@ -12,7 +12,7 @@ from gpushare.inventory import InventoryError, parse_sim_spec
 DEFAULT_NODES = ("node-a=2xA100-80GB:81920,1xT4:15360", "node-b=1xA100-40GB:40960,2xA10:24576")
 #: a node's sockets sit in a directory named after it, and unix socket paths end at 107 bytes
 MAX_NODE_NAME = 20
-#: each node on the real cluster gets a /24 of its own (see :func:`gpushare.sandbox.realcluster.pod_subnet`)
+#: each node on the real cluster gets a /24 of its own (see :func:`gpushare.sandbox.podnetwork.pod_subnet`)
 MAX_NODES = 256
 _NODE_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?")
 

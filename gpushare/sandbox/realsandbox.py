@@ -10,19 +10,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpushare.inspection.model import build_cluster
 from gpushare.inspection.render import render_details
+from gpushare.inspection.views import build_cluster
 from gpushare.kube.objects import get_pod, list_nodes, list_pods
 from gpushare.placement import DEFAULT_POLICY
 from gpushare.sandbox.examples import EXAMPLES, load_examples
+from gpushare.sandbox.launch import ClusterError, wait_for
 from gpushare.sandbox.nodespec import NodeSpec
-from gpushare.sandbox.realcluster import (
-    NVML_PREFIX,
-    ClusterError,
-    RealCluster,
-    as_sandbox_pod,
-    wait_for,
-)
+from gpushare.sandbox.realcluster import RealCluster, as_sandbox_pod
+from gpushare.sandbox.realnode import NVML_PREFIX
 from gpushare.sandbox.report import (
     KEEP_RUNNING_HINT,
     PodOutcome,

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpushare.placement.demand import CardRule
 from gpushare.placement.memo import RowMemo
-from gpushare.placement.model import CardRule
 from gpushare.simulate.replay import Choice, ClusterState, affinity_tag, best_of, first_free, tightest
 from gpushare.simulate.trace import MILLI_PER_CARD, TracePod, parse_models
 

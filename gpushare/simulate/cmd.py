@@ -61,10 +61,10 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from gpushare.settings import UsageError
-    from gpushare.simulate import report
+    from gpushare.simulate import report, runs
     from gpushare.simulate.trace import TraceError, load_nodes, load_pods, unknown_models
 
-    known = report.policy_names()
+    known = runs.policy_names()
     policies = args.policy or known
     unknown = [p for p in policies if p not in known]
     if unknown:
@@ -102,29 +102,29 @@ def run(args: argparse.Namespace) -> int:
         f"{args.workers} at a time",
         file=sys.stderr,
     )
-    runs = []
+    results = []
     with (
         ProcessPoolExecutor(max_workers=args.workers) as pool,
         tqdm(total=len(jobs), unit="run", file=sys.stderr, disable=None) as bar,
     ):
-        futures = [pool.submit(report.run_one, trace, nodes, pods, p, s) for p, s in jobs]
+        futures = [pool.submit(runs.run_one, trace, nodes, pods, p, s) for p, s in jobs]
         try:
             for future in futures:
                 result = future.result()
                 bar.set_postfix_str(f"{result.policy} seed {result.seed}")
                 bar.update()
-                runs.append(result)
+                results.append(result)
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise
-    table = report.markdown(trace, runs, report.paper_medians(args.pods, trace))
+    table = report.markdown(trace, results, report.paper_medians(args.pods, trace))
     written = [args.out / "results.csv", args.out / "summary.md"]
     try:
-        report.write_results(written[0], runs)
+        report.write_results(written[0], results)
         written[1].write_text(table)
         if can_plot:
             written.append(args.out / "allocation.png")
-            report.plot(written[-1], trace, runs)
+            report.plot(written[-1], trace, results)
     except OSError as exc:
         raise UsageError(f"--out {args.out}: {exc.strerror}") from None
     print(table)

@@ -1,7 +1,8 @@
 """The extender's own policies in the replay, driven through the extender's entry points: node costs from
 a ``CostMemo`` per demand shape, recomputed for the nodes that changed (as the prioritize verb gets
 them), the cheapest node where the pod fits (kube-scheduler takes the extender's best score, equal scores
-at random), and the cards from ``place`` (as the bind verb gets them).
+at random), and the cards from ``batch_place`` on that node's row of the replay's arrays (the cards
+``place`` gives the bind verb).
 
 Pods without GPUs never reach the GPU extender entry. kube-scheduler scores them itself: the replay
 models its default scoring (NodeResourcesLeastAllocated plus NodeResourcesBalancedAllocation, weight 1
@@ -38,20 +39,6 @@ def learned(name: str, pods: Sequence[TracePod]) -> placement.Policy:
     if name == "fgdfit":
         return placement.FgdFit.of([(p.shape, p.cpu_milli, p.memory_mib, placement.CardRule(p.models)) for p in pods])
     return placement.POLICIES[name]
-
-
-def node_cards(state: ClusterState, row: int) -> list[placement.CardCapacity]:
-    return [
-        placement.CardCapacity(
-            index=j,
-            uuid=f"{state.names[row]}/{j}",
-            capacity=int(cap),
-            used=int(cap - free),
-            model=state.card_model(row, j),
-        )
-        for j, (cap, free) in enumerate(zip(state.capacity[row], state.free[row], strict=True))
-        if cap > 0
-    ]
 
 
 def kube_default_scores(state: ClusterState, rows: np.ndarray, pod: TracePod) -> np.ndarray:
@@ -100,8 +87,9 @@ class ExtenderChooser:
         costs = self._costs(state, pod)[rows]
         best = rows[costs == costs.min()]
         row = int(best[0] if best.size == 1 else rng.choice(best))
-        shape = pod.shape
-        demand = placement.Demand("main", shape.units, shape.cards, shape.exclusive)
-        rule = placement.CardRule(pod.models)
-        (assignment,) = placement.place(node_cards(state, row), [demand], self.policy, unit="milli", rule=rule)
-        return row, tuple(index for index, _, _ in assignment.cards)
+        one = slice(row, row + 1)
+        allowed = state.allowed(pod)
+        if allowed is not None:
+            allowed = allowed[one]
+        choice = placement.batch_place(self.policy, state.capacity[one], state.free[one], pod.shape, None, allowed)
+        return row, tuple(sorted(int(card) for card in choice.cards[0]))

@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from gpushare.placement.batch import able_cards
-from gpushare.placement.model import CardRule
+from gpushare.placement.demand import CardRule
 from gpushare.simulate.trace import MILLI_PER_CARD, TraceNode, TracePod
 
 LOAD = 1.3
@@ -92,9 +92,6 @@ class ClusterState:
     @property
     def total_milli(self) -> int:
         return int(self.capacity.sum())
-
-    def card_model(self, row: int, card: int) -> str:
-        return self.models[self.card_models[row, card]]
 
     def allowed(self, pod: TracePod) -> np.ndarray | None:
         """Per (node, card): whether the pod's ``gpu_spec`` accepts the card's model, by the rule the

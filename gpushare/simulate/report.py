@@ -1,105 +1,37 @@
-"""Running replays and writing what they found: results.csv (one row per run), a Markdown table of the
-medians over seeds (with the FGD paper's published values beside its baselines for openb traces) and a
-plot of allocation against arrival per policy, like the paper's Figure 9.
-
-A run's allocation at an arrived mark is the mean over the pods whose arrival rounds to it, as the paper
-measures it. On a small cluster one pod can be several percent of the GPU capacity, so the arrivals can
-jump over a mark: it then reads the allocation after the last pod that arrived before it. A mark past the
-run's last arrival has no value."""
+"""Writing what replays found (:class:`~gpushare.simulate.runs.Run`): results.csv (one row per run), a
+Markdown table of the medians over seeds (with the FGD paper's published values beside its baselines for
+openb traces) and a plot of allocation against arrival per policy, like the paper's Figure 9."""
 
 from __future__ import annotations
 
-import bisect
 import csv
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpushare import placement
-from gpushare.simulate.baselines import PAPER_NAMES, baseline
-from gpushare.simulate.product import ExtenderChooser, learned
-from gpushare.simulate.replay import ARRIVALS, ClusterState, arrival_order, replay
-from gpushare.simulate.trace import TraceNode, TracePod
+from gpushare.simulate.baselines import PAPER_NAMES
+from gpushare.simulate.replay import ARRIVALS
+from gpushare.simulate.runs import PAPER_PREFIX, Run
 
-PAPER_PREFIX = "paper-"
 #: the paper's published medians, looked for next to the pods file
 PAPER_FILE = "paper_alloc_medians.csv"
 RESULT_COLUMNS = ("trace", "policy", "seed", *(f"alloc{a}" for a in ARRIVALS))
 
 
-def policy_names() -> list[str]:
-    """Every policy ``simulate`` knows: the extender's default, its policies, then the paper's baselines."""
-    return ["default", *placement.POLICIES, *(PAPER_PREFIX + name for name in PAPER_NAMES)]
-
-
-def chooser(name: str, pods: Sequence[TracePod], state: ClusterState) -> object:
-    """The replay's chooser for the policy called ``name`` (one of ``policy_names()``)."""
-    if name.startswith(PAPER_PREFIX):
-        return baseline(name.removeprefix(PAPER_PREFIX), pods, state)
-    return ExtenderChooser(learned(placement.DEFAULT_POLICY if name == "default" else name, pods))
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """One replay: per integer arrived-% bucket, the mean allocation % over the pods arriving in it
-    (``buckets``) and the allocation % after its last pod (``last``)."""
-
-    trace: str
-    policy: str
-    seed: int
-    buckets: dict[int, float]
-    last: dict[int, float]
-
-    @classmethod
-    def of(cls, trace: str, policy: str, seed: int, points: Iterable[tuple[int, float]]) -> Run:
-        sums: dict[int, float] = {}
-        counts: dict[int, int] = {}
-        last: dict[int, float] = {}
-        for bucket, allocation in points:
-            sums[bucket] = sums.get(bucket, 0.0) + allocation
-            counts[bucket] = counts.get(bucket, 0) + 1
-            last[bucket] = allocation
-        return cls(trace, policy, seed, {b: sums[b] / counts[b] for b in sums}, last)
-
-    @property
-    def reached(self) -> int:
-        """The last arrived-% bucket."""
-        return max(self.buckets, default=0)
-
-    def at(self, mark: int) -> float | None:
-        """The allocation % when ``mark`` % had arrived (see the module doc); None past the last arrival."""
-        if mark in self.buckets:
-            return self.buckets[mark]
-        if mark > self.reached:
-            return None
-        before = sorted(self.last)
-        i = bisect.bisect_left(before, mark)
-        return self.last[before[i - 1]] if i else 0.0
-
-    def skipped(self, mark: int) -> bool:
-        """Whether the arrivals jumped over ``mark`` (so ``at`` reads the allocation before it)."""
-        return mark not in self.buckets and mark <= self.reached
-
-    def row(self) -> list[str]:
-        return [self.trace, self.policy, str(self.seed), *(_cell(self.at(a)) for a in ARRIVALS)]
+def _row(run: Run) -> list[str]:
+    return [run.trace, run.policy, str(run.seed), *(_cell(run.at(a)) for a in ARRIVALS)]
 
 
 def _cell(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
 
-def run_one(trace: str, nodes: Sequence[TraceNode], pods: Sequence[TracePod], policy: str, seed: int) -> Run:
-    state = ClusterState.of(nodes, pods)
-    order = arrival_order(pods, seed, state.total_milli)
-    return Run.of(trace, policy, seed, replay(state, order, chooser(policy, pods, state), seed))
-
-
 def write_results(path: Path, runs: Sequence[Run]) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(RESULT_COLUMNS)
-        writer.writerows(run.row() for run in runs)
+        writer.writerows(_row(run) for run in runs)
 
 
 @dataclass(frozen=True, slots=True)

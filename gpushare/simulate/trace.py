@@ -17,7 +17,7 @@ from typing import TextIO
 
 from gpushare.contract.cardrule import parse_models as models_of
 from gpushare.contract.errors import QUOTE_LIMIT, AnnotationError, quoted
-from gpushare.placement.model import CardRule, Shape
+from gpushare.placement.demand import CardRule, Shape
 
 MILLI_PER_CARD = 1000
 #: the most GPUs a node or a pod may have

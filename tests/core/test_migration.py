@@ -27,7 +27,7 @@ from gpushare.contract.names import (
     RESOURCE_MEM,
 )
 from gpushare.contract.units import GIB
-from gpushare.inspection.model import build_node
+from gpushare.inspection.views import build_node
 from gpushare.usage import node_inventory, node_usage
 
 ROOT = Path(__file__).resolve().parents[2]

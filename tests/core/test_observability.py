@@ -17,7 +17,7 @@ import pytest
 from support.waiting import wait_until
 
 from gpushare.observability import LIMITS, serve_http
-from gpushare.sandbox.realcluster import free_port
+from gpushare.sandbox.launch import free_port
 from gpushare.settings import MetricsEndpoint
 
 

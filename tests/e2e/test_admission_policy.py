@@ -17,7 +17,8 @@ from support.waiting import wait_until
 
 from gpushare.contract.allocation import CardSlice, format_allocation, parse_allocation
 from gpushare.contract.names import ANN_ALLOCATION, ANN_GPU_MODEL, ANN_MEM_ASSIGNED, RESOURCE_MEM
-from gpushare.sandbox.realcluster import SCHEDULER_CONFIG, RealCluster
+from gpushare.sandbox.configfiles import SCHEDULER_CONFIG
+from gpushare.sandbox.realcluster import RealCluster
 
 from .conftest import API_POLL, TENANT_POD_RULES, denial, make_tenant, pod_manifest, wait_enforced
 

@@ -29,11 +29,13 @@ from gpushare.contract.names import (
     RESOURCE_MEM,
     VISIBLE_DEVICES_VOID,
 )
-from gpushare.inspection.model import build_cluster
+from gpushare.inspection.views import build_cluster
 from gpushare.kube.objects import list_nodes, list_pods
 from gpushare.kube.transport import load_api
 from gpushare.sandbox.certs import Certs, make_certs
-from gpushare.sandbox.realcluster import SCHEDULER_CONFIG, Process, RealCluster, free_port
+from gpushare.sandbox.configfiles import SCHEDULER_CONFIG
+from gpushare.sandbox.launch import Process, free_port
+from gpushare.sandbox.realcluster import RealCluster
 
 from .conftest import (
     API_POLL,

@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpushare import placement
 from gpushare.cli import main as gpushare
-from gpushare.simulate import baselines, report
-from gpushare.simulate.replay import ClusterState, arrival_order, replay
+from gpushare.simulate import baselines, runs
+from gpushare.simulate.replay import Choice, Chooser, ClusterState, arrival_order, replay
 from gpushare.simulate.trace import TraceError, TraceNode, TracePod, load_nodes, load_pods
 
 NODES = "sn,cpu_milli,memory_mib,gpu,model\nn0,32000,65536,2,T4\nn1,32000,65536,2,V100M16\n"
@@ -25,7 +26,7 @@ def write(directory: Path, pods: list[str], nodes: str = NODES) -> tuple[Path, P
 
 
 def run(nodes: Path, pods: Path, policy: str, seed: int = 42) -> dict[int, float]:
-    return report.run_one("t", load_nodes(nodes), load_pods(pods), policy, seed).buckets
+    return runs.run_one("t", load_nodes(nodes), load_pods(pods), policy, seed).buckets
 
 
 def test_loader_reads_gpu_spec_and_ignores_gpu_fields_of_cpu_only_pods(tmp_path: Path) -> None:
@@ -66,22 +67,22 @@ def test_arrival_order_shuffles_originals_then_adds_clones_up_to_the_load() -> N
     assert order == arrival_order(pods, seed=5, capacity_milli=4000)
 
 
-@pytest.mark.parametrize("policy", report.policy_names())
+@pytest.mark.parametrize("policy", runs.policy_names())
 def test_every_policy_drops_what_does_not_fit_and_averages_per_bucket(tmp_path: Path, policy: str) -> None:
     nodes, pods = write(tmp_path, [f"p{i},4000,1024,1,1000," for i in range(3)])
     # five whole-card pods arrive on four cards: the fifth is dropped but still counts as arrived
     assert run(nodes, pods, policy) == {25: 25.0, 50: 50.0, 75: 75.0, 100: 100.0, 125: 100.0}
 
 
-def replayed(tmp_path: Path, policy: str, rows: list[str]) -> report.Run:
+def replayed(tmp_path: Path, policy: str, rows: list[str]) -> runs.Run:
     """The pods of ``rows`` replayed once onto ``NODES`` under ``policy``, as the report runs them."""
     nodes, pods = write(tmp_path, rows)
     state = ClusterState.of(load_nodes(nodes), load_pods(pods))
-    chooser = report.chooser(policy, load_pods(pods), state)
-    return report.Run.of("t", policy, 1, replay(state, load_pods(pods), chooser, 1))
+    chooser = runs.chooser(policy, load_pods(pods), state)
+    return runs.Run.of("t", policy, 1, replay(state, load_pods(pods), chooser, 1))
 
 
-@pytest.mark.parametrize("policy", report.policy_names())
+@pytest.mark.parametrize("policy", runs.policy_names())
 def test_every_policy_respects_card_models_and_cpu(tmp_path: Path, policy: str) -> None:
     # only n0 has T4s: the third T4 pod is dropped though n1's cards are idle
     rows = ["g0,8000,1024,1,1000,T4", "g1,8000,1024,1,1000,T4", "g2,8000,1024,1,1000,T4"]
@@ -89,6 +90,50 @@ def test_every_policy_respects_card_models_and_cpu(tmp_path: Path, policy: str) 
     # 20 CPUs each: one pod per node, whatever the free cards
     rows = [f"c{i},20000,1024,1,1000," for i in range(3)]
     assert replayed(tmp_path, policy, rows).buckets == {25: 25.0, 50: 50.0, 75: 50.0}
+
+
+class AsBound:
+    """A chooser that checks each GPU pod's cards against what the bind verb's ``place`` gives on the
+    chosen node's cards."""
+
+    def __init__(self, chooser: Chooser) -> None:
+        self.chooser = chooser
+        self.checked: set[str] = set()
+
+    def choose(self, state: ClusterState, pod: TracePod, rows: np.ndarray, rng: np.random.Generator) -> Choice:
+        row, cards = self.chooser.choose(state, pod, rows, rng)
+        if pod.num_gpu:
+            node = [
+                placement.CardCapacity(
+                    j, f"card-{j}", int(c), int(c - f), model=state.models[state.card_models[row, j]]
+                )
+                for j, (c, f) in enumerate(zip(state.capacity[row], state.free[row], strict=True))
+                if c
+            ]
+            shape = pod.shape
+            demand = placement.Demand("main", shape.units, shape.cards, shape.exclusive)
+            policy = self.chooser.policy  # type: ignore[attr-defined]
+            (bound,) = placement.place(node, [demand], policy, unit="milli", rule=placement.CardRule(pod.models))
+            assert cards == tuple(index for index, _, _ in bound.cards), pod
+            self.checked.add(pod.name)
+        return row, cards
+
+
+@pytest.mark.parametrize("policy", ["default", *placement.POLICIES])
+def test_the_extenders_policies_take_the_cards_its_bind_verb_would(tmp_path: Path, policy: str) -> None:
+    nodes = (
+        "sn,cpu_milli,memory_mib,gpu,model\n"
+        "n0,64000,262144,4,A100;A100;T4;T4\nn1,64000,262144,3,V100M16\nn2,64000,262144,2,A100\n"
+    )
+    shares = [f"s{i},2000,1024,1,{milli}," for i, milli in enumerate((200, 500, 700, 300, 900, 100))]
+    picky = ["t0,2000,1024,1,400,T4", "t1,2000,1024,1,600,T4|V100M16", "a0,2000,1024,2,1000,A100"]
+    nodes_path, pods_path = write(tmp_path, [*shares, *picky, "w0,2000,1024,2,1000,", "c0,2000,1024,0,0,"], nodes)
+    pods = load_pods(pods_path)
+    state = ClusterState.of(load_nodes(nodes_path), pods)
+    checking = AsBound(runs.chooser(policy, pods, state))
+    list(replay(state, arrival_order(pods, 3, state.total_milli), checking, 3))
+    # the two-card pods, and a pod that takes only some models, were among those checked
+    assert {"a0", "w0", "t1"} <= checking.checked
 
 
 def state_with(free: list[list[int]], cpu: list[int]) -> ClusterState:

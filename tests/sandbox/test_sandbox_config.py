@@ -6,7 +6,7 @@ import ipaddress
 import json
 from pathlib import Path
 
-from gpushare.sandbox.realcluster import bridge_name, pod_subnet, render_pod_network
+from gpushare.sandbox.podnetwork import bridge_name, pod_subnet, render_pod_network
 from gpushare.sandbox.report import keep_only_logs
 
 

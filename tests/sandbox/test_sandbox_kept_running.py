@@ -21,7 +21,8 @@ from gpushare.kube.objects import list_pods
 from gpushare.kube.transport import load_api
 from gpushare.sandbox import binaries
 from gpushare.sandbox.nodespec import DEFAULT_NODES, parse_node
-from gpushare.sandbox.realcluster import pod_subnet, realcluster_available
+from gpushare.sandbox.podnetwork import pod_subnet
+from gpushare.sandbox.realcluster import realcluster_available
 
 pytestmark = pytest.mark.skipif(
     realcluster_available() is not None, reason=f"no real cluster here: {realcluster_available()}"

@@ -13,7 +13,8 @@ import pytest
 from support.sandboxrun import SandboxRun, bridges_and_ports, leftovers
 
 from gpushare.sandbox import binaries
-from gpushare.sandbox.realcluster import bridge_name, realcluster_available
+from gpushare.sandbox.podnetwork import bridge_name
+from gpushare.sandbox.realcluster import realcluster_available
 
 pytestmark = pytest.mark.skipif(
     realcluster_available() is not None, reason=f"no real cluster here: {realcluster_available()}"

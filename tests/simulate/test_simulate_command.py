@@ -17,7 +17,7 @@ from gpushare.contract.inventory import format_inventory
 from gpushare.contract.names import ANN_ALLOCATION, ANN_GPU_MODEL, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB
 from gpushare.inventory import simulated_cards
-from gpushare.simulate import report
+from gpushare.simulate import report, runs
 from gpushare.simulate.replay import ARRIVALS
 from gpushare.simulate.trace import load_nodes, load_pods
 
@@ -85,19 +85,19 @@ def test_a_small_cluster_gets_a_value_at_every_mark_and_a_note_saying_how(
 
 def test_a_mark_no_seed_reached_is_explained() -> None:
     # whole-card pods on 4 cards stop at 100%: no clone fits under 130%
-    runs = [report.Run.of("t", "binpack", s, [(25, 25.0), (50, 50.0), (75, 75.0), (100, 100.0)]) for s in (1, 2)]
-    summary = report.markdown("t", runs, {})
+    done = [runs.Run.of("t", "binpack", s, [(25, 25.0), (50, 50.0), (75, 75.0), (100, 100.0)]) for s in (1, 2)]
+    summary = report.markdown("t", done, {})
     # the arrivals jumped from 75% to 100%: at 90% the allocation is what it was after 75%
     assert table_rows(summary)["binpack"] == ["75.00", "100.00", "-"]
     assert "arrivals stopped at 100-100%" in summary
 
 
 def test_the_median_counts_the_seeds_that_reached_a_mark() -> None:
-    runs = [
-        report.Run.of("t", "spread", 1, [(70, 70.0), (130, 90.0)]),
-        report.Run.of("t", "spread", 2, [(70, 70.0), (120, 80.0)]),
+    done = [
+        runs.Run.of("t", "spread", 1, [(70, 70.0), (130, 90.0)]),
+        runs.Run.of("t", "spread", 2, [(70, 70.0), (120, 80.0)]),
     ]
-    assert table_rows(report.markdown("t", runs, {}))["spread"] == ["70.00", "70.00", "90.00 (1 of 2 seeds)"]
+    assert table_rows(report.markdown("t", done, {}))["spread"] == ["70.00", "70.00", "90.00 (1 of 2 seeds)"]
 
 
 # --- the snapshot of a live cluster ---------------------------------------------------------------------
@@ -159,9 +159,9 @@ def test_from_cluster_keeps_mixed_cards_card_rules_pending_pods_and_each_cards_s
 def test_a_mixed_node_gives_each_card_model_its_own_rule(tmp_path: Path) -> None:
     nodes = "sn,cpu_milli,memory_mib,gpu,model\nn0,64000,262144,3,A100-40GB;A10;A10\n"
     # two whole-card pods that take only an A100: the node has one, so the second is dropped
-    for policy in report.policy_names():
+    for policy in runs.policy_names():
         files(tmp_path, ["a,1000,1,1,1000,A100", "b,1000,1,1,1000,A100"], nodes)
-        run = report.run_one("t", load_nodes(tmp_path / "nodes.csv"), load_pods(tmp_path / "pods.csv"), policy, 1)
+        run = runs.run_one("t", load_nodes(tmp_path / "nodes.csv"), load_pods(tmp_path / "pods.csv"), policy, 1)
         assert run.last[67] == pytest.approx(100 / 3), policy
 
 

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from gpushare.sandbox.realcluster import processes_using
+from gpushare.sandbox.launch import processes_using
 
 NET = Path("/sys/class/net")
 

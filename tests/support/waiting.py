@@ -7,7 +7,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from gpushare.sandbox.realcluster import ClusterError, wait_for
+from gpushare.sandbox.launch import ClusterError, wait_for
 
 
 def wait_until(

@@ -1,4 +1,5 @@
-"""Plain data for placement: a node's cards as the scheduler sees them, and what a pod asks of them."""
+"""Plain data for placement: what a pod demands of a node's cards (each container's shape, and the pod's
+card rule), the cards as the scheduler sees them, and the assignment that results."""
 
 from __future__ import annotations
 
