@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="the rec
 
 def bash_block(first_line: str) -> str:
     """The fenced bash block of docs/operations.md that starts with ``first_line``."""
-    blocks = re.findall(r"```bash\n(.*?)```", OPERATIONS.read_text(), flags=re.S)
+    blocks = re.findall(r"```bash[^\n]*\n(.*?)```", OPERATIONS.read_text(), flags=re.S)
     (block,) = [b for b in blocks if b.startswith(first_line)]
     return block
 
