@@ -10,7 +10,7 @@ from gpushare.crishim.resolve import CachedPods, Resolver, Target
 from gpushare.crishim.rewrite import RewriteOptions
 from gpushare.crishim.server import CreateContainerGuard, CriShim, EventSink
 
-from gpushare.inventory import GpuBackend
+from gpushare.gpus.backend import GpuBackend
 from gpushare.kube.errors import KubeConfigError
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.transport import load_api

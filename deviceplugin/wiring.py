@@ -11,7 +11,7 @@ from gpushare.deviceplugin.plugin import DevicePlugin
 from gpushare.deviceplugin.watching import WatchingPublisher
 
 from gpushare.contract.units import MemoryUnit
-from gpushare.inventory import GpuBackend
+from gpushare.gpus.backend import GpuBackend
 from gpushare.kube.transport import load_api
 from gpushare.kube.watch import WatchCache, node_pod_cache
 from gpushare.observability import serve_http

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpushare.crishim.wiring import ShimSettings
-    from gpushare.inventory import GpuBackend
+    from gpushare.gpus.backend import GpuBackend
     from gpushare.settings import NodeSettings
     from gpushare.supervisor import Supervised
 

@@ -16,12 +16,12 @@ from pathlib import Path
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import ENV_NODE_NAME
 from gpushare.contract.units import MemoryUnit, parse_unit
-from gpushare.inventory import (
+from gpushare.gpus import open_backend
+from gpushare.gpus.backend import (
     DEFAULT_IGNORED_XIDS,
     DEFAULT_NVML_RECOVERY,
     GpuBackend,
     InventoryError,
-    open_backend,
     parse_ignored_xids,
 )
 

@@ -30,9 +30,9 @@ from gpushare.contract.names import (
     RESOURCES,
 )
 from gpushare.contract.units import GIB
+from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.inspection.model import build_cluster
 from gpushare.inspection.render import render_details
-from gpushare.inventory import SimulatedBackend
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import list_nodes, list_pods
 from gpushare.kube.transport import load_api

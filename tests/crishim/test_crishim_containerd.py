@@ -63,7 +63,7 @@ from gpushare.contract.names import (
     VISIBLE_DEVICES_VOID,
 )
 from gpushare.contract.units import GIB
-from gpushare.inventory import SimulatedBackend
+from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.pb import cri_pb2 as pb
 from gpushare.pb import cri_pb2_grpc as pb_grpc
 from gpushare.sandbox.containerd import TEST_IMAGE, Containerd, containerd_available, running_containerd

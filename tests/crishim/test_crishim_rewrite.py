@@ -47,7 +47,7 @@ from gpushare.contract.names import (
 )
 from gpushare.contract.pending import Ledger
 from gpushare.contract.units import GIB
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.kube.errors import KubeUnavailable
 from gpushare.pb import cri_pb2
 

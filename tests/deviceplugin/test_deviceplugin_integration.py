@@ -43,7 +43,7 @@ from gpushare.contract.names import (
     RESOURCES,
 )
 from gpushare.contract.units import parse_unit
-from gpushare.inventory import SimulatedBackend
+from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.observability import serve_http
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc

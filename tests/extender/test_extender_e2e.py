@@ -18,7 +18,7 @@ from podfactory import container, gpu_pod
 from gpushare.contract.allocation import parse_allocation
 from gpushare.contract.names import ANN_ALLOCATION, ENV_VISIBLE_DEVICES, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB
-from gpushare.inventory import SimulatedBackend
+from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.kube.objects import get_pod
 from gpushare.sandbox.kubelet import KubeletEmulator
 from gpushare.sandbox.scheduler import ExtenderClient, ScheduleResult, schedule_one

@@ -17,7 +17,8 @@ from podfactory import container, gpu_pod
 
 from gpushare.contract.names import ENV_VISIBLE_DEVICES, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB
-from gpushare.inventory import InventoryError, SimulatedBackend
+from gpushare.gpus.backend import InventoryError
+from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.kube.retry import Backoff
 from gpushare.node import components
 from gpushare.observability import serve_http
