@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpushare.crishim.resolve import CachedPods, Resolver, Target
-from gpushare.crishim.rewrite import RewriteOptions, rewrite
+from gpushare.crishim.rewrite import rewrite
 from test_crishim_rewrite import (
     A0,
     A1,
@@ -25,6 +25,7 @@ from test_crishim_rewrite import (
 from gpushare.contract.names import ANN_MEM_IDX, ENV_MEM_CONTAINER, ENV_MEM_IDX, ENV_VISIBLE_DEVICES
 from gpushare.contract.pending import PendingBind
 from gpushare.contract.units import GIB
+from gpushare.settings import RewriteOptions
 
 SIDECAR = Target(POD.namespace, POD.pod, POD.uid, "sidecar")
 

@@ -17,7 +17,7 @@ from gpushare.crishim.resolve import (
     plugin_view,
     target_of,
 )
-from gpushare.crishim.rewrite import RewriteOptions, rewrite
+from gpushare.crishim.rewrite import rewrite
 from gpushare.crishim.server import CreateContainerGuard
 from gpushare.crishim.splice import Forward, Refuse
 
@@ -50,6 +50,7 @@ from gpushare.contract.units import GIB
 from gpushare.gpus.simulated import simulated_cards
 from gpushare.kube.errors import KubeUnavailable
 from gpushare.pb import cri_pb2
+from gpushare.settings import RewriteOptions
 
 CARDS = simulated_cards("node-a", "2xA100-80GB:81920,1xT4:15360")
 A0, A1, T4 = CARDS
