@@ -13,7 +13,7 @@ import threading
 from gpushare.advertiser.publish import node_patch
 
 from gpushare.contract.units import MemoryUnit
-from gpushare.inventory import GpuBackend, HealthEvent
+from gpushare.gpus.backend import GpuBackend, HealthEvent
 from gpushare.kube.errors import KubeError
 from gpushare.kube.objects import get_node, patch_node
 from gpushare.kube.retry import Backoff

@@ -16,22 +16,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from gpushare.advertiser.agent import Advertiser
 
+    from gpushare.gpus.backend import GpuBackend
     from gpushare.kube.transport import load_api
-    from gpushare.process import wait_for_termination
+    from gpushare.nodewiring import open_cards, run_on_node
     from gpushare.settings import node_settings
 
     settings = node_settings(args)
-    backend = settings.open_backend()
-    advertiser = Advertiser(
-        load_api(settings.kubeconfig), settings.node_name, backend, settings.memory_unit, args.interval
-    )
+
+    def advertiser(backend: GpuBackend) -> Advertiser:
+        api = load_api(settings.kubeconfig)
+        return Advertiser(api, settings.node_name, backend, settings.memory_unit, args.interval)
+
     if args.once:
-        advertiser.publish_once()
+        backend = open_cards(settings)
+        try:
+            advertiser(backend).publish_once()
+        finally:
+            backend.close()
         return 0
-    advertiser.start()
-    try:
-        wait_for_termination()
-    finally:
-        advertiser.stop()
-        backend.close()
-    return 0
+
+    def start(backend: GpuBackend) -> Advertiser:
+        started = advertiser(backend)
+        started.start()
+        return started
+
+    return run_on_node("advertiser", settings, None, start)

@@ -41,7 +41,7 @@ from gpushare.contract.names import (
     RESOURCE_MEM,
 )
 from gpushare.contract.units import GIB, parse_unit
-from gpushare.inventory import SimulatedBackend
+from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.kube.transport import load_api
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc

@@ -43,7 +43,7 @@ from gpushare.contract.allocation import CardSlice, format_allocation
 from gpushare.contract.inventory import format_inventory
 from gpushare.contract.names import ANN_ALLOCATION, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.kube.objects import get_pod
 from gpushare.kube.transport import load_api
 

@@ -33,7 +33,7 @@ from gpushare.contract.gang import format_gang
 from gpushare.contract.inventory import format_inventory
 from gpushare.contract.names import NODE_ANN_INVENTORY
 from gpushare.contract.units import GIB
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.kube.objects import get_pod
 from gpushare.kube.transport import load_api
 

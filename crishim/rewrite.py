@@ -32,16 +32,10 @@ from gpushare.contract.names import (
 )
 from gpushare.contract.units import MemoryUnit
 from gpushare.pb import cri_pb2
+from gpushare.settings import RewriteOptions
 
 _CARD_DEVICE = re.compile(r"^/dev/nvidia[0-9]+$")
 DEFAULT_DEVICE_PERMISSIONS = "rw"
-
-
-@dataclass(frozen=True, slots=True)
-class RewriteOptions:
-    rewrite_devices: bool = False
-    cdi: bool = False
-    block_unrequested_gpu: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 from gpushare.crishim.metrics import CORRECTIONS, REFUSALS
 from gpushare.crishim.reactor import Reactor
 from gpushare.crishim.resolve import Resolver, Target
-from gpushare.crishim.rewrite import RewriteOptions, rewrite
+from gpushare.crishim.rewrite import rewrite
 from gpushare.crishim.splice import Forward, Refuse, Splice, Verdict
 
 from gpushare.assignment import describe
@@ -26,6 +26,7 @@ from gpushare.cards import Card
 from gpushare.contract.names import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID
 from gpushare.contract.units import MemoryUnit
 from gpushare.pb import cri_pb2
+from gpushare.settings import RewriteOptions, socket_path
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +40,6 @@ CONNECT_TIMEOUT = 0.5
 
 #: (pod, reason, message, type) -> records a Kubernetes Event; must not block
 EventSink = Callable[[Target, str, str, str], None]
-
-
-def socket_path(address: str) -> Path:
-    """``unix:///run/x.sock``, ``unix:/run/x.sock`` or a bare path."""
-    for prefix in ("unix://", "unix:"):
-        if address.startswith(prefix):
-            address = address[len(prefix) :]
-            break
-    if not address.startswith("/"):
-        raise ValueError(f"{address!r}: expected an absolute unix socket path")
-    return Path(address)
 
 
 class CreateContainerGuard:

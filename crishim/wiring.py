@@ -7,37 +7,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare.crishim.resolve import CachedPods, Resolver, Target
-from gpushare.crishim.rewrite import RewriteOptions
 from gpushare.crishim.server import CreateContainerGuard, CriShim, EventSink
 
-from gpushare.inventory import GpuBackend
+from gpushare.gpus.backend import GpuBackend
 from gpushare.kube.errors import KubeConfigError
-from gpushare.kube.events import EventRecorder
+from gpushare.kube.events import EventSource
+from gpushare.kube.nodeapi import NodeApi
 from gpushare.kube.transport import load_api
-from gpushare.kube.watch import WatchCache, node_pod_cache
-from gpushare.observability import serve_http
-from gpushare.process import wait_for_termination
-from gpushare.settings import MetricsEndpoint, NodeSettings
+from gpushare.kube.watch import WatchCache
+from gpushare.nodewiring import run_on_node
+from gpushare.settings import MetricsEndpoint, NodeSettings, ShimSettings
 
 log = logging.getLogger(__name__)
 
 COMPONENT = "gpushare-cri-shim"
 
 
-@dataclass(frozen=True, slots=True)
-class ShimSettings:
-    listen: str
-    runtime: str
-    allow_api_fetch: bool
-    options: RewriteOptions
-
-
-def pod_events(recorder: EventRecorder) -> EventSink:
+def pod_events(events: EventSource) -> EventSink:
     """The guard's Events, recorded about the pod its CreateContainer call is for."""
 
     def record(target: Target, reason: str, message: str, type_: str) -> None:
         pod = {"kind": "Pod", "metadata": {"name": target.pod, "namespace": target.namespace, "uid": target.uid}}
-        recorder.record(pod, reason=reason, message=message, type_=type_)
+        events.record(pod, reason=reason, message=message, type_=type_)
 
     return record
 
@@ -46,7 +37,8 @@ def pod_events(recorder: EventRecorder) -> EventSink:
 class RunningShim:
     shim: CriShim
     cache: WatchCache | None
-    events: EventRecorder | None
+    #: the API access the shim opened for itself (None when it uses its process's, or has none)
+    own: NodeApi | None
 
     def alive(self) -> bool:
         return self.shim.alive()
@@ -56,37 +48,36 @@ class RunningShim:
 
     def stop(self) -> None:
         self.shim.stop()
-        if self.cache is not None:
-            self.cache.stop()
-        if self.events is not None:
-            self.events.close()
+        if self.own is not None:
+            self.own.stop()
 
 
-def start_cri_shim(node: NodeSettings, settings: ShimSettings, backend: GpuBackend, api: Any | None) -> RunningShim:
+def start_cri_shim(
+    node: NodeSettings, settings: ShimSettings, backend: GpuBackend, api: Any | None, shared: NodeApi | None = None
+) -> RunningShim:
     """Start serving. ``api`` may be None (no events, no API lookups); API lookups also need
-    ``settings.allow_api_fetch``."""
-    cache = None
-    if api is not None and settings.allow_api_fetch:
-        cache = node_pod_cache(api, node.node_name)
-        cache.start()
-    events = EventRecorder(api, COMPONENT) if api is not None else None
+    ``settings.allow_api_fetch``. ``shared``: the node's pod watch and Event recorder, when the process
+    has them (``gpushare node``); without, the shim opens what it needs and closes it on stop."""
+    own = None
+    if shared is None and api is not None:
+        own = NodeApi(api, node.node_name, watch_pods=settings.allow_api_fetch).start()
+    node_api = shared or own
+    cache = node_api.pods if node_api is not None and settings.allow_api_fetch else None
     guard = CreateContainerGuard(
         Resolver(node.memory_unit, CachedPods(api, cache, node.node_name) if cache is not None else None),
         backend.cards,
         node.memory_unit,
         settings.options,
-        pod_events(events) if events is not None else None,
+        pod_events(node_api.events.for_component(COMPONENT)) if node_api is not None else None,
     )
     shim = CriShim(settings.listen, settings.runtime, guard)
     try:
         shim.start()
     except BaseException:
-        if cache is not None:
-            cache.stop()
-        if events is not None:
-            events.close()
+        if own is not None:
+            own.stop()
         raise
-    return RunningShim(shim, cache, events)
+    return RunningShim(shim, cache, own)
 
 
 def _api_for(node: NodeSettings, settings: ShimSettings) -> Any | None:
@@ -100,23 +91,17 @@ def _api_for(node: NodeSettings, settings: ShimSettings) -> Any | None:
 
 
 def run_cri_shim(node: NodeSettings, settings: ShimSettings, metrics: MetricsEndpoint | None) -> int:
-    backend = node.open_backend()
-    running = start_cri_shim(node, settings, backend, _api_for(node, settings))
-    server = serve_http(metrics, lambda: running.shim.serving) if metrics else None
-    log.info(
-        "CRI shim for node %s (%d card(s)): API lookups %s, device rewriting %s, CDI %s, unrequested GPUs %s",
-        node.node_name,
-        len(backend.cards()),
-        "on" if settings.allow_api_fetch else "off",
-        "on" if settings.options.rewrite_devices else "off",
-        "on" if settings.options.cdi else "off",
-        "blocked" if settings.options.block_unrequested_gpu else "allowed",
-    )
-    try:
-        wait_for_termination()
-    finally:
-        if server is not None:
-            server.stop()
-        running.stop()
-        backend.close()
-    return 0
+    def start(backend: GpuBackend) -> RunningShim:
+        running = start_cri_shim(node, settings, backend, _api_for(node, settings))
+        log.info(
+            "CRI shim for node %s (%d card(s)): API lookups %s, device rewriting %s, CDI %s, unrequested GPUs %s",
+            node.node_name,
+            len(backend.cards()),
+            "on" if settings.allow_api_fetch else "off",
+            "on" if settings.options.rewrite_devices else "off",
+            "on" if settings.options.cdi else "off",
+            "blocked" if settings.options.block_unrequested_gpu else "allowed",
+        )
+        return running
+
+    return run_on_node("CRI shim", node, metrics, start)

@@ -30,7 +30,7 @@ from gpushare.contract.pending import Ledger
 from gpushare.contract.request import pod_key
 from gpushare.contract.units import MemoryUnit
 from gpushare.kube.errors import KubeError, KubeUnavailable
-from gpushare.kube.events import EventRecorder
+from gpushare.kube.events import EventSource
 from gpushare.kube.objects import get_node, list_pods, patch_pod
 from gpushare.kube.watch import WatchCache
 from gpushare.placement.demand import ANY_CARD, CardRule
@@ -38,7 +38,6 @@ from gpushare.settings import DEFAULT_REREAD, Reread
 from gpushare.usage import node_ledger, node_usage
 
 log = logging.getLogger(__name__)
-COMPONENT = "gpushare-device-plugin"
 REFUSAL_EVENT_REASON = "GPUAllocationRefused"
 #: refusals a stale cache can cause: no pod matched, or a card looked full of pods that may be gone
 STALE_CACHE_REASONS = frozenset({"no-pending-pod", "overcommit"})
@@ -56,6 +55,7 @@ class Allocator:
         cache: WatchCache,
         cards: Callable[[], Sequence[Card]],
         unit: MemoryUnit,
+        events: EventSource,
         reread: Reread = DEFAULT_REREAD,
     ) -> None:
         self._api = api
@@ -65,7 +65,7 @@ class Allocator:
         self._unit = unit
         self._reread = reread
         self._lock = threading.Lock()
-        self._events = EventRecorder(api, COMPONENT)
+        self._events = events
         #: the node's labels and ledger as last read (read again on every Allocate)
         self._labels: Mapping[str, str] = {}
         self._ledger: Ledger = {}
@@ -112,10 +112,6 @@ class Allocator:
     def _warn(self, pod: Mapping[str, Any], message: str) -> None:
         """A Warning Event on ``pod`` about its Allocate (queued: Allocate never waits for it)."""
         self._events.record(pod, reason=REFUSAL_EVENT_REASON, message=message, type_="Warning")
-
-    def close(self) -> None:
-        """Record the Events still queued."""
-        self._events.close()
 
     def _fresh_pods(self) -> list[Mapping[str, Any]]:
         """The node's pods as the API server has them now; the cache learns them too."""

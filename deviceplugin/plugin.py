@@ -31,7 +31,7 @@ from inotify_simple import INotify, flags
 from gpushare.cards import Card
 from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import MemoryUnit
-from gpushare.inventory import GpuBackend, HealthEvent
+from gpushare.gpus.backend import GpuBackend, HealthEvent
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 

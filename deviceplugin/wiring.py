@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from gpushare.deviceplugin.allocator import Allocator
 from gpushare.deviceplugin.devices import REPLICAS_PER_UNIT, DeviceListTooLarge, check_message_size
@@ -11,14 +12,16 @@ from gpushare.deviceplugin.plugin import DevicePlugin
 from gpushare.deviceplugin.watching import WatchingPublisher
 
 from gpushare.contract.units import MemoryUnit
-from gpushare.inventory import GpuBackend
+from gpushare.gpus.backend import GpuBackend
+from gpushare.kube.nodeapi import NodeApi
 from gpushare.kube.transport import load_api
-from gpushare.kube.watch import WatchCache, node_pod_cache
-from gpushare.observability import serve_http
-from gpushare.process import wait_for_termination
+from gpushare.kube.watch import WatchCache
+from gpushare.nodewiring import run_on_node
 from gpushare.settings import MetricsEndpoint, NodeSettings, UsageError
 
 log = logging.getLogger(__name__)
+
+COMPONENT = "gpushare-device-plugin"
 
 
 @dataclass
@@ -27,6 +30,8 @@ class RunningPlugin:
     allocator: Allocator
     cache: WatchCache
     watching: WatchingPublisher
+    #: the API access the plugin opened for itself (None when it uses its process's)
+    own: NodeApi | None
 
     def alive(self) -> bool:
         return self.plugin.alive()
@@ -37,8 +42,8 @@ class RunningPlugin:
     def stop(self) -> None:
         self.plugin.stop()
         self.watching.close()
-        self.allocator.close()
-        self.cache.stop()
+        if self.own is not None:
+            self.own.stop()
 
 
 def check_unit(backend: GpuBackend, unit: MemoryUnit, replicas: int = REPLICAS_PER_UNIT) -> None:
@@ -49,11 +54,25 @@ def check_unit(backend: GpuBackend, unit: MemoryUnit, replicas: int = REPLICAS_P
         raise UsageError(str(exc)) from None
 
 
-def start_device_plugin(settings: NodeSettings, backend: GpuBackend, api: object) -> RunningPlugin:
+def start_device_plugin(
+    settings: NodeSettings, backend: GpuBackend, api: Any, shared: NodeApi | None = None
+) -> RunningPlugin:
+    """Register with kubelet and serve. ``shared``: the node's pod watch and Event recorder, when the
+    process has them (``gpushare node``); without, the plugin opens its own and closes them on stop."""
     check_unit(backend, settings.memory_unit, settings.count_replicas)
-    cache = node_pod_cache(api, settings.node_name)
-    cache.start()
-    allocator = Allocator(api, settings.node_name, cache, backend.cards, settings.memory_unit, settings.reread)
+    own = NodeApi(api, settings.node_name).start() if shared is None else None
+    node_api = shared or own
+    if node_api is None or node_api.pods is None:
+        raise ValueError(f"node {settings.node_name}: the device plugin needs the node's pod watch")
+    allocator = Allocator(
+        api,
+        settings.node_name,
+        node_api.pods,
+        backend.cards,
+        settings.memory_unit,
+        node_api.events.for_component(COMPONENT),
+        settings.reread,
+    )
     watching = WatchingPublisher(api, settings.node_name)
     plugin = DevicePlugin(
         settings.device_plugin_dir, backend, allocator, settings.memory_unit, settings.count_replicas, watching
@@ -62,29 +81,21 @@ def start_device_plugin(settings: NodeSettings, backend: GpuBackend, api: object
         plugin.start()
     except BaseException:
         watching.close()
-        allocator.close()
-        cache.stop()
+        if own is not None:
+            own.stop()
         raise
-    return RunningPlugin(plugin, allocator, cache, watching)
+    return RunningPlugin(plugin, allocator, node_api.pods, watching, own)
 
 
 def run_device_plugin(settings: NodeSettings, metrics: MetricsEndpoint | None) -> int:
-    backend = settings.open_backend()
-    check_unit(backend, settings.memory_unit, settings.count_replicas)
-    running = start_device_plugin(settings, backend, load_api(settings.kubeconfig))
-    server = serve_http(metrics, running.ready) if metrics else None
-    log.info(
-        "device plugin for node %s serving %d card(s) from %s",
-        settings.node_name,
-        len(backend.cards()),
-        settings.device_plugin_dir,
-    )
-    try:
-        wait_for_termination()
-    finally:
-        log.info("device plugin for node %s stopping", settings.node_name)
-        running.stop()
-        if server is not None:
-            server.stop()
-        backend.close()
-    return 0
+    def start(backend: GpuBackend) -> RunningPlugin:
+        running = start_device_plugin(settings, backend, load_api(settings.kubeconfig))
+        log.info(
+            "device plugin for node %s serving %d card(s) from %s",
+            settings.node_name,
+            len(backend.cards()),
+            settings.device_plugin_dir,
+        )
+        return running
+
+    return run_on_node("device plugin", settings, metrics, start)

@@ -18,8 +18,8 @@ from gpushare.advertiser import cmd as advertiser_cmd
 from gpushare.crishim import cmd as crishim_cmd
 from gpushare.deviceplugin import cmd as deviceplugin_cmd
 from gpushare.extender import cmd as extender_cmd
+from gpushare.gpus.backend import InventoryError
 from gpushare.inspection import cmd as inspect_cmd
-from gpushare.inventory import InventoryError
 from gpushare.kube.errors import KubeError
 from gpushare.sandbox import apiserver_cmd
 from gpushare.sandbox import cmd as sandbox_cmd

@@ -16,14 +16,7 @@ from pathlib import Path
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import ENV_NODE_NAME
 from gpushare.contract.units import MemoryUnit, parse_unit
-from gpushare.inventory import (
-    DEFAULT_IGNORED_XIDS,
-    DEFAULT_NVML_RECOVERY,
-    GpuBackend,
-    InventoryError,
-    open_backend,
-    parse_ignored_xids,
-)
+from gpushare.gpus.backend import DEFAULT_IGNORED_XIDS, DEFAULT_NVML_RECOVERY, InventoryError, parse_ignored_xids
 
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 #: where /metrics, /healthz and /readyz listen unless told: they are plain HTTP, unauthenticated
@@ -80,9 +73,6 @@ class NodeSettings:
     count_replicas: int = 0
     #: seconds without a fault after which an NVML card that failed is trusted again
     nvml_recovery: float = DEFAULT_NVML_RECOVERY
-
-    def open_backend(self) -> GpuBackend:
-        return open_backend(self.gpus, self.node_name, self.ignored_xids, self.nvml_recovery)
 
 
 def add_kubeconfig_flag(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +161,90 @@ def device_plugin_settings(args: argparse.Namespace) -> NodeSettings:
         device_plugin_dir=Path(args.device_plugin_dir),
         reread=Reread(args.allocate_rereads, args.allocate_reread_wait),
         count_replicas=args.count_replicas,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RewriteOptions:
+    """What the CRI shim corrects besides env and annotations, and whether it blocks unrequested GPUs."""
+
+    rewrite_devices: bool = False
+    cdi: bool = False
+    block_unrequested_gpu: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ShimSettings:
+    """The CRI shim's own flags."""
+
+    listen: str
+    runtime: str
+    allow_api_fetch: bool
+    options: RewriteOptions
+
+
+def socket_path(address: str) -> Path:
+    """``unix:///run/x.sock``, ``unix:/run/x.sock`` or a bare path."""
+    for prefix in ("unix://", "unix:"):
+        if address.startswith(prefix):
+            address = address[len(prefix) :]
+            break
+    if not address.startswith("/"):
+        raise ValueError(f"{address!r}: expected an absolute unix socket path")
+    return Path(address)
+
+
+def add_shim_flags(parser: argparse.ArgumentParser, *, listen: str, runtime: str) -> None:
+    """The CRI shim's flags (``gpushare cri-shim`` and ``gpushare node``), with the command's defaults for
+    the sockets."""
+    parser.add_argument("--listen", default=listen, help="the socket kubelet connects to (mode 0600)")
+    parser.add_argument("--runtime", default=runtime, help="the real runtime's CRI socket")
+    api = parser.add_mutually_exclusive_group()
+    api.add_argument(
+        "--allow-api-fetch",
+        dest="allow_api_fetch",
+        action="store_true",
+        default=True,
+        help="read a pod from the API server when sandbox_config lacks its card assignment, and check cards "
+        "for over-commit against the node's pods (default)",
+    )
+    api.add_argument(
+        "--no-api-fetch",
+        dest="allow_api_fetch",
+        action="store_false",
+        help="trust sandbox_config alone; containers without an assignment there are refused",
+    )
+    parser.add_argument(
+        "--rewrite-devices",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also correct the /dev/nvidia* device nodes (for runtimes without the NVIDIA hook)",
+    )
+    parser.add_argument(
+        "--cdi", action=argparse.BooleanOptionalAction, default=False, help="also correct CDI device names"
+    )
+    parser.add_argument(
+        "--block-unrequested-gpu",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give containers that request no GPU NVIDIA_VISIBLE_DEVICES=void (default: on)",
+    )
+
+
+def shim_settings(args: argparse.Namespace) -> ShimSettings:
+    """From :func:`add_shim_flags`' flags."""
+    for flag, address in (("--listen", args.listen), ("--runtime", args.runtime)):
+        try:
+            socket_path(address)
+        except ValueError as exc:
+            raise UsageError(f"{flag} {exc}") from None
+    return ShimSettings(
+        listen=args.listen,
+        runtime=args.runtime,
+        allow_api_fetch=args.allow_api_fetch,
+        options=RewriteOptions(
+            rewrite_devices=args.rewrite_devices, cdi=args.cdi, block_unrequested_gpu=args.block_unrequested_gpu
+        ),
     )
 
 

@@ -1,6 +1,6 @@
 """The codec of the node's inventory annotation, which the advertiser writes and the extender, the
 device plugin and inspect read, and of the card-model label. (Where the cards come from is
-:mod:`gpushare.inventory`.)"""
+:mod:`gpushare.gpus`.)"""
 
 from __future__ import annotations
 

@@ -14,6 +14,9 @@ It behaves like client-go's recorder in the ways a user sees:
 
 client-go also folds *similar* Events (same reason, different messages) into "combined from similar
 events" and rate-limits each object's Events; neither is done here.
+
+Components of one process can share a recorder (:meth:`EventRecorder.for_component`): one queue and
+one writer for the process, while each Event still names the component it comes from.
 """
 
 from __future__ import annotations
@@ -106,6 +109,18 @@ class _Pending:
     timestamp: str
 
 
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """One component's Events, written by a recorder it may share with other components."""
+
+    recorder: EventRecorder
+    component: str
+
+    def record(self, obj: Mapping[str, Any], *, reason: str, message: str, type_: str = "Normal") -> None:
+        """See :meth:`EventRecorder.record`."""
+        self.recorder.record_from(self.component, obj, reason=reason, message=message, type_=type_)
+
+
 def _timestamp() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -126,16 +141,38 @@ class EventRecorder:
         self._component = component
         self._log = EventLog(cache_size, window)
         self._queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=queue_size)
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"{component}-events", daemon=True)
-        self._thread.start()
+        self._closed = True
+        self._thread: threading.Thread | None = None
+        self.start()
+
+    def start(self) -> EventRecorder:
+        """Start the writer; after :meth:`close`, or after the writer died, start it again (what is still
+        queued is written). A no-op while it runs."""
+        if not self.alive():
+            self._closed = False
+            self._thread = threading.Thread(target=self._run, name=f"{self._component}-events", daemon=True)
+            self._thread.start()
+        return self
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def for_component(self, component: str) -> EventSource:
+        """Events from ``component``, written by this recorder."""
+        return EventSource(self, component)
 
     def record(self, obj: Mapping[str, Any], *, reason: str, message: str, type_: str = "Normal") -> None:
         """Queue an Event about ``obj`` (a Kubernetes object as a dict). Never blocks, never raises."""
+        self.record_from(self._component, obj, reason=reason, message=message, type_=type_)
+
+    def record_from(
+        self, component: str, obj: Mapping[str, Any], *, reason: str, message: str, type_: str = "Normal"
+    ) -> None:
+        """:meth:`record`, with ``component`` as the Event's source."""
         meta = obj.get("metadata") or {}
         kind = obj.get("kind") or "Pod"
         key = EventKey(
-            self._component,
+            component,
             kind,
             meta.get("namespace") or "",
             meta.get("name") or "",
@@ -164,10 +201,16 @@ class EventRecorder:
         if not self._closed:
             self._closed = True
             self._queue.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     def _run(self) -> None:
-        while (pending := self._queue.get()) is not None:
+        while True:
+            pending = self._queue.get()
+            if pending is None:
+                if self._closed:
+                    return
+                continue  # left by a close() that found the writer dead; the recorder was started again since
             try:
                 self._write(pending)
             except KubeError as exc:

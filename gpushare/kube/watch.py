@@ -78,7 +78,8 @@ class WatchCache:
 
     @property
     def connected(self) -> bool:
-        return self._connected
+        """Following the API server now (never while the cache is stopped, or after its thread died)."""
+        return self._connected and self.alive()
 
     def items(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -97,9 +98,19 @@ class WatchCache:
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"watch-{self._kind}", daemon=True)
-        self._thread.start()
+    def start(self) -> WatchCache:
+        """Follow the API server, from a LIST. After :meth:`stop`, or after the thread died, follow it again,
+        keeping the objects held (the LIST settles what changed meanwhile) and the listeners. A no-op while
+        it runs."""
+        if not self.alive():
+            self._stop.clear()
+            self._connected = False
+            self._thread = threading.Thread(target=self._run, name=f"watch-{self._kind}", daemon=True)
+            self._thread.start()
+        return self
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         self._stop.set()

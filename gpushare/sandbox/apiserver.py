@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -208,6 +209,8 @@ class ApiServer:
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._generation = 0  # bumped on pause so open watches end
+        #: LISTs and WATCHes served, by (resource, "list" or "watch", field selector): what clients cost
+        self.reads: Counter[tuple[str, str, str]] = Counter()
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -322,7 +325,10 @@ class ApiServer:
 
     def _list_or_watch(self, h: _Handler, res: str, ns: str | None, query: Mapping[str, str]) -> None:
         match, indexed = self._selectors(res, query)
-        if query.get("watch") in ("true", "1"):
+        watch = query.get("watch") in ("true", "1")
+        with self._lock:
+            self.reads[res, "watch" if watch else "list", query.get("fieldSelector", "")] += 1
+        if watch:
             self._watch(h, res, ns, match, indexed, query)
             return
         items, rv = self.store.list(res, ns, match, indexed)

@@ -30,17 +30,18 @@ from gpushare.contract.names import (
     RESOURCES,
 )
 from gpushare.contract.units import GIB
+from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.inspection.render import render_details
 from gpushare.inspection.views import build_cluster
-from gpushare.inventory import SimulatedBackend
 from gpushare.kube.events import EventRecorder
+from gpushare.kube.nodeapi import NodeApi
 from gpushare.kube.objects import list_nodes, list_pods
 from gpushare.kube.transport import load_api
 from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import KubeletEmulator
 from gpushare.sandbox.nodespec import NodeSpec
 from gpushare.sandbox.report import Progress
-from gpushare.settings import NodeSettings
+from gpushare.settings import NodeSettings, RewriteOptions, ShimSettings
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +150,15 @@ class Sandbox:
         kubelet.start()
         node = SimNode(spec, backend, kubelet)
         node.stop += [kubelet.stop, advertiser.stop]
-        plugin = start_device_plugin(settings, backend, self.api)
+        shared = NodeApi(self.api, spec.name).start()  # one pod watch for the node, as gpushare node has
+        node.stop.insert(0, shared.stop)
+        plugin = start_device_plugin(settings, backend, self.api, shared)
         node.stop.insert(0, plugin.stop)
         if not kubelet.wait_for(devices_listed, 10):
             raise SandboxError(f"node {spec.name}: the device plugin did not register with the kubelet emulator")
         self._publish_capacity(spec.name, kubelet)
         if self.containerd is not None:
-            from gpushare.crishim.rewrite import RewriteOptions
-            from gpushare.crishim.wiring import ShimSettings, start_cri_shim
+            from gpushare.crishim.wiring import start_cri_shim
 
             shim_socket = directory / "cri-shim.sock"
             shim_settings = ShimSettings(
@@ -165,7 +167,7 @@ class Sandbox:
                 allow_api_fetch=True,
                 options=RewriteOptions(),
             )
-            shim = start_cri_shim(settings, shim_settings, backend, self.api)
+            shim = start_cri_shim(settings, shim_settings, backend, self.api, shared)
             node.stop.insert(0, shim.stop)
             node.cri_address = f"unix://{shim_socket}"
         self.nodes[spec.name] = node

@@ -7,7 +7,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpushare.inventory import InventoryError, parse_sim_spec
+from gpushare.gpus.backend import InventoryError
+from gpushare.gpus.simulated import parse_sim_spec
 
 DEFAULT_NODES = ("node-a=2xA100-80GB:81920,1xT4:15360", "node-b=1xA100-40GB:40960,2xA10:24576")
 #: a node's sockets sit in a directory named after it, and unix socket paths end at 107 bytes

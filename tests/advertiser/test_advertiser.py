@@ -13,7 +13,7 @@ from gpushare.cli import main
 from gpushare.contract.inventory import NodeInventory, parse_inventory
 from gpushare.contract.names import NODE_ANN_INVENTORY, NODE_LABEL_MODEL
 from gpushare.contract.units import GIB, MemoryUnit
-from gpushare.inventory import SimulatedBackend, simulated_cards
+from gpushare.gpus.simulated import SimulatedBackend, simulated_cards
 from gpushare.kube.objects import get_node, patch_node
 
 SPEC = "1xA100-40GB:40960,1xT4:15360"

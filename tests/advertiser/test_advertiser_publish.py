@@ -13,7 +13,7 @@ from support.waiting import wait_until
 from gpushare.contract.inventory import NodeInventory, format_inventory, parse_inventory
 from gpushare.contract.names import NODE_ANN_INVENTORY, NODE_LABEL_MODEL
 from gpushare.contract.units import GIB
-from gpushare.inventory import SimulatedBackend, simulated_cards
+from gpushare.gpus.simulated import SimulatedBackend, simulated_cards
 from gpushare.kube.objects import get_node
 from gpushare.kube.retry import Backoff
 from gpushare.sandbox.apiserver import ApiServer

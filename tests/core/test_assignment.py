@@ -3,7 +3,7 @@
 from gpushare.assignment import Claim, Holdings, check_assignment
 from gpushare.contract.allocation import CardSlice
 from gpushare.contract.units import GIB
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.usage import PodCards
 
 CARDS = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")

@@ -26,7 +26,7 @@ from gpushare.contract.names import (
 from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
 from gpushare.contract.request import parse_pod_request
 from gpushare.contract.units import GIB, format_unit, parse_unit
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.usage import pod_allocation
 
 

@@ -15,9 +15,9 @@ from gpushare.contract.allocation import CardSlice, format_allocation
 from gpushare.contract.inventory import format_inventory
 from gpushare.contract.names import ANN_ALLOCATION, ANN_MEM_IDX, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB, MemoryUnit
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.inspection.render import render_details, render_summary
 from gpushare.inspection.views import build_cluster
-from gpushare.inventory import simulated_cards
 
 # node "big": an 80 GiB card and an unhealthy 15 GiB card, in GiB
 BIG = list(simulated_cards("big", "1xA100-80GB:81920,1xT4:15360"))

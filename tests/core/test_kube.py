@@ -164,6 +164,36 @@ def test_an_event_deleted_on_the_server_is_created_afresh(
     assert again.metadata.name != first.metadata.name and again.count == 2
 
 
+def test_components_sharing_a_recorder_each_name_themselves_as_the_source(
+    kube_api: client.ApiClient, core_v1: client.CoreV1Api
+) -> None:
+    target = {"metadata": {"name": "a", "namespace": "default", "uid": "u1"}}
+    recorder = events.EventRecorder(kube_api, "gpushare-node")
+    plugin, shim = recorder.for_component("gpushare-device-plugin"), recorder.for_component("gpushare-cri-shim")
+    for source in (plugin, shim, plugin):
+        source.record(target, reason="R", message="m", type_="Warning")
+    recorder.close()
+    # the same message from two components is two Events; from one, one Event counted twice
+    assert sorted((e.source.component, e.count) for e in recorded_events(core_v1)) == [
+        ("gpushare-cri-shim", 1),
+        ("gpushare-device-plugin", 2),
+    ]
+
+
+def test_a_recorder_started_again_writes_what_was_queued_and_what_comes(
+    kube_api: client.ApiClient, core_v1: client.CoreV1Api
+) -> None:
+    recorder = events.EventRecorder(kube_api, "gpushare")
+    target = {"metadata": {"name": "a", "namespace": "default"}}
+    recorder.record(target, reason="R", message="before")
+    recorder.close()
+    assert not recorder.alive()
+    recorder.start()
+    recorder.record(target, reason="R", message="after")
+    recorder.close()
+    assert [e.message for e in recorded_events(core_v1)] == ["before", "after"]
+
+
 def test_recording_never_waits_for_a_stalled_api_server(
     kube_api: client.ApiClient,
     core_v1: client.CoreV1Api,

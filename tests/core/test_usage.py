@@ -10,7 +10,7 @@ from gpushare.contract.names import ANN_ALLOCATION, ANN_MEM_IDX, NODE_ANN_PENDIN
 from gpushare.contract.pending import LedgerError, PendingBind, format_pending_binds, parse_pending_binds
 from gpushare.contract.request import parse_pod_request
 from gpushare.contract.units import GIB
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.usage import capped, node_usage, pod_allocation
 
 CARDS = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")

@@ -39,9 +39,8 @@ from gpushare.crishim.frames import (
     rst_stream,
 )
 from gpushare.crishim.metrics import CORRECTIONS, REFUSALS
-from gpushare.crishim.rewrite import RewriteOptions
 from gpushare.crishim.server import EVENT_CORRECTED
-from gpushare.crishim.wiring import RunningShim, ShimSettings, start_cri_shim
+from gpushare.crishim.wiring import RunningShim, start_cri_shim
 from hpack import Encoder
 from kubernetes import client
 from support.waiting import wait_until
@@ -60,12 +59,12 @@ from gpushare.contract.names import (
     VISIBLE_DEVICES_VOID,
 )
 from gpushare.contract.units import GIB
-from gpushare.inventory import SimulatedBackend
+from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.pb import cri_pb2 as pb
 from gpushare.pb import cri_pb2_grpc as pb_grpc
 from gpushare.sandbox import cri_kubelet
 from gpushare.sandbox.containerd import TEST_IMAGE, Containerd, containerd_available, running_containerd
-from gpushare.settings import NodeSettings
+from gpushare.settings import NodeSettings, RewriteOptions, ShimSettings
 
 NODE = "node-a"
 GPUS = "2xA100-80GB:81920,1xT4:15360"

@@ -6,13 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from gpushare.crishim.resolve import CachedPods, Resolver, Target
-from gpushare.crishim.rewrite import RewriteOptions, rewrite
+from gpushare.crishim.rewrite import rewrite
 from support.cri import env_of, plain_config, plugin_config, request_for
 from support.crishim import A0, A1, CARDS, POD, FakePods, allocation_of, pod_dict, slice_of
 
 from gpushare.contract.names import ANN_MEM_IDX, ENV_MEM_CONTAINER, ENV_MEM_IDX, ENV_VISIBLE_DEVICES
 from gpushare.contract.pending import PendingBind
 from gpushare.contract.units import GIB
+from gpushare.settings import RewriteOptions
 
 SIDECAR = Target(POD.namespace, POD.pod, POD.uid, "sidecar")
 

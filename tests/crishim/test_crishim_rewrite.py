@@ -15,7 +15,7 @@ from gpushare.crishim.resolve import (
     plugin_view,
     target_of,
 )
-from gpushare.crishim.rewrite import RewriteOptions, rewrite
+from gpushare.crishim.rewrite import rewrite
 from gpushare.crishim.server import CreateContainerGuard
 from gpushare.crishim.splice import Forward, Refuse
 from support.cri import env_of, plain_config, plugin_config, request_for
@@ -44,6 +44,7 @@ from gpushare.contract.names import (
 )
 from gpushare.contract.units import GIB
 from gpushare.pb import cri_pb2
+from gpushare.settings import RewriteOptions
 
 OTHER = Target(namespace="default", pod="infer", uid="uid-infer", container="worker")
 

@@ -14,7 +14,7 @@ import yaml
 from gpushare.cli import build_parser
 from gpushare.contract.names import ENV_NODE_NAME, ENV_VISIBLE_DEVICES, RESOURCE_MEM, RESOURCES
 from gpushare.contract.request import parse_pod_request
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.sandbox.nodespec import DEFAULT_NODES, parse_node
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

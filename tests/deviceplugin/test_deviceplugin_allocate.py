@@ -35,7 +35,7 @@ from gpushare.contract.names import (
 )
 from gpushare.contract.pending import PendingBind
 from gpushare.contract.units import GIB, parse_unit
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.placement import ANY_CARD, CardRule
 
 CARDS = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")

@@ -20,7 +20,7 @@ from gpushare.cards import Card
 from gpushare.cli import build_parser
 from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM, RESOURCES
 from gpushare.contract.units import GIB, MemoryUnit, parse_unit
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.settings import UsageError, device_plugin_settings
 
 MIXED = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")

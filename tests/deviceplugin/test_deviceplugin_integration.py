@@ -15,7 +15,6 @@ from typing import Any
 import grpc
 import pytest
 from gpushare.deviceplugin import plugin as plugin_module
-from gpushare.deviceplugin import wiring as deviceplugin_wiring
 from gpushare.deviceplugin.devices import card_of_device
 from gpushare.deviceplugin.plugin import SOCKETS
 from gpushare.deviceplugin.wiring import RunningPlugin, start_device_plugin
@@ -43,7 +42,8 @@ from gpushare.contract.names import (
     RESOURCES,
 )
 from gpushare.contract.units import parse_unit
-from gpushare.inventory import SimulatedBackend
+from gpushare.gpus.simulated import SimulatedBackend
+from gpushare.kube import nodeapi
 from gpushare.observability import serve_http
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
@@ -301,7 +301,7 @@ def test_a_pod_kubelet_admits_before_the_plugin_cache_has_it_is_admitted_by_re_r
 ) -> None:
     """Kubelet admits a pod the moment its watch shows it bound, while the
     plugin's informer is still behind. Allocate must re-read the API server, not refuse."""
-    monkeypatch.setattr(deviceplugin_wiring, "node_pod_cache", lambda api, node: LaggingWatchCache(api, node, 30))
+    monkeypatch.setattr(nodeapi, "node_pod_cache", lambda api, node: LaggingWatchCache(api, node, 30))
     directory = Path(tempfile.mkdtemp(prefix="dp", dir="/tmp"))
     sim = SimNode(kube_api, core_v1, directory)
     try:

@@ -22,7 +22,7 @@ from gpushare.contract.names import (
     RESOURCES,
 )
 from gpushare.contract.request import parse_pod_request
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 
 A0, A1, T4 = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
 

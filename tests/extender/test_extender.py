@@ -47,7 +47,7 @@ from gpushare.contract.names import (
 from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
 from gpushare.contract.request import parse_pod_request
 from gpushare.contract.units import GIB
-from gpushare.inventory import SimulatedBackend
+from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.kube.objects import get_pod, list_nodes
 from gpushare.sandbox import apiserver as standin
 from gpushare.usage import held_units, node_usage, pod_allocation

@@ -1,5 +1,6 @@
 """``gpushare node`` as the DaemonSet runs it: one process publishes the inventory, registers both
-resources with kubelet and serves the CRI shim, and stops cleanly on SIGTERM."""
+resources with kubelet and serves the CRI shim on one watch of the node's pods, and stops cleanly on
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
 from kubernetes import client
 from support.waiting import wait_until
 
+from gpushare.cli import build_parser
 from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.kube.objects import get_node
+from gpushare.sandbox.apiserver import ApiServer
 from gpushare.sandbox.kubelet import KubeletEmulator
 
 
-def test_node_agent_runs_all_node_components(
-    kubeconfig: Path, kube_api: client.ApiClient, core_v1: client.CoreV1Api
+def test_node_agent_runs_all_node_components_on_one_pod_watch(
+    apiserver: ApiServer, kubeconfig: Path, kube_api: client.ApiClient, core_v1: client.CoreV1Api
 ) -> None:
     core_v1.create_node({"metadata": {"name": "n1"}})
     directory = Path(tempfile.mkdtemp(prefix="agent", dir="/tmp"))
@@ -58,6 +62,8 @@ def test_node_agent_runs_all_node_components(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, proc.stderr.read()
         assert not (directory / "gpushare-gpu-mem.sock").exists()
+        # the device plugin and the CRI shim both read the node's pods, from one LIST+WATCH
+        assert apiserver.reads["pods", "watch", "spec.nodeName=n1"] == 1
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -75,3 +81,18 @@ def test_cri_shim_flags_that_are_not_unix_sockets_are_refused_by_name() -> None:
         assert done.returncode == 2
         assert f"{flag} '{value}': expected an absolute unix socket path" in done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_the_node_command_defaults_to_what_its_daemonset_passes() -> None:
+    """Run by hand, ``gpushare node`` serves where the DaemonSet's probes and kubelet look; it reads every
+    argument the DaemonSet gives it, and only --metrics-host differs from its default (the pod's IP)."""
+    manifest = Path(__file__).parents[2] / "deploy" / "node-agent.yaml"
+    (daemonset,) = [d for d in yaml.safe_load_all(manifest.read_text()) if d and d["kind"] == "DaemonSet"]
+    (agent,) = daemonset["spec"]["template"]["spec"]["containers"]
+    passed = build_parser().parse_args(
+        [*agent["command"][1:], *(a.replace("$(POD_IP)", "10.1.2.3") for a in agent["args"])]
+    )
+    defaults = build_parser().parse_args(["node"])
+    read = [arg.split("=", 1)[0][2:].replace("-", "_") for arg in agent["args"]]
+    assert {name for name in read if getattr(passed, name) != getattr(defaults, name)} == {"metrics_host"}
+    assert defaults.metrics_port == 9410 != build_parser().parse_args(["cri-shim"]).metrics_port

@@ -35,7 +35,8 @@ from gpushare.contract.names import (
     RESOURCE_MEM,
 )
 from gpushare.contract.units import GIB
-from gpushare.inventory import HealthEvent, InventoryError, NvmlBackend, _single_node, parse_ignored_xids
+from gpushare.gpus.backend import HealthEvent, InventoryError, parse_ignored_xids
+from gpushare.gpus.nvml import NvmlBackend, _single_node
 from gpushare.kube.objects import get_node
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
@@ -100,7 +101,7 @@ def test_mixed_node_t4_has_no_nvlink_and_only_bridged_a100s_are_peers(tmp_path, 
 
 def test_a_mig_mode_card_is_left_out_by_name(tmp_path, monkeypatch, caplog) -> None:
     whole, mig = described_cards("mig")
-    caplog.set_level(logging.WARNING, logger="gpushare.inventory")
+    caplog.set_level(logging.WARNING, logger="gpushare.gpus")
     with nvml_backend("mig", tmp_path, monkeypatch, **FAST) as (backend, _):
         cards = backend.cards()
     assert [(card.index, card.uuid) for card in cards] == [(0, whole["uuid"])]
@@ -110,7 +111,7 @@ def test_a_mig_mode_card_is_left_out_by_name(tmp_path, monkeypatch, caplog) -> N
 
 
 def test_a_card_lost_before_start_is_left_out_naming_the_call(tmp_path, monkeypatch, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="gpushare.inventory")
+    caplog.set_level(logging.WARNING, logger="gpushare.gpus")
     with nvml_backend("lost-card", tmp_path, monkeypatch, **FAST) as (backend, _):
         cards = backend.cards()
     assert [card.index for card in cards] == [0, 2]  # indices stay NVML's
@@ -120,7 +121,7 @@ def test_a_card_lost_before_start_is_left_out_naming_the_call(tmp_path, monkeypa
 
 def test_faults_at_start_name_the_card_and_the_call(tmp_path, monkeypatch, caplog) -> None:
     ok, no_events, unreadable = (d["uuid"] for d in described_cards("faulty"))
-    caplog.set_level(logging.WARNING, logger="gpushare.inventory")
+    caplog.set_level(logging.WARNING, logger="gpushare.gpus")
     with nvml_backend("faulty", tmp_path, monkeypatch, **FAST) as (backend, _):
         cards = backend.cards()
     # a card that can't report XIDs is not trusted with work; one that can't be read is not offered

@@ -9,7 +9,7 @@ from support.waiting import wait_until
 from gpushare.contract.names import RESOURCE_MEM
 from gpushare.contract.request import parse_pod_request
 from gpushare.contract.units import GIB
-from gpushare.inventory import SimulatedBackend
+from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.sandbox.examples import EXAMPLES, load_examples, with_string_quantities
 from gpushare.sandbox.nodespec import DEFAULT_NODES, parse_node
 from gpushare.sandbox.scheduler import ExtenderClient, best_host, filter_outcome, unschedulable_reason

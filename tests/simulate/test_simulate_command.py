@@ -16,7 +16,7 @@ from gpushare.contract.allocation import CardSlice, format_allocation
 from gpushare.contract.inventory import format_inventory
 from gpushare.contract.names import ANN_ALLOCATION, ANN_GPU_MODEL, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.simulate import report, runs
 from gpushare.simulate.replay import ARRIVALS
 from gpushare.simulate.trace import load_nodes, load_pods

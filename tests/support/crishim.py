@@ -15,7 +15,7 @@ from gpushare.contract.names import (
 )
 from gpushare.contract.pending import Ledger
 from gpushare.contract.units import GIB
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.kube.errors import KubeUnavailable
 
 CARDS = simulated_cards("node-a", "2xA100-80GB:81920,1xT4:15360")

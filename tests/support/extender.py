@@ -17,7 +17,7 @@ from kubernetes import client
 from gpushare.contract.allocation import parse_allocation
 from gpushare.contract.names import ANN_ALLOCATION, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB
-from gpushare.inventory import SimulatedBackend
+from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.kube.objects import get_pod
 from gpushare.sandbox.kubelet import KubeletEmulator
 from gpushare.sandbox.scheduler import ExtenderClient, ScheduleResult, schedule_one

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gpushare.inventory import NvmlBackend
+from gpushare.gpus.nvml import NvmlBackend
 from gpushare.sandbox import fakenvml
 
 _loaded: list[ctypes.CDLL] = []

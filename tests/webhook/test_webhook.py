@@ -26,7 +26,7 @@ from gpushare.contract.names import (
     ANN_REQUIRE_NVLINK,
     protected_annotation,
 )
-from gpushare.inventory import simulated_cards
+from gpushare.gpus.simulated import simulated_cards
 from gpushare.tlshttp import ServerTLS
 
 EXTENDER, NODE_AGENT = DEFAULT_TRUSTED

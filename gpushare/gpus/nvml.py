@@ -1,207 +1,21 @@
-"""Where the node's cards come from: NVML on a real node, a simulated backend everywhere else.
-
-Both backends expose the same small interface: ``cards()`` for the current list (health included)
-and ``subscribe()`` for health changes. Health changes come from XID events; which XIDs count as a
-fault is decided by :func:`is_critical_xid` so both backends agree.
-"""
+"""The cards of a real node, read through NVML (``--gpus nvml``), and their health watched."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import threading
 import time
-import uuid as uuidlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from itertools import combinations
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from gpushare.cards import Card
+from gpushare.gpus.backend import DEFAULT_IGNORED_XIDS, DEFAULT_NVML_RECOVERY, CardBook, InventoryError, is_critical_xid
 
 log = logging.getLogger(__name__)
-
-#: XIDs that are the application's fault, not the card's (the same set NVIDIA's own plugin ignores).
-DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
-#: seconds a failed NVML card must stay quiet before it is trusted again (``--nvml-recovery-seconds``)
-DEFAULT_NVML_RECOVERY = 300.0
-
-_SIM_NAMESPACE = uuidlib.UUID("6d0c9b0e-2f4a-4a53-9f5e-8f8f3b1f1a10")
-_SIM_PART = re.compile(r"^([1-9][0-9]*)x([A-Za-z0-9._-]+):([1-9][0-9]*)$")
-
-
-class InventoryError(RuntimeError):
-    """The card inventory can't be read. The message is one sentence meant for the operator."""
-
-
-@dataclass(frozen=True, slots=True)
-class HealthEvent:
-    uuid: str
-    healthy: bool
-    reason: str
-
-
-HealthCallback = Callable[[HealthEvent], None]
-
-
-class GpuBackend(Protocol):
-    def cards(self) -> list[Card]: ...
-
-    def subscribe(self, callback: HealthCallback) -> None: ...
-
-    def unsubscribe(self, callback: HealthCallback) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def is_critical_xid(xid: int, ignored: frozenset[int]) -> bool:
-    return xid not in ignored
-
-
-def parse_ignored_xids(text: str) -> frozenset[int]:
-    """``"13,31,43"`` -> the set; an empty string ignores nothing."""
-    try:
-        return frozenset(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise InventoryError(f"--ignore-xids {text!r} is not a comma-separated list of integers") from None
-
-
-class _Subscribers:
-    def __init__(self) -> None:
-        self._callbacks: list[HealthCallback] = []
-        self._lock = threading.Lock()
-
-    def add(self, callback: HealthCallback) -> None:
-        with self._lock:
-            self._callbacks.append(callback)
-
-    def remove(self, callback: HealthCallback) -> None:
-        with self._lock:
-            if callback in self._callbacks:
-                self._callbacks.remove(callback)
-
-    def emit(self, event: HealthEvent) -> None:
-        with self._lock:
-            callbacks = list(self._callbacks)
-        for callback in callbacks:
-            try:
-                callback(event)
-            except Exception:
-                log.exception("health subscriber failed on card %s", event.uuid)
-
-
-class _CardBook:
-    """The cards and their health, shared by both backends; health changes go to the subscribers."""
-
-    def __init__(self, cards: Iterable[Card]) -> None:
-        self._cards = {c.uuid: c for c in cards}
-        self._subscribers = _Subscribers()
-        self._lock = threading.Lock()
-
-    def cards(self) -> list[Card]:
-        with self._lock:
-            return sorted(self._cards.values(), key=lambda c: c.index)
-
-    def subscribe(self, callback: HealthCallback) -> None:
-        self._subscribers.add(callback)
-
-    def unsubscribe(self, callback: HealthCallback) -> None:
-        """A stopped component hears of no more changes (a restarted one subscribes afresh)."""
-        self._subscribers.remove(callback)
-
-    def _set(self, uuid: str, healthy: bool, reason: str) -> bool:
-        """Record a card's health; returns whether it changed (subscribers hear only of changes)."""
-        with self._lock:
-            card = self._cards.get(uuid)
-            if card is None:
-                raise InventoryError(f"card {uuid} is not on this node")
-            if card.healthy == healthy:
-                return False
-            self._cards[uuid] = card.with_health(healthy)
-        log.warning("card %s (index %d) is now %s: %s", uuid, card.index, _word(healthy), reason)
-        self._subscribers.emit(HealthEvent(uuid, healthy, reason))
-        return True
-
-
-# --- simulated cards ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class SimGroup:
-    count: int
-    model: str
-    memory_mib: int
-
-
-def parse_sim_spec(spec: str) -> tuple[SimGroup, ...]:
-    """``2xA100-80GB:81920,1xT4:15360`` -> groups of identical cards, in order."""
-    groups = []
-    for part in spec.split(","):
-        m = _SIM_PART.match(part.strip())
-        if not m:
-            raise InventoryError(
-                f"simulated GPU spec part {part.strip()!r} is not COUNTxMODEL:MiB (e.g. 2xA100-80GB:81920)"
-            )
-        groups.append(SimGroup(int(m.group(1)), m.group(2), int(m.group(3))))
-    return tuple(groups)
-
-
-def simulated_cards(node_name: str, spec: str) -> list[Card]:
-    """Deterministic cards for ``node_name``: the same flags give the same UUIDs in every process.
-
-    The first half of the cards sits on NUMA node 0, the rest on NUMA node 1; cards of one model on one
-    NUMA node are NVLink peers. Minor numbers run in reverse of the NVML index, as they can on real
-    machines, so code that mixes the two up is caught.
-    """
-    flat = [(g.model, g.memory_mib) for g in parse_sim_spec(spec) for _ in range(g.count)]
-    total = len(flat)
-    uuids = [f"GPU-{uuidlib.uuid5(_SIM_NAMESPACE, f'{node_name}/{spec}/{i}')}" for i in range(total)]
-    numa = [0 if i < (total + 1) // 2 else 1 for i in range(total)]
-    cards = []
-    for i, (model, mib) in enumerate(flat):
-        peers = tuple(uuids[j] for j in range(total) if j != i and flat[j][0] == model and numa[j] == numa[i])
-        cards.append(
-            Card(
-                index=i,
-                uuid=uuids[i],
-                model=model,
-                memory_mib=mib,
-                minor=total - 1 - i,
-                numa_node=numa[i],
-                nvlink_peers=peers,
-            )
-        )
-    return cards
-
-
-class SimulatedBackend(_CardBook):
-    """Cards from a spec string; health is driven by :meth:`inject_xid` and :meth:`recover`."""
-
-    def __init__(self, node_name: str, spec: str, ignored_xids: frozenset[int] = DEFAULT_IGNORED_XIDS):
-        super().__init__(simulated_cards(node_name, spec))
-        self._ignored = ignored_xids
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-    def inject_xid(self, uuid: str, xid: int) -> bool:
-        """Report XID ``xid`` on a card. Returns whether it changed the card's health."""
-        if not is_critical_xid(xid, self._ignored):
-            log.info("card %s: XID %d ignored (application error)", uuid, xid)
-            return False
-        return self._set(uuid, False, f"XID {xid}")
-
-    def recover(self, uuid: str) -> None:
-        self._set(uuid, True, "recovered")
-
-
-def _word(healthy: bool) -> str:
-    return "Healthy" if healthy else "Unhealthy"
-
-
-# --- NVML ---------------------------------------------------------------------------------------------------
 
 #: NVML's memory-affinity bitmask is read in 64-bit words: 2 words cover 128 NUMA nodes
 _NUMA_WORDS = 2
@@ -242,7 +56,7 @@ class _Found:
     handle: object
 
 
-class NvmlBackend(_CardBook):
+class NvmlBackend(CardBook):
     """Cards read through pynvml; their health watched on a background thread.
 
     Health: a card turns Unhealthy on a critical XID (any XID not in ``ignored_xids``), or when NVML
@@ -470,21 +284,3 @@ def _address(handle: object) -> int | None:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def open_backend(
-    gpus: str,
-    node_name: str,
-    ignored_xids: frozenset[int] = DEFAULT_IGNORED_XIDS,
-    nvml_recovery: float = DEFAULT_NVML_RECOVERY,
-) -> GpuBackend:
-    """``--gpus nvml`` or ``--gpus sim:SPEC``."""
-    if gpus == "nvml":
-        return NvmlBackend(ignored_xids, nvml_recovery)
-    if gpus.startswith("sim:"):
-        return SimulatedBackend(node_name, gpus[4:], ignored_xids)
-    raise InventoryError(f"--gpus {gpus!r} is neither 'nvml' nor 'sim:SPEC'")
-
-
-def by_uuid(cards: Iterable[Card]) -> dict[str, Card]:
-    return {c.uuid: c for c in cards}

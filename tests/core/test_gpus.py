@@ -5,15 +5,9 @@ import sys
 
 import pytest
 
-from gpushare.inventory import (
-    DEFAULT_IGNORED_XIDS,
-    HealthEvent,
-    InventoryError,
-    SimulatedBackend,
-    open_backend,
-    parse_ignored_xids,
-    simulated_cards,
-)
+from gpushare.gpus import open_backend
+from gpushare.gpus.backend import DEFAULT_IGNORED_XIDS, HealthEvent, InventoryError, parse_ignored_xids
+from gpushare.gpus.simulated import SimulatedBackend, simulated_cards
 
 SPEC = "2xA100-80GB:81920,1xT4:15360"
 
