@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import wait_until
-from gpushare.extender import gang as gang_module
+from gpushare.extender import reservations as gang_module
 from gpushare.extender.wiring import start_extender
 from kubernetes import client
 from podfactory import container, gpu_pod
