@@ -35,16 +35,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare.extender import podfit
-from gpushare.extender.cache import ClusterCache, demands_of, placement_cards
+from gpushare.extender.asks import PodAsk, read_ask
+from gpushare.extender.cache import ClusterCache, placement_cards
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.metrics import BIND_BATCH, BIND_FAILURES
 
 from gpushare import placement
 from gpushare.contract.aliyun import format_assume_time, format_bool, format_framework_allocation
 from gpushare.contract.allocation import Allocation, CardSlice, format_allocation
-from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError, quoted
-from gpushare.contract.gang import parse_gang
 from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import (
     ANN_ALLOCATION,
@@ -58,9 +57,9 @@ from gpushare.contract.names import (
     NODE_ANN_PENDING_BINDS,
     PLACEMENT_ANNOTATIONS,
 )
-from gpushare.contract.nodeselection import node_refusal, parse_node_facts, parse_pod_nodes
+from gpushare.contract.nodeselection import node_refusal, parse_node_facts
 from gpushare.contract.pending import LEDGER_BYTES, Ledger, LedgerError, PendingBind, format_pending_binds
-from gpushare.contract.request import annotations_of, parse_pod_request
+from gpushare.contract.request import PodRequest, annotations_of
 from gpushare.contract.units import MemoryUnit
 from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
 from gpushare.kube.events import EventRecorder
@@ -89,7 +88,7 @@ def allocation_of(assignments: tuple[placement.Assignment, ...]) -> Allocation:
     return {a.container: tuple(CardSlice(index, uuid, taken) for index, uuid, taken in a.cards) for a in assignments}
 
 
-def pod_annotations(pod: Mapping[str, Any], allocation: Allocation, inventory: NodeInventory) -> dict[str, str]:
+def pod_annotations(request: PodRequest, allocation: Allocation, inventory: NodeInventory) -> dict[str, str]:
     """Our allocation (on nodes whose cards we know by UUID) and the original keys, written the way
     the original components read them, so that they count the pod right after a rollback or beside us.
 
@@ -100,7 +99,6 @@ def pod_annotations(pod: Mapping[str, Any], allocation: Allocation, inventory: N
     past it); the framework annotation lists each app container's cards by minor, a whole card as
     ``_DEV``. Their device plugin matches a pod by its spec, never by ``_POD``.
     """
-    request = parse_pod_request(pod)
     by_uuid = {c.uuid: c for c in inventory.cards}
     per_card = alibaba_total_per_card(inventory)
     apps = [c for c in request.gpu_containers if not c.init and c.name in allocation]
@@ -139,14 +137,14 @@ class _Bind:
     """A bind waiting for its node, and how it went: placed, or refused with the error for kube-scheduler."""
 
     pod: Mapping[str, Any]
-    demands: tuple[placement.Demand, ...]
+    ask: PodAsk
     where: str
     placed: _Placed | None = None
     error: BindError | None = None
 
     @property
     def uid(self) -> str:
-        return self.pod["metadata"].get("uid", "")
+        return self.ask.uid
 
     @property
     def decided(self) -> bool:
@@ -203,19 +201,19 @@ class Binder:
 
     def bind(self, namespace: str, name: str, uid: str | None, node: str) -> None:
         where = f"pod {namespace}/{name} on node {node}"
-        pod = self._pod(namespace, name, uid, node)
-        if uid and (pod.get("metadata") or {}).get("uid") != uid:
+        pod, ask = self._pod(namespace, name, uid, node)
+        if uid and ask.uid != uid:
             BIND_FAILURES.labels(reason="uid-mismatch").inc()
             raise BindError(f"bind {where}: the pod was replaced (uid {quoted(uid)} is gone)")
         try:
-            demands = demands_of(pod)
-        except (ContractError, ValueError) as exc:
+            demands = ask.demands
+        except ContractError as exc:
             BIND_FAILURES.labels(reason="bad-request").inc()
             raise BindError(f"bind to node {node}: {exc}") from None
         if not demands:
             BIND_FAILURES.labels(reason="not-managed").inc()
             raise BindError(f"bind {where}: the pod requests no gpushare resource; kube-scheduler binds it")
-        request = _Bind(pod, demands, where)
+        request = _Bind(pod, ask, where)
         with self._locks_guard:
             self._waiting.setdefault(node, []).append(request)
         with self.node_lock(node):
@@ -228,15 +226,16 @@ class Binder:
         assert request.placed is not None
         self._create_binding(pod, node, request.placed, where)
 
-    def _pod(self, namespace: str, name: str, uid: str | None, node: str) -> Mapping[str, Any]:
-        """The pod from the watch cache when it has this uid (kube-scheduler names the pod it placed),
-        else from the API server: a pod's requests can't change under one uid, and its annotations are
-        gpushare's or validated by the webhook."""
-        cached = self._cache.pods.get(name, namespace)
-        if cached is not None and uid and (cached.get("metadata") or {}).get("uid") == uid:
+    def _pod(self, namespace: str, name: str, uid: str | None, node: str) -> tuple[Mapping[str, Any], PodAsk]:
+        """The pod and its ask from the watch cache when it has this uid (kube-scheduler names the pod it
+        placed), else from the API server: a pod's requests can't change under one uid, and its annotations
+        are gpushare's or validated by the webhook. Never from a filter's body, which anyone can forge."""
+        cached = self._cache.pod(namespace, name)
+        if cached is not None and uid and cached[1].uid == uid:
             return cached
         try:
-            return get_pod(self._api, namespace, name)
+            pod = get_pod(self._api, namespace, name)
+            return pod, read_ask(pod)
         except KubeError as exc:
             BIND_FAILURES.labels(reason="pod-unreadable").inc()
             raise BindError(f"bind to node {node}: {exc}") from None
@@ -285,7 +284,9 @@ class Binder:
         inventory = node_inventory(node_obj)
         pending = [r for r in batch if not r.decided]
         own = {r.uid for r in pending}
-        ledger, cards, _ = self.node_cards(node_obj, inventory, own, self._cache.pods_on(node))
+        ledger, cards, _ = self.node_cards(
+            node_obj, inventory, own, self._cache.pods_on(node), self._cache.requests_on(node)
+        )
         recorded: list[_Bind] = []
         text = ""
         for request in pending:
@@ -296,7 +297,7 @@ class Binder:
                 if (entry := ledger.get(request.uid)) is not None:  # what it held stays held
                     cards = taking(cards, entry.held)
                 continue
-            held = held_units(placed.allocation, parse_pod_request(request.pod))
+            held = held_units(placed.allocation, request.ask.request)
             meta = request.pod["metadata"]
             grown = {**ledger, request.uid: PendingBind(f"{meta['namespace']}/{meta['name']}", held, time.time())}
             grown_text = format_pending_binds(grown)
@@ -328,14 +329,14 @@ class Binder:
         cards: tuple[placement.CardCapacity, ...],
     ) -> _Placed:
         """The cards of one pod on ``cards`` (step 2), or BindError saying why not."""
-        pod, where = request.pod, request.where
-        if inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(request.demands)):
+        ask, where = request.ask, request.where
+        if inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(ask.demands)):
             BIND_FAILURES.labels(reason="original-plugin").inc()
             raise BindError(f"bind {where}: node {node} {refusal}")
-        if refusal := node_refusal(parse_pod_nodes(pod), parse_node_facts(node_obj)):
+        if refusal := node_refusal(ask.nodes, parse_node_facts(node_obj)):
             BIND_FAILURES.labels(reason="node-selector").inc()
             raise BindError(f"bind {where}: {refusal}")
-        if (gang := parse_gang(pod)) is not None:
+        if (gang := ask.gang) is not None:
             hold = ledger.get(request.uid)
             if hold is None or hold.gang != gang.key:
                 BIND_FAILURES.labels(reason="gang-not-held").inc()
@@ -345,9 +346,8 @@ class Binder:
                 )
             cards = within(cards, hold.held)
         try:
-            _, policy = self._engine.policy_for(pod)
-            order = podfit.InitOrder.of(request.demands, podfit.init_names(pod))
-            assignments = order.place(cards, policy, inventory.unit.name, parse_card_rule(pod))
+            _, policy = self._engine.policy_for(ask)
+            assignments = ask.order.place(cards, policy, inventory.unit.name, ask.rule)
         except ContractError as exc:
             BIND_FAILURES.labels(reason="bad-annotation").inc()
             raise BindError(f"bind to node {node}: {exc}") from None
@@ -355,7 +355,7 @@ class Binder:
             BIND_FAILURES.labels(reason="no-fit").inc()
             raise BindError(f"bind {where}: {nofit.reason}") from None
         allocation = allocation_of(assignments)
-        return _Placed(allocation, pod_annotations(pod, allocation, inventory), inventory.unit)
+        return _Placed(allocation, pod_annotations(ask.request, allocation, inventory), inventory.unit)
 
     def _swap(self, node: str, node_obj: Mapping[str, Any], ledger_text: str, recorded: list[_Bind]) -> bool:
         """Step 3 of the module doc: ``ledger_text`` (the ledger with the entries of ``recorded``) on the
@@ -411,11 +411,17 @@ class Binder:
         return self.node_cards(node_obj, inventory, own, listed)
 
     def node_cards(
-        self, node_obj: Mapping[str, Any], inventory: NodeInventory, own: set[str], listed: Sequence[Mapping[str, Any]]
+        self,
+        node_obj: Mapping[str, Any],
+        inventory: NodeInventory,
+        own: set[str],
+        listed: Sequence[Mapping[str, Any]],
+        requests: Mapping[str, PodRequest | ContractError] | None = None,
     ) -> tuple[dict[str, PendingBind], tuple[placement.CardCapacity, ...], set[str]]:
         """The node's ledger entries that stay (see :meth:`_ledger`), its cards with every pod of ``listed``
-        (the pods bound to it), in-flight bind and gang hold counted except those of the pods ``own``, and
-        which of ``own`` ``listed`` shows bound to the node."""
+        (the pods bound to it; ``requests``: their requests by pod key, as read already), in-flight bind and
+        gang hold counted except those of the pods ``own``, and which of ``own`` ``listed`` shows bound to
+        the node."""
         node = node_obj["metadata"]["name"]
         others = [p for p in listed if (p.get("metadata") or {}).get("uid") not in own]
         bound = {uid for p in listed if (uid := (p.get("metadata") or {}).get("uid")) in own}
@@ -430,7 +436,8 @@ class Binder:
         ledger, unlisted = self._ledger(node_obj, node, others)
         mine = {other for other, _ in assumed} | own
         in_flight += [entry.held for other, entry in unlisted.items() if other not in mine]
-        return ledger, placement_cards(inventory, others, in_flight, self._cache.fenced(node), ledger), bound
+        cards = placement_cards(inventory, others, in_flight, self._cache.fenced(node), ledger, requests)
+        return ledger, cards, bound
 
     def _ledger(
         self, node_obj: Mapping[str, Any], node: str, listed: Sequence[Mapping[str, Any]]

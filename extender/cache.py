@@ -1,5 +1,11 @@
-"""The extender's view of the cluster: every node's cards (from the advertiser's annotation) and what
-the pods bound to it hold (from their annotations), plus the binds this replica has in flight.
+"""The extender's view of the cluster, mirrored from its watches: every node's cards (from the
+advertiser's annotation), its ledger, and what the pods bound to it hold (from their annotations), with
+each pod's ask read once as the watch brings it.
+
+It composes what it learns beside the mirror, each part in a module of its own: the workload the
+fragmentation-aware policies learn (:mod:`.workload`), the gang holds in the ledgers (:mod:`.holds`),
+the fenced cards (:mod:`.fences`) and this replica's binds in flight (:mod:`.inflight`). One lock
+guards them all.
 
 Each node carries a generation that moves whenever its inventory or one of its pods changes, so
 per-node placement answers can be memoised until something on that node changes.
@@ -11,22 +17,23 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpushare.extender.asks import PodAsk, host_amounts, read_ask
+from gpushare.extender.fences import Fences
+from gpushare.extender.holds import NodeHolds
+from gpushare.extender.inflight import InFlight
+from gpushare.extender.workload import ObservedWorkload, PodShape
 from kubernetes.utils import parse_quantity
 
 from gpushare import placement
-from gpushare.contract.aliyun import parse_fenced_cards
-from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
 from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import (
-    FENCE_CONFIGMAP_KEY,
     FENCE_CONFIGMAP_NAMESPACE,
-    FENCE_CONFIGMAP_PREFIX,
     NODE_ANN_PENDING_BINDS,
     PLACEMENT_ANNOTATIONS,
     RESOURCE_CPU,
@@ -35,7 +42,7 @@ from gpushare.contract.names import (
 )
 from gpushare.contract.nodeselection import NodeFacts, parse_node_facts
 from gpushare.contract.pending import Ledger, PendingBind
-from gpushare.contract.request import annotations_of, effective_request, parse_pod_request, pod_key
+from gpushare.contract.request import PodRequest, annotations_of
 from gpushare.kube.watch import WatchCache
 from gpushare.usage import holds_resources, kubelet_refusal, node_inventory, node_ledger, node_usage
 
@@ -43,9 +50,6 @@ log = logging.getLogger(__name__)
 
 #: deleted pods whose uids are kept; a ledger entry of an older one costs a read of its pod
 GONE_KEPT = 100_000
-
-#: one GPU container as the fragmentation-aware policy learns it: (GPU shape, CPU milli, memory bytes, card rule)
-PodShape = tuple[placement.Shape, int, int, placement.CardRule]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,41 +63,8 @@ class CachedNode:
     generation: int
 
 
-def demands_of(pod: Mapping[str, Any]) -> tuple[placement.Demand, ...]:
-    """The pod's GPU containers as placement demands; raises ContractError on a bad request."""
-    return tuple(
-        placement.Demand(
-            container=c.name, units=0 if c.exclusive else c.units_per_card, cards=c.cards, exclusive=c.exclusive
-        )
-        for c in parse_pod_request(pod).gpu_containers
-    )
-
-
 #: what a node or pod without a readable CPU or memory figure is taken to have: no limit
 UNLIMITED = 1 << 60
-
-
-def _host_amounts(resources: Mapping[str, Any] | None) -> tuple[int, int]:
-    """(CPU milli, memory bytes) of a requests or allocatable map; a missing or unreadable entry is 0."""
-    amounts = []
-    for name, scale in ((RESOURCE_CPU, 1000), (RESOURCE_MEMORY, 1)):
-        try:
-            amounts.append(int(parse_quantity((resources or {}).get(name, 0)) * scale))
-        except (ValueError, TypeError, ArithmeticError):
-            amounts.append(0)
-    return amounts[0], amounts[1]
-
-
-def host_request(pod: Mapping[str, Any]) -> tuple[int, int]:
-    """The pod's (CPU milli, memory bytes) request as kube-scheduler counts it: per resource, the larger
-    of the app containers' sum and the largest init container."""
-    spec = pod.get("spec") or {}
-    apps = [_host_amounts((c.get("resources") or {}).get("requests")) for c in spec.get("containers") or []]
-    inits = [_host_amounts((c.get("resources") or {}).get("requests")) for c in spec.get("initContainers") or []]
-    return (
-        effective_request((a[0] for a in apps), (i[0] for i in inits)),
-        effective_request((a[1] for a in apps), (i[1] for i in inits)),
-    )
 
 
 def pods_allocatable(node: Mapping[str, Any]) -> int:
@@ -107,7 +78,7 @@ def pods_allocatable(node: Mapping[str, Any]) -> int:
 def host_allocatable(node: Mapping[str, Any]) -> tuple[int, int]:
     """The node's allocatable (CPU milli, memory bytes); ``UNLIMITED`` for a figure the node doesn't give."""
     allocatable = (node.get("status") or {}).get("allocatable") or {}
-    cpu, memory = _host_amounts(allocatable)
+    cpu, memory = host_amounts(allocatable)
     return (cpu if RESOURCE_CPU in allocatable else UNLIMITED, memory if RESOURCE_MEMORY in allocatable else UNLIMITED)
 
 
@@ -117,11 +88,13 @@ def placement_cards(
     extra: Iterable[Mapping[str, int]] = (),
     fenced: frozenset[int] = frozenset(),
     ledger: Ledger | None = None,
+    requests: Mapping[str, PodRequest | ContractError] | None = None,
 ) -> tuple[placement.CardCapacity, ...]:
     """The node's cards with the units held by ``pods`` (and ``extra``: units per card UUID of binds in
     flight) marked used, by the one rule of :mod:`gpushare.usage` over the node's ``ledger``. Cards whose
-    minor is in ``fenced`` (the original extender's unhealthy-GPU ConfigMap) take no new pods."""
-    used, _, bad = node_usage(pods, inventory, ledger=ledger)
+    minor is in ``fenced`` (the original extender's unhealthy-GPU ConfigMap) take no new pods.
+    ``requests``: the pods' requests by pod key, as read already."""
+    used, _, bad = node_usage(pods, inventory, ledger=ledger, requests=requests)
     for pod in bad:
         if pod.counted:
             log.warning("GPU annotations disagree with what the pod can hold: %s", pod.reason)
@@ -158,15 +131,15 @@ class ClusterCache:
         self._ledgers: dict[str, Ledger] = {}
         #: node -> why its ledger can't be read now
         self._damaged: dict[str, str] = {}
+        #: every pod (by key) with its ask, as the watch last brought it
+        self._pods: dict[str, tuple[Mapping[str, Any], PodAsk]] = {}
         self._pods_by_node: dict[str, dict[str, Mapping[str, Any]]] = {}
         self._node_of_pod: dict[str, str] = {}
-        self._assumed: dict[str, tuple[str, Mapping[str, int]]] = {}
-        #: node -> card minors fenced by the original extender's unhealthy-GPU ConfigMap
-        self._fenced: dict[str, frozenset[int]] = {}
+        self._in_flight = InFlight()
+        self._fences = Fences()
+        self._holds = NodeHolds()
+        self._workload = ObservedWorkload()
         self._views: dict[str, CachedNode] = {}
-        self._shapes: Counter[placement.Shape] = Counter()
-        self._shapes_of_pod: dict[str, tuple[placement.Shape, ...]] = {}
-        self.shapes_version = 0
         #: per node: allocatable (CPU milli, memory bytes); and the free amounts per node, until it changes
         self._allocatable: dict[str, tuple[int, int]] = {}
         #: per node: how many pods it takes
@@ -174,17 +147,10 @@ class ClusterCache:
         #: per node: its name, labels and taints, which decide the pods it may take
         self._facts: dict[str, NodeFacts] = {}
         self._host_free: dict[str, tuple[int, int]] = {}
-        #: the (GPU shape, CPU, memory, card rule) of every pod, GPU or not, that the host-aware policy learns from
-        self._pod_shapes: Counter[PodShape] = Counter()
-        self._pod_shapes_of_pod: dict[str, tuple[PodShape, ...]] = {}
         self._change_listeners: list[Callable[[str], None]] = []
+        self._pod_listeners: list[Callable[[str, Mapping[str, Any], PodAsk], None]] = []
         #: uids of pods seen deleted (oldest first), so a ledger entry of one is dropped without a read
         self._gone: OrderedDict[str, None] = OrderedDict()
-        #: gang holds written on each node (its ledger entries that name a gang), the nodes holding for
-        #: each member uid, and per node when the first hold it counts expires
-        self._holds: dict[str, dict[str, PendingBind]] = {}
-        self._hold_nodes: dict[str, set[str]] = {}
-        self._hold_expiry: dict[str, float] = {}
         self.nodes.add_listener(self._on_node)
         self.pods.add_listener(self._on_pod)
         self.configmaps.add_listener(self._on_configmap)
@@ -227,6 +193,10 @@ class ClusterCache:
             for node in self._generation:
                 fn(node)
 
+    def add_pod_listener(self, fn: Callable[[str, Mapping[str, Any], PodAsk], None]) -> None:
+        """``fn(kind, pod, ask)`` for each pod event, after the cache has applied it (outside its lock)."""
+        self._pod_listeners.append(fn)
+
     def _on_node(self, kind: str, node: Mapping[str, Any]) -> None:
         name = (node.get("metadata") or {}).get("name", "")
         with self._lock:
@@ -246,7 +216,7 @@ class ClusterCache:
                 except ContractError as exc:
                     self._inventory[name] = str(exc)
                 self._note_ledger(name, node)
-            self._note_holds(name, self._ledgers.get(name, {}))
+            self._holds.note(name, self._ledgers.get(name, {}))
             self._bump(name)
 
     def _note_ledger(self, name: str, node: Mapping[str, Any]) -> None:
@@ -278,62 +248,38 @@ class ClusterCache:
         with self._lock:
             return self._ledgers.get(node)
 
-    def _note_holds(self, name: str, ledger: Ledger) -> None:
-        """Keep the gang holds among the node's ledger entries (those naming a gang); under the lock."""
-        for uid in self._holds.pop(name, {}):
-            nodes = self._hold_nodes.get(uid, set())
-            nodes.discard(name)
-            if not nodes:
-                self._hold_nodes.pop(uid, None)
-        holds = {uid: entry for uid, entry in ledger.items() if entry.gang}
-        if holds:
-            self._holds[name] = holds
-        for uid in holds:
-            self._hold_nodes.setdefault(uid, set()).add(name)
-
-    def _counted_holds(self, node: str, now: float) -> dict[str, PendingBind]:
-        """The node's gang holds that count: unexpired, for a member this cache knows, still unbound and
-        not already assumed; under the lock."""
-        counted = {}
-        for uid, entry in self._holds.get(node, {}).items():
-            namespace, _, name = entry.pod.partition("/")
-            pod = self.pods.get(name, namespace)
-            if pod is None or (pod.get("metadata") or {}).get("uid") != uid or uid in self._assumed:
-                continue
-            if not (pod.get("spec") or {}).get("nodeName") and now < entry.expires():
-                counted[uid] = entry
-        return counted
+    def _waiting(self, uid: str, entry: PendingBind) -> bool:
+        """Whether the member ``uid`` that ``entry`` holds cards for is known, unbound and not in flight;
+        under the lock."""
+        known = self._pods.get(entry.pod)
+        if known is None or known[1].uid != uid or uid in self._in_flight:
+            return False
+        return not (known[0].get("spec") or {}).get("nodeName")
 
     def _on_configmap(self, kind: str, configmap: Mapping[str, Any]) -> None:
-        name = (configmap.get("metadata") or {}).get("name", "")
-        if not name.startswith(FENCE_CONFIGMAP_PREFIX):
-            return
-        node = name[len(FENCE_CONFIGMAP_PREFIX) :]
-        fenced = (
-            frozenset()
-            if kind == "DELETED"
-            else parse_fenced_cards((configmap.get("data") or {}).get(FENCE_CONFIGMAP_KEY))
-        )
         with self._lock:
-            if fenced != self._fenced.get(node, frozenset()):
-                log.info("node %s: cards fenced by ConfigMap %s: %s", node, name, sorted(fenced) or "none")
-            self._fenced[node] = fenced
-            self._bump(node)
+            node = self._fences.apply(kind, configmap)
+            if node is not None:
+                self._bump(node)
 
     def _on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
-        key = pod_key(pod)
+        ask = read_ask(pod)
+        key, uid = ask.key, ask.uid
         node = (pod.get("spec") or {}).get("nodeName") or ""
-        uid = (pod.get("metadata") or {}).get("uid", "")
         with self._lock:
             previous = self._node_of_pod.pop(key, None)
             if previous is not None:
                 self._pods_by_node.get(previous, {}).pop(key, None)
                 self._bump(previous)
-            if kind != "DELETED" and node:
-                self._pods_by_node.setdefault(node, {})[key] = pod
-                self._node_of_pod[key] = node
-                self._bump(node)
-            for held_on in self._hold_nodes.get(uid, ()):
+            if kind == "DELETED":
+                self._pods.pop(key, None)
+            else:
+                self._pods[key] = (pod, ask)
+                if node:
+                    self._pods_by_node.setdefault(node, {})[key] = pod
+                    self._node_of_pod[key] = node
+                    self._bump(node)
+            for held_on in self._holds.nodes_of(uid):
                 self._bump(held_on)  # a held member was created, bound or deleted
             if kind == "DELETED" and uid:
                 self._gone[uid] = None
@@ -342,44 +288,12 @@ class ClusterCache:
             placed = any(key in annotations_of(pod) for key in PLACEMENT_ANNOTATIONS)
             if kind == "DELETED" or placed or not holds_resources(pod):
                 # the pod's own annotation (or its end) now speaks for what we assumed
-                assumed = self._assumed.pop(uid, None)
+                assumed = self._in_flight.drop(uid)
                 if assumed is not None:
-                    self._bump(assumed[0])
-            self._observe_shapes(key, pod if kind != "DELETED" else None)
-            self._observe_pod_shapes(key, pod if kind != "DELETED" else None)
-
-    def _observe_pod_shapes(self, key: str, pod: Mapping[str, Any] | None) -> None:
-        """Keep the histogram of pod shapes with their CPU, memory and card rule (``Shape(0, 0)`` for no
-        GPU)."""
-        self._pod_shapes.subtract(self._pod_shapes_of_pod.pop(key, ()))
-        if pod is None:
-            return
-        try:
-            shapes = tuple(d.shape for d in demands_of(pod)) or (placement.Shape(0, 0),)
-            rule = parse_card_rule(pod).without_topology()
-        except (ContractError, ValueError):
-            return
-        cpu, memory = host_request(pod)
-        entries = tuple((shape, cpu, memory, rule) for shape in shapes)
-        self._pod_shapes.update(entries)
-        self._pod_shapes_of_pod[key] = entries
-
-    def _observe_shapes(self, key: str, pod: Mapping[str, Any] | None) -> None:
-        """Keep the histogram of GPU demand shapes that the fragmentation-aware policy learns from."""
-        old = self._shapes_of_pod.pop(key, ())
-        try:
-            new = tuple(d.shape for d in demands_of(pod)) if pod is not None else ()
-        except (ContractError, ValueError):
-            new = ()
-        if old == new:
-            if new:
-                self._shapes_of_pod[key] = new
-            return
-        self._shapes.subtract(old)
-        self._shapes.update(new)
-        if new:
-            self._shapes_of_pod[key] = new
-        self.shapes_version += 1
+                    self._bump(assumed)
+            self._workload.observe(key, ask if kind != "DELETED" else None)
+        for listener in self._pod_listeners:
+            listener(kind, pod, ask)
 
     # --- queries ----------------------------------------------------------------------------------------
 
@@ -388,6 +302,11 @@ class ClusterCache:
         never used again, so it stays gone."""
         with self._lock:
             return uid in self._gone
+
+    def pod(self, namespace: str, name: str) -> tuple[Mapping[str, Any], PodAsk] | None:
+        """The pod as the watch last brought it, with its ask; None when the watch has none by that name."""
+        with self._lock:
+            return self._pods.get(f"{namespace}/{name}")
 
     def node_names(self) -> list[str]:
         with self._lock:
@@ -413,12 +332,13 @@ class ClusterCache:
             if not isinstance(inventory, NodeInventory) or node not in self._ledgers:
                 return None
             pods = list(self._pods_by_node.get(node, {}).values())
-            extra = [alloc for (n, alloc) in self._assumed.values() if n == node]
-            holds = self._counted_holds(node, time.time())
+            extra = [held for _, held in self._in_flight.on(node)]
+            holds = self._holds.counted(node, time.time(), self._waiting)
             extra += [entry.held for entry in holds.values()]
-            if holds:
-                self._hold_expiry[node] = min(entry.expires() for entry in holds.values())
-            cards = placement_cards(inventory, pods, extra, self._fenced.get(node, frozenset()), self.ledger(node))
+            self._holds.expire_at(node, holds.values())
+            cards = placement_cards(
+                inventory, pods, extra, self._fences.of(node), self.ledger(node), self.requests_on(node)
+            )
             view = CachedNode(node, inventory, cards, self._generation.get(node, 0))
             self._views[node] = view
             return view
@@ -437,14 +357,25 @@ class ClusterCache:
         with self._lock:
             return list(self._pods_by_node.get(node, {}).values())
 
+    def requests_on(self, node: str) -> dict[str, PodRequest | ContractError]:
+        """The request (or why it can't be read) of each pod bound to ``node``, by pod key."""
+        with self._lock:
+            return {key: self._pods[key][1].request_read for key in self._pods_by_node.get(node, {})}
+
+    @property
+    def shapes_version(self) -> int:
+        """Moves whenever the observed GPU demand shapes change."""
+        with self._lock:
+            return self._workload.version
+
     def observed_shapes(self) -> list[placement.Shape]:
         with self._lock:
-            return list(self._shapes.elements())
+            return self._workload.shapes()
 
     def observed_pod_shapes(self) -> list[PodShape]:
         """Every pod's (GPU shape, CPU milli, memory bytes, card rule), one entry per GPU container."""
         with self._lock:
-            return list(self._pod_shapes.elements())
+            return self._workload.pod_shapes()
 
     def host_free(self, node: str) -> tuple[int, int]:
         """The node's allocatable (CPU milli, memory bytes) less the requests of the pods that hold
@@ -453,9 +384,9 @@ class ClusterCache:
             held = self._host_free.get(node)
             if held is None:
                 cpu, memory = self._allocatable.get(node, (UNLIMITED, UNLIMITED))
-                for pod in self._pods_by_node.get(node, {}).values():
+                for key, pod in self._pods_by_node.get(node, {}).items():
                     if holds_resources(pod):
-                        pod_cpu, pod_memory = host_request(pod)
+                        pod_cpu, pod_memory = self._pods[key][1].host
                         cpu, memory = cpu - pod_cpu, memory - pod_memory
                 held = self._host_free[node] = (cpu, memory)
             return held
@@ -465,7 +396,7 @@ class ClusterCache:
         and the gang holds that count there."""
         with self._lock:
             taken = sum(1 for pod in self._pods_by_node.get(node, {}).values() if holds_resources(pod))
-            holds = len(self._counted_holds(node, time.time()))
+            holds = len(self._holds.counted(node, time.time(), self._waiting))
             return self._pods_allocatable.get(node, UNLIMITED) - taken - holds
 
     # --- gang holds -----------------------------------------------------------------------------------
@@ -477,8 +408,8 @@ class ClusterCache:
         with self._lock:
             return {
                 uid: (node, entry)
-                for node in sorted(self._holds)
-                for uid, entry in self._counted_holds(node, now).items()
+                for node in self._holds.nodes()
+                for uid, entry in self._holds.counted(node, now, self._waiting).items()
                 if entry.gang == gang
             }
 
@@ -486,36 +417,35 @@ class ClusterCache:
         """Let the nodes whose first counted hold has expired count again without it."""
         now = time.time()
         with self._lock:
-            for node in [n for n, at in self._hold_expiry.items() if at <= now]:
-                del self._hold_expiry[node]
+            for node in self._holds.expired(now):
                 self._bump(node)
 
     def note_node(self, node: Mapping[str, Any]) -> None:
         """Take a node this extender has just written, before its watch brings it."""
         self.nodes.apply(dict(node))
 
-    # --- in-flight binds ------------------------------------------------------------------------------
-
     def fenced(self, node: str) -> frozenset[int]:
         with self._lock:
-            return self._fenced.get(node, frozenset())
+            return self._fences.of(node)
+
+    # --- in-flight binds ------------------------------------------------------------------------------
 
     def assume(self, uid: str, node: str, held: Mapping[str, int]) -> None:
         """Count ``held`` (units per card UUID) on ``node`` until the pod's own annotations speak for it."""
         with self._lock:
-            self._assumed[uid] = (node, held)
+            self._in_flight.add(uid, node, held)
             self._bump(node)
 
     def forget(self, uid: str) -> None:
         with self._lock:
-            assumed = self._assumed.pop(uid, None)
-            if assumed is not None:
-                self._bump(assumed[0])
+            node = self._in_flight.drop(uid)
+            if node is not None:
+                self._bump(node)
 
     def assumed_uids(self) -> set[str]:
         with self._lock:
-            return set(self._assumed)
+            return self._in_flight.uids()
 
     def assumed_on(self, node: str) -> list[tuple[str, Mapping[str, int]]]:
         with self._lock:
-            return [(uid, alloc) for uid, (n, alloc) in self._assumed.items() if n == node]
+            return self._in_flight.on(node)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from gpushare.extender import podfit
+from gpushare.extender.asks import PodAsk
 from gpushare.extender.cache import CachedNode, ClusterCache
 from gpushare.extender.matrix import NodeMatrix
 from gpushare.extender.wire import NodeNames
@@ -19,7 +20,6 @@ from gpushare.extender.wire import NodeNames
 from gpushare import placement
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import ANN_POLICY
-from gpushare.contract.request import annotations_of, pod_key
 from gpushare.placement.memo import CostMemo
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ WORKLOAD_DRIFT = 20
 LEARNED = ("fgd", "fgdfit")
 
 BatchKey = tuple[str, placement.Shape, tuple[int, int], placement.CardRule]
+OrderKey = tuple[tuple[placement.Shape, ...], ...]
 
 
 class PlacementEngine:
@@ -45,21 +46,19 @@ class PlacementEngine:
         self.default_policy = default_policy
         self.matrix = NodeMatrix(cache)
         self._lock = threading.Lock()
-        self._fits: dict[tuple[str, int, tuple[placement.Shape, ...], placement.CardRule], placement.NoFit | None] = {}
-        self._costs: dict[
-            tuple[str, int, tuple[placement.Shape, ...], placement.Policy, placement.CardRule], float
-        ] = {}
+        self._fits: dict[tuple[str, int, OrderKey, placement.CardRule], placement.NoFit | None] = {}
+        self._costs: dict[tuple[str, int, OrderKey, placement.Policy, placement.CardRule], float] = {}
         self._batch_costs: dict[BatchKey, tuple[placement.Policy, CostMemo]] = {}
         self._learned: dict[str, placement.Policy] = {name: placement.POLICIES[name] for name in LEARNED}
         #: the cache's shapes_version and number of observed demands the fgd workload was built from
         self._fgd_built = (-1, 0)
         self._fgd_rebuilding = False
 
-    def policy_for(self, pod: Mapping[str, Any]) -> tuple[str, placement.Policy]:
+    def policy_for(self, ask: PodAsk) -> tuple[str, placement.Policy]:
         """The pod's own policy annotation wins over the cluster-wide default."""
-        name = annotations_of(pod).get(ANN_POLICY) or self.default_policy
+        name = ask.policy or self.default_policy
         if name not in placement.POLICIES:
-            raise ContractError(f"pod {pod_key(pod)} annotation {ANN_POLICY}: unknown policy {name!r}")
+            raise ContractError(f"pod {ask.key} annotation {ANN_POLICY}: unknown policy {name!r}")
         with self._lock:
             return name, self._policy(name)
 
@@ -117,41 +116,24 @@ class PlacementEngine:
                 self._fgd_rebuilding = False
 
     def fit(
-        self,
-        view: CachedNode,
-        demands: Sequence[placement.Demand],
-        init: frozenset[str] = frozenset(),
-        rule: placement.CardRule = placement.ANY_CARD,
+        self, view: CachedNode, order: podfit.InitOrder, rule: placement.CardRule = placement.ANY_CARD
     ) -> placement.NoFit | None:
-        if view.inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(demands)):
+        """Why the pod's demands, in their ``order``, don't fit on the node's cards, or None."""
+        if view.inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(order.demands)):
             return placement.NoFit(f"node {view.name} {refusal}")
-        if podfit.has_init(demands, init):
-            return podfit.InitOrder.of(demands, init).fit(view.cards, view.inventory.unit.name, rule)
-        key = (view.name, view.generation, placement.shape_key(list(demands)), rule)
-        try:
-            return self._fits[key]
-        except KeyError:
-            result = placement.check_fit(view.cards, demands, unit=view.inventory.unit.name, rule=rule)
-            _remember(self._fits, key, result)
-            return result
+        key = (view.name, view.generation, order.key, rule)
+        return _memoised(self._fits, key, lambda: order.fit(view.cards, view.inventory.unit.name, rule))
 
     def cost(
         self,
         view: CachedNode,
-        demands: Sequence[placement.Demand],
+        order: podfit.InitOrder,
         policy: placement.Policy,
-        init: frozenset[str] = frozenset(),
         rule: placement.CardRule = placement.ANY_CARD,
     ) -> float:
-        if podfit.has_init(demands, init):
-            return podfit.InitOrder.of(demands, init).cost(view.cards, policy, view.inventory.unit.name, rule)
-        key = (view.name, view.generation, placement.shape_key(list(demands)), policy, rule)
-        try:
-            return self._costs[key]
-        except KeyError:
-            cost = placement.node_cost(view.cards, demands, policy, unit=view.inventory.unit.name, rule=rule)
-            _remember(self._costs, key, cost)
-            return cost
+        """The policy's cost of the pod on the node; raises NoFit."""
+        key = (view.name, view.generation, order.key, policy, rule)
+        return _memoised(self._costs, key, lambda: order.cost(view.cards, policy, view.inventory.unit.name, rule))
 
     def batch_costs(
         self,
@@ -177,8 +159,14 @@ class PlacementEngine:
         return self.matrix.costs(names, held[1], policy, shape, key[2], key[3])
 
 
-def _remember(memo: dict, key: Any, value: Any) -> None:
-    """Entries of old generations are never read again; start over rather than grow without bound."""
-    if len(memo) >= MEMO_LIMIT:
-        memo.clear()
-    memo[key] = value
+def _memoised(memo: dict, key: Any, compute: Callable[[], Any]) -> Any:
+    """``memo[key]``, computed first if missing (an exception is not kept). Entries of old generations
+    are never read again; the memo starts over rather than grow without bound."""
+    try:
+        return memo[key]
+    except KeyError:
+        value = compute()
+        if len(memo) >= MEMO_LIMIT:
+            memo.clear()
+        memo[key] = value
+        return value

@@ -1,4 +1,5 @@
-"""Placement of a pod whose init containers request GPUs, by Kubernetes' rule for init containers.
+"""How a pod fits on a node: the one choice of how filter decides it (:func:`filter_way`), and the
+placement of a pod whose init containers request GPUs, by Kubernetes' rule for init containers.
 
 Init containers run one at a time and end before the app containers start, so a pod needs the larger
 of its app containers' sum and its largest init container. Here the app containers are placed
@@ -9,34 +10,61 @@ is what :func:`gpushare.usage.held_units` then counts the pod for.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from enum import Enum
+from typing import TYPE_CHECKING
 
 from gpushare import placement
-from gpushare.contract.request import parse_pod_request
+from gpushare.contract.errors import ContractError
+
+if TYPE_CHECKING:
+    from gpushare.extender.asks import PodAsk
 
 
-def init_names(pod: Mapping[str, Any]) -> frozenset[str]:
-    """The pod's init containers; raises ContractError on a bad request."""
-    return frozenset(c.name for c in parse_pod_request(pod).containers if c.init)
+class Way(Enum):
+    """How filter decides which nodes a pod fits on."""
+
+    EVERY_NODE = "no GPU demand: every node passes"
+    GANG = "a gang member: the gang planner"
+    MATRIX = "one shared single-card demand: the node matrix, on every kind of node"
+    MATRIX_KNOWN_CARDS = "one demand: the node matrix where the node's cards are known, each other node on its own"
+    EACH_NODE = "each node on its own, by the pod's init order"
 
 
-def has_init(demands: Sequence[placement.Demand], init: frozenset[str]) -> bool:
-    return any(d.container in init for d in demands)
+def filter_way(ask: PodAsk, places_gangs: bool) -> Way:
+    """The one way filter decides for the pod; ContractError (naming the pod) when its request, card rule
+    or gang can't be read, or it is a gang member and this extender places no gangs (``places_gangs``)."""
+    demands = ask.demands
+    if not demands:
+        return Way.EVERY_NODE
+    rule, gang = ask.rule, ask.gang
+    if gang is not None:
+        if not places_gangs:
+            raise ContractError(f"pod {ask.key} is in gang {gang.name}, and this extender places no gangs")
+        return Way.GANG
+    if len(demands) > 1 or (rule.topology and demands[0].cards > 1):
+        return Way.EACH_NODE  # the node matrix knows one demand, and no topology
+    if original_plugin_refusal(demands) is None:
+        return Way.MATRIX
+    return Way.MATRIX_KNOWN_CARDS
 
 
 @dataclass(frozen=True, slots=True)
 class InitOrder:
-    """A pod's GPU demands in the groups Kubernetes runs them in: its app containers together (if it
-    has any), then every init container alone."""
+    """A pod's GPU demands (in spec order), and the groups Kubernetes runs them in: its app containers
+    together (if it has any), then every init container alone. ``key``: the groups' shapes, the same
+    for two pods that fit, and cost, the same on any node."""
 
+    demands: tuple[placement.Demand, ...]
     groups: tuple[tuple[placement.Demand, ...], ...]
+    key: tuple[tuple[placement.Shape, ...], ...]
 
     @classmethod
     def of(cls, demands: Sequence[placement.Demand], init: frozenset[str]) -> InitOrder:
         apps = tuple(d for d in demands if d.container not in init)
-        return cls(((apps,) if apps else ()) + tuple((d,) for d in demands if d.container in init))
+        groups = ((apps,) if apps else ()) + tuple((d,) for d in demands if d.container in init)
+        return cls(tuple(demands), groups, tuple(placement.shape_key(group) for group in groups))
 
     def fit(
         self, cards: Sequence[placement.CardCapacity], unit: str, rule: placement.CardRule = placement.ANY_CARD
@@ -56,9 +84,8 @@ class InitOrder:
     ) -> float:
         """The policy's cost of what the pod keeps: its app containers (its init containers when it has
         no GPU app container); raises NoFit when any part doesn't fit."""
-        nofit = self.fit(cards, unit, rule)
-        if nofit is not None:
-            raise nofit
+        if len(self.groups) > 1 and (nofit := self.fit(cards, unit, rule)) is not None:
+            raise nofit  # one group alone: costing it says whether it fits
         return placement.node_cost(cards, self.groups[0], policy, unit=unit, rule=rule)
 
     def place(

@@ -11,18 +11,17 @@ from typing import Any
 
 import numpy as np
 from gpushare.extender import podfit
-from gpushare.extender.cache import CachedNode, ClusterCache, demands_of, host_request, placement_cards
+from gpushare.extender.asks import PodAsk, read_ask
+from gpushare.extender.cache import CachedNode, ClusterCache, placement_cards
 from gpushare.extender.engine import PlacementEngine
-from gpushare.extender.gang import Gangs
+from gpushare.extender.podfit import Way
+from gpushare.extender.reservations import Gangs
 from gpushare.extender.retry import RoomWaiters, Waiter
 from gpushare.extender.wire import NodeNames, Raw, candidate_names, check_victims, refused_nodes, request_pod
 
 from gpushare import placement
-from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
-from gpushare.contract.gang import parse_gang
 from gpushare.contract.names import ANN_RETRY
-from gpushare.contract.request import pod_key
 from gpushare.kube.events import EventRecorder
 
 log = logging.getLogger(__name__)
@@ -50,9 +49,10 @@ def filter_result(
     can take no GPU pod for now, waits in ``waiters`` (gangs wait there by themselves), to be marked for a
     retry when room frees there."""
     pod = request_pod(body)
+    ask = read_ask(pod)
     names, nodes_mode = candidate_names(body)
     seen = waiters.seen() if waiters is not None else 0
-    verdict = _verdict(engine, pod, names, gangs)
+    verdict = _verdict(engine, pod, ask, names, gangs)
     passing, failed, unresolvable, logged = verdict.passing, verdict.failed, verdict.unresolvable, verdict.logged
     refused = refused_nodes(failed, unresolvable)
     if waiters is not None:
@@ -65,11 +65,11 @@ def filter_result(
     if not passing.names and refused:
         message = refusal_message(refused, len(names))
         if not logged:
-            log.info("filter pod %s: no node fits: %s", pod_key(pod), message)
+            log.info("filter pod %s: no node fits: %s", ask.key, message)
         if events is not None:
             events.record(pod, reason=REFUSAL_EVENT, message=message, type_="Warning")
     elif not logged:
-        log.info("filter pod %s: %d of %d node(s) fit", pod_key(pod), len(passing), len(names))
+        log.info("filter pod %s: %d of %d node(s) fit", ask.key, len(passing), len(names))
     return _filter_reply(passing, nodes_mode, body, failed, unresolvable)
 
 
@@ -104,37 +104,34 @@ class _Verdict:
     waits_on: frozenset[str] = frozenset()
 
 
-def _verdict(engine: PlacementEngine, pod: Mapping[str, Any], names: NodeNames, gangs: Gangs | None) -> _Verdict:
+def _verdict(
+    engine: PlacementEngine, pod: Mapping[str, Any], ask: PodAsk, names: NodeNames, gangs: Gangs | None
+) -> _Verdict:
+    """The nodes the pod fits on, decided the one way :func:`podfit.filter_way` chooses."""
     engine.cache.expire_holds()
     try:
-        demands = demands_of(pod)
-        init = podfit.init_names(pod)
-        rule = parse_card_rule(pod) if demands else placement.ANY_CARD
-        gang = parse_gang(pod) if demands else None
-        if gang is not None and gangs is None:
-            raise ContractError(f"pod {pod_key(pod)} is in gang {gang.name}, and this extender places no gangs")
-    except (ContractError, ValueError) as exc:
+        way = podfit.filter_way(ask, places_gangs=gangs is not None)
+    except ContractError as exc:
         reason = str(exc)  # names the pod already
         return _Verdict(NodeNames.of([]), unresolvable=dict.fromkeys(names.names, reason))
-    if not demands:
+    if way is Way.EVERY_NODE:
         return _Verdict(names, logged=True)
-    if gang is not None and gangs is not None:
-        passing, failed, unresolvable = gangs.filter(pod, gang, names.names)
+    if way is Way.GANG:
+        assert gangs is not None
+        passing, failed, unresolvable = gangs.filter(pod, ask, names.names)
         return _Verdict(NodeNames.of(passing), failed, unresolvable, logged=True)
-    if rule.topology and (len(demands) > 1 or demands[0].cards > 1):
-        passing, others = [], names.names  # the node matrix knows no topology: each node is asked
-    elif len(demands) == 1 and podfit.original_plugin_refusal(demands) is None:
-        # one shared single-card container: the node matrix answers, on every kind of node
-        fit = engine.matrix.fits(names, demands[0].shape, rule)
-        passing = list(compress(names.names, fit.tolist()))
-        others = [names.names[i] for i in np.flatnonzero(~fit).tolist()]
-    elif len(demands) == 1:
-        fit = engine.matrix.fits(names, demands[0].shape, rule)
-        passing = [n for n in compress(names.names, fit.tolist()) if not _inferred(engine.cache, n)]
-        kept = set(passing)
-        others = [n for n in names.names if n not in kept]
-    else:
+    order, rule = ask.order, ask.rule
+    if way is Way.EACH_NODE:
         passing, others = [], names.names
+    else:
+        fit = engine.matrix.fits(names, order.demands[0].shape, rule)
+        if way is Way.MATRIX:
+            passing = list(compress(names.names, fit.tolist()))
+            others = [names.names[i] for i in np.flatnonzero(~fit).tolist()]
+        else:  # nodes that run the original device plugin are asked on their own, and refuse it
+            passing = [n for n in compress(names.names, fit.tolist()) if not _inferred(engine.cache, n)]
+            kept = set(passing)
+            others = [n for n in names.names if n not in kept]
     failed: dict[str, str] = {}
     unresolvable: dict[str, str] = {}
     for name in others:
@@ -142,7 +139,7 @@ def _verdict(engine: PlacementEngine, pod: Mapping[str, Any], names: NodeNames, 
         if view is None:
             unresolvable[name] = engine.cache.problem(name) or f"node {name} can't be read"
             continue
-        nofit = engine.fit(view, demands, init, rule)
+        nofit = engine.fit(view, order, rule)
         if nofit is None:
             passing.append(name)
         else:
@@ -187,29 +184,29 @@ def _filter_reply(
 
 def _prioritize_args(
     engine: PlacementEngine, body: Any
-) -> tuple[Mapping[str, Any], NodeNames, tuple[placement.Demand, ...], str, placement.Policy | None]:
-    """The pod, the node names, its GPU demands and its policy (no demands and no policy when the pod's
-    request or policy can't be read: it then scores 0 everywhere, and filter says why)."""
-    pod = request_pod(body)
+) -> tuple[PodAsk, NodeNames, tuple[placement.Demand, ...], str, placement.Policy | None]:
+    """The pod's ask, the node names, its GPU demands and its policy (no demands and no policy when the
+    pod's request or policy can't be read: it then scores 0 everywhere, and filter says why)."""
+    ask = read_ask(request_pod(body))
     names, _ = candidate_names(body)
     try:
-        return pod, names, demands_of(pod), *engine.policy_for(pod)
-    except (ContractError, ValueError):
-        return pod, names, (), "", None
+        return ask, names, ask.demands, *engine.policy_for(ask)
+    except ContractError:
+        return ask, names, (), "", None
 
 
 def prioritize_result(engine: PlacementEngine, body: Any) -> Raw | list[dict[str, Any]]:
-    pod, names, demands, policy_name, policy = _prioritize_args(engine, body)
+    ask, names, demands, policy_name, policy = _prioritize_args(engine, body)
     if not demands or policy is None:
         return names.priorities(np.zeros(len(names), dtype=np.int64))
     try:
-        rule = parse_card_rule(pod)
+        rule = ask.rule
     except ContractError:
         return names.priorities(np.zeros(len(names), dtype=np.int64))
     if len(demands) == 1 and not (rule.topology and demands[0].cards > 1):
-        costs = engine.batch_costs(names, demands[0].shape, policy_name, host_request(pod), rule)
+        costs = engine.batch_costs(names, demands[0].shape, policy_name, ask.host, rule)
     else:
-        costs = _node_costs(engine, names.names, demands, policy, podfit.init_names(pod), rule)
+        costs = _node_costs(engine, names.names, ask.order, policy, rule)
     return names.priorities(placement.batch_scores(costs))
 
 
@@ -218,23 +215,22 @@ def host_prioritize_result(engine: PlacementEngine, body: Any) -> Raw | list[dic
     weighs CPU and memory, the nodes where its CPU and memory would strand the least GPU and that have
     the least idle GPU score highest; a node the extender has no cards for counts as having no idle GPU.
     GPU pods, and policies that don't weigh CPU, get 0 everywhere (the GPU entry scores GPU pods)."""
-    pod, names, demands, policy_name, policy = _prioritize_args(engine, body)
+    ask, names, demands, policy_name, policy = _prioritize_args(engine, body)
     if demands or policy is None or not policy.uses_host:
         return names.priorities(np.zeros(len(names), dtype=np.int64))
-    costs = engine.batch_costs(names, NO_GPU, policy_name, host_request(pod))
+    costs = engine.batch_costs(names, NO_GPU, policy_name, ask.host)
     scores = placement.batch_scores(np.where(np.isfinite(costs), costs, 0.0))
     if len(names):
         best = int(np.argmax(scores))
-        log.info("host prioritize pod %s: node %s scores best of %d", pod_key(pod), names.names[best], len(names))
+        log.info("host prioritize pod %s: node %s scores best of %d", ask.key, names.names[best], len(names))
     return names.priorities(scores)
 
 
 def _node_costs(
     engine: PlacementEngine,
     names: Sequence[str],
-    demands: Sequence[placement.Demand],
+    order: podfit.InitOrder,
     policy: placement.Policy,
-    init: frozenset[str],
     rule: placement.CardRule,
 ) -> np.ndarray:
     """Per node, one at a time: for pods with several GPU containers, or whose cards must be NVLink
@@ -245,7 +241,7 @@ def _node_costs(
         if view is None:
             continue
         try:
-            costs[i] = engine.cost(view, demands, policy, init, rule)
+            costs[i] = engine.cost(view, order, policy, rule)
         except placement.NoFit:
             continue
     return costs
@@ -265,25 +261,20 @@ def _pdb_violations(body: Mapping[str, Any], name: str) -> int:
 
 
 def _needed_victims(
-    cache: ClusterCache,
-    view: CachedNode,
-    victims: list[str],
-    demands: Sequence[placement.Demand],
-    init: frozenset[str],
-    rule: placement.CardRule,
+    cache: ClusterCache, view: CachedNode, victims: list[str], order: podfit.InitOrder, rule: placement.CardRule
 ) -> list[str] | None:
     """The fewest of ``victims`` whose eviction lets the preemptor fit on the node (the later victims
     are tried for removal first), or None when evicting them all is not enough."""
     pods = cache.pods_on(view.name)
+    requests = cache.requests_on(view.name)
     extra = [held for _, held in cache.assumed_on(view.name)]
     fenced = cache.fenced(view.name)
     ledger = cache.ledger(view.name)
-    order = podfit.InitOrder.of(demands, init)
 
     def fits_without(evicted: set[str]) -> bool:
         remaining = [p for p in pods if (p.get("metadata") or {}).get("uid") not in evicted]
-        cards = placement_cards(view.inventory, remaining, extra, fenced, ledger)
-        return not demands or order.fit(cards, view.inventory.unit.name, rule) is None
+        cards = placement_cards(view.inventory, remaining, extra, fenced, ledger, requests)
+        return not order.demands or order.fit(cards, view.inventory.unit.name, rule) is None
 
     needed = set(victims)
     if not fits_without(needed):
@@ -297,23 +288,20 @@ def _needed_victims(
 def preempt_result(engine: PlacementEngine, body: Any) -> dict[str, Any]:
     """Keep the nodes where evicting the victims frees cards that fit the preemptor, with only the
     victims that are needed."""
-    pod = request_pod(body)
+    ask = read_ask(request_pod(body))
     check_victims(body)
     try:
-        demands = demands_of(pod)
-        init = podfit.init_names(pod)
-        if parse_gang(pod) is not None:  # evicting pods for one member can't place its gang
+        order = ask.order
+        if ask.gang is not None:  # evicting pods for one member can't place its gang
             return {"NodeNameToMetaVictims": {}}
-        rule = parse_card_rule(pod)
-    except (ContractError, ValueError):
+        rule = ask.rule
+    except ContractError:
         return {"NodeNameToMetaVictims": {}}
     names = sorted(set(body.get("NodeNameToMetaVictims") or {}) | set(body.get("NodeNameToVictims") or {}))
     result: dict[str, Any] = {}
     for name in names:
         view = engine.cache.view(name)
-        needed = (
-            None if view is None else _needed_victims(engine.cache, view, _victim_uids(body, name), demands, init, rule)
-        )
+        needed = None if view is None else _needed_victims(engine.cache, view, _victim_uids(body, name), order, rule)
         if needed is not None:
             result[name] = {"Pods": [{"UID": uid} for uid in needed], "NumPDBViolations": _pdb_violations(body, name)}
     return {"NodeNameToMetaVictims": result}

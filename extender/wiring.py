@@ -12,7 +12,7 @@ from typing import Any
 from gpushare.extender.bind import Binder
 from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
-from gpushare.extender.gang import Gangs
+from gpushare.extender.reservations import Gangs
 from gpushare.extender.retry import RoomWaiters
 from gpushare.extender.server import ExtenderServer, refresh_card_gauges
 

@@ -241,7 +241,13 @@ def read_allocation(
     scheduler has placed the pod), and what was wrong: containers that request no GPU, and cards this
     node lacks in the original formats (numbered by minor), are left out, each a problem; cards named
     by UUID are left as written. ContractError when nothing can be read."""
-    request = parse_pod_request(pod)
+    return _read_allocation(pod, parse_pod_request(pod), cards, inferred)
+
+
+def _read_allocation(
+    pod: Mapping[str, Any], request: PodRequest, cards: Sequence[Card], inferred: bool
+) -> tuple[Allocation | None, list[ContractError]]:
+    """:func:`read_allocation` of a pod whose request is read already."""
     source = allocation_source(pod, inferred=inferred)
     problems: list[ContractError] = []
     if source == ANN_ALLOCATION:
@@ -340,10 +346,14 @@ def describe_held(held: Mapping[str, int], cards: Sequence[Card]) -> str:
 
 
 def pod_cards(
-    pod: Mapping[str, Any], inventory: NodeInventory, recorded: PendingBind | None = None
+    pod: Mapping[str, Any],
+    inventory: NodeInventory,
+    recorded: PendingBind | None = None,
+    request: PodRequest | ContractError | None = None,
 ) -> tuple[PodCards | None, list[ContractError]]:
     """What the pod holds on this node (None when unplaced or when nothing can be read of it), and
-    what is wrong with its annotations.
+    what is wrong with its annotations. ``request``: the pod's request (or why it can't be read) when
+    the caller has read it already.
 
     ``recorded``: the pod's entry in the node's ledger (same uid). It is what the pod holds, whatever
     its annotations say; annotations that disagree are a :class:`LedgerMismatch`. Without one (a pod
@@ -357,8 +367,11 @@ def pod_cards(
     problems: list[ContractError] = []
     claimed: dict[str, int] = {}
     try:
-        request = parse_pod_request(pod)
-        allocation, problems = read_allocation(pod, inventory.cards, inferred=inferred)
+        if request is None:
+            request = parse_pod_request(pod)
+        elif isinstance(request, ContractError):
+            raise request.with_traceback(None)
+        allocation, problems = _read_allocation(pod, request, inventory.cards, inferred)
         source = allocation_source(pod, inferred=inferred) or ""
         if allocation and (lacking := sorted({s.uuid for ss in allocation.values() for s in ss} - known)):
             problems.append(ContractError(f"pod {key}: card(s) {', '.join(lacking)} are not on this node"))
@@ -386,11 +399,14 @@ def node_usage(
     *,
     ledger: Ledger | None = None,
     exclude_uid: str | None = None,
+    requests: Mapping[str, PodRequest | ContractError] | None = None,
 ) -> tuple[dict[str, int], list[PodCards], list[BadPod]]:
     """Units held per card UUID by the live pods, the pods counted, and the pods whose annotations are
     wrong (reported, and counted at what can be known, never silently as zero-cost).
 
     ``ledger``: the node's ledger (pod uid -> entry); an entry counts for the pod with its uid.
+    ``requests``: pods' requests (or why they can't be read) by pod key, as the caller read them
+    already; the others' are read here.
 
     The one place that sums what pods hold on a node's cards: the extender, the device plugin, the
     CRI shim and ``inspect`` all take their per-card totals and per-pod holdings from here."""
@@ -402,7 +418,8 @@ def node_usage(
         meta = pod.get("metadata") or {}
         if not holds_resources(pod) or (exclude_uid and meta.get("uid") == exclude_uid):
             continue
-        held, problems = pod_cards(pod, inventory, ledger.get(meta.get("uid", "")))
+        request = requests.get(pod_key(pod)) if requests else None
+        held, problems = pod_cards(pod, inventory, ledger.get(meta.get("uid", "")), request)
         if problems:
             bad.append(BadPod(pod_key(pod), "; ".join(str(p) for p in problems), counted=held is not None))
         if held is None:

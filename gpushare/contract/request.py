@@ -131,51 +131,20 @@ def _container_request(pod: str, spec: Mapping[str, Any], init: bool) -> Contain
     return ContainerRequest(name=name, init=init, mem=mem, count=count)
 
 
-#: (uid, resourceVersion) -> (the fields the request was parsed from, the request)
-_REQUEST_MEMO: dict[tuple[str, str], tuple[tuple[Any, ...], PodRequest]] = {}
-_REQUEST_MEMO_SIZE = 16384
-
-
-def _request_source(pod: Mapping[str, Any]) -> tuple[Any, ...]:
-    """Every field a :class:`PodRequest` is built from, as they are in ``pod``."""
-    meta = pod.get("metadata") or {}
-    spec = pod.get("spec") or {}
-    return (
-        meta.get("namespace"),
-        meta.get("name"),
-        [(c.get("name"), c.get("resources")) for c in spec.get("initContainers") or []],
-        [(c.get("name"), c.get("resources")) for c in spec.get("containers") or []],
-    )
-
-
 def parse_pod_request(pod: Mapping[str, Any]) -> PodRequest:
-    """The GPU request of every container (init containers first, in spec order).
-
-    Results are memoised by (uid, resourceVersion), since Allocate re-reads every pod on the node on
-    each call; a hit is only used when the fields it was parsed from are equal to this pod's, because
-    anyone can send the extender a pod body with a real pod's uid and version but other limits.
-    """
+    """The GPU request of every container (init containers first, in spec order)."""
     meta = pod.get("metadata") or {}
-    memo_key = (meta.get("uid") or "", meta.get("resourceVersion") or "")
-    source = _request_source(pod)
-    if all(memo_key) and (hit := _REQUEST_MEMO.get(memo_key)) is not None and hit[0] == source:
-        return hit[1]
     spec = pod.get("spec") or {}
     key = pod_key(pod)
     containers = tuple(_container_request(key, c, True) for c in spec.get("initContainers") or []) + tuple(
         _container_request(key, c, False) for c in spec.get("containers") or []
     )
-    request = PodRequest(
+    return PodRequest(
         namespace=meta.get("namespace", "default"),
         name=meta.get("name", ""),
         uid=meta.get("uid", ""),
         containers=containers,
     )
-    if all(memo_key):
-        if len(_REQUEST_MEMO) >= _REQUEST_MEMO_SIZE:
-            _REQUEST_MEMO.clear()
-        _REQUEST_MEMO[memo_key] = (source, request)
-    return request
 
 
 def requests_gpu(pod: Mapping[str, Any]) -> bool:

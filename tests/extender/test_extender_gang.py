@@ -4,7 +4,7 @@ n2 one A10 (24 GiB)."""
 from __future__ import annotations
 
 import pytest
-from gpushare.extender import gang as gang_module
+from gpushare.extender import reservations as gang_module
 from gpushare.extender.wiring import start_extender
 from podfactory import container, gpu_pod
 from support.extender import NODES, Cluster, pod_events

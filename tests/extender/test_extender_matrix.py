@@ -9,6 +9,7 @@ import random
 import threading
 
 import pytest
+from gpushare.extender.asks import read_ask
 from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.matrix import CostMemo, NodeMatrix
@@ -120,7 +121,7 @@ def test_a_rebuilt_fgd_workload_takes_over_once_its_costs_are_ready(
     cache, names = cluster
     engine = PlacementEngine(cache, "fgd")
     asked, shape = NodeNames.of(names), placement.Shape(7)
-    before = engine.policy_for({})[1]
+    before = engine.policy_for(read_ask({}))[1]
     assert engine.batch_costs(asked, shape, "fgd").tolist() == pytest.approx(node_costs(cache, names, before, shape))
     release = threading.Event()
     memo = engine.matrix.memo
@@ -139,13 +140,13 @@ def test_a_rebuilt_fgd_workload_takes_over_once_its_costs_are_ready(
         for i in range(len(cache.observed_shapes()) // 20 + 1):  # pending pods of a new shape: a new workload
             cache.pods.apply(gpu_pod(f"new-{i}", [container("main", 33, 3)], node=None))
         # the rebuild waits for its costs; meanwhile the workload built before answers, without waiting
-        assert engine.policy_for({})[1] is before
+        assert engine.policy_for(read_ask({}))[1] is before
         assert engine.batch_costs(asked, shape, "fgd").tolist() == pytest.approx(
             node_costs(cache, names, before, shape)
         )
     finally:
         release.set()
-    after = wait_until(lambda: engine.policy_for({})[1] is not before and engine.policy_for({})[1])
+    after = wait_until(lambda: engine.policy_for(read_ask({}))[1] is not before and engine.policy_for(read_ask({}))[1])
     assert placement.Shape(11, 3) in after.workload.shapes and placement.Shape(11, 3) not in before.workload.shapes
     assert engine.batch_costs(asked, shape, "fgd").tolist() == pytest.approx(node_costs(cache, names, after, shape))
 

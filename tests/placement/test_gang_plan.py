@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from gpushare.extender.cache import demands_of
+from gpushare.extender.asks import read_ask
 
 from gpushare import placement
 from gpushare.contract.gang import Gang, GangError, format_gang, parse_gang
@@ -132,7 +132,7 @@ def test_the_gang_example_is_one_gang_of_gpu_pods() -> None:
     pods = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
     gangs = {parse_gang(pod) for pod in pods}
     assert gangs == {Gang("default", "train-4", len(pods))}
-    assert all(demands_of(with_string_quantities(pod)) for pod in pods)
+    assert all(read_ask(with_string_quantities(pod)).demands for pod in pods)
     assert len({pod["metadata"]["name"] for pod in pods}) == len(pods)
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from gpushare.extender.cache import ClusterCache, host_request
+from gpushare.extender.asks import host_request
+from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.verbs import host_prioritize_result, prioritize_result
 from gpushare.extender.wire import Raw

@@ -27,26 +27,25 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, NamedTuple
 
+from gpushare.extender.asks import PodAsk
 from gpushare.extender.bind import ATTEMPTS, Binder
-from gpushare.extender.cache import CachedNode, ClusterCache, demands_of, host_request
+from gpushare.extender.cache import CachedNode, ClusterCache
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.retry import RoomWaiters, Waiter
 
 from gpushare import placement
-from gpushare.contract.cardrule import parse_card_rule
 from gpushare.contract.errors import ContractError
-from gpushare.contract.gang import MAX_GANG_MEMBERS, Gang, parse_gang
+from gpushare.contract.gang import MAX_GANG_MEMBERS, Gang
 from gpushare.contract.names import ANN_GANG_HOLD, ANN_GANG_RETRY, NODE_ANN_PENDING_BINDS
-from gpushare.contract.nodeselection import NodeFacts, PodNodes, node_refusal, parse_pod_nodes
+from gpushare.contract.nodeselection import NodeFacts, PodNodes, node_refusal
 from gpushare.contract.pending import HOLD_BYTES, HOLD_SECONDS, PendingBind, format_pending_binds
-from gpushare.contract.request import annotations_of, pod_key
+from gpushare.contract.request import annotations_of
 from gpushare.kube.errors import KubeConflict, KubeError
 from gpushare.kube.objects import get_node, patch_node, patch_pod_annotations
-from gpushare.kube.watch import WatchCache
-from gpushare.placement import CardRule, Demand, Policy
+from gpushare.placement import Policy
 from gpushare.placement.gang import GangPlan, Member, Room, Spot, plan_gang
 from gpushare.usage import holds_resources, node_inventory
 
@@ -70,44 +69,53 @@ def active(pod: Mapping[str, Any]) -> bool:
     return not meta.get("deletionTimestamp") and holds_resources(pod)
 
 
+class MemberPod(NamedTuple):
+    """A gang member, and its ask as read from that very pod."""
+
+    pod: Mapping[str, Any]
+    ask: PodAsk
+
+    @property
+    def bound(self) -> bool:
+        return bool((self.pod.get("spec") or {}).get("nodeName"))
+
+
 class GangIndex:
     """The active members of every gang, by (namespace, name), from the pod watch."""
 
-    def __init__(self, pods: WatchCache) -> None:
+    def __init__(self, cache: ClusterCache) -> None:
         self._lock = threading.Lock()
-        self._members: dict[str, dict[str, Mapping[str, Any]]] = {}
+        self._members: dict[str, dict[str, MemberPod]] = {}
         self._gang_of: dict[str, str] = {}
-        pods.add_listener(self._on_pod)
+        cache.add_pod_listener(self._on_pod)
 
-    def _on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
-        uid = (pod.get("metadata") or {}).get("uid", "")
+    def _on_pod(self, kind: str, pod: Mapping[str, Any], ask: PodAsk) -> None:
         try:
-            gang = parse_gang(pod)
+            gang = ask.gang
         except ContractError:
             gang = None  # its own filter says what is wrong with its labels
         with self._lock:
-            old = self._gang_of.pop(uid, None)
+            old = self._gang_of.pop(ask.uid, None)
             if old is not None:
-                self._members.get(old, {}).pop(uid, None)
+                self._members.get(old, {}).pop(ask.uid, None)
                 if not self._members.get(old):
                     self._members.pop(old, None)
             if kind != "DELETED" and gang is not None and active(pod):
-                self._members.setdefault(gang.key, {})[uid] = pod
-                self._gang_of[uid] = gang.key
+                self._members.setdefault(gang.key, {})[ask.uid] = MemberPod(pod, ask)
+                self._gang_of[ask.uid] = gang.key
 
-    def members(self, gang: Gang) -> list[Mapping[str, Any]]:
+    def members(self, gang: Gang) -> list[MemberPod]:
         with self._lock:
-            return sorted(self._members.get(gang.key, {}).values(), key=pod_key)
+            return sorted(self._members.get(gang.key, {}).values(), key=lambda m: m.ask.key)
 
 
-@dataclass(frozen=True, slots=True)
-class _Parsed:
-    """What the planner reads of a member."""
-
-    demands: tuple[Demand, ...]
-    rule: CardRule
-    nodes: PodNodes
-    host: tuple[int, int]
+def _planned(ask: PodAsk) -> PodAsk | str:
+    """The member's ask when the planner can read what it needs of it, else why not."""
+    try:
+        _ = (ask.demands, ask.rule, ask.nodes)  # each raises when it can't be read
+    except ContractError as exc:
+        return str(exc)
+    return ask
 
 
 def _same(a: Mapping[str, PendingBind], b: Mapping[str, PendingBind]) -> bool:
@@ -131,12 +139,10 @@ class Gangs:
         self._cache = cache
         self._engine = engine
         self._binder = binder
-        self.index = GangIndex(cache.pods)
+        self.index = GangIndex(cache)
         self._lock = threading.Lock()
         #: unbound member uid -> the nodes kube-scheduler offered for it at its last filter
         self._offered: dict[str, frozenset[str]] = {}
-        #: unbound member uid -> (its resourceVersion, what the planner reads of it or why it can't)
-        self._parsed: dict[str, tuple[str | None, _Parsed | str]] = {}
         #: gang key -> (what its last plan was made from, the policy, the plan, its problems)
         self._plans: OrderedDict[str, tuple[tuple, Policy, GangPlan, list[str]]] = OrderedDict()
         self._plan_locks = tuple(threading.Lock() for _ in range(16))
@@ -146,8 +152,7 @@ class Gangs:
         """A member bound or gone: forget what was kept of it while it waited."""
         if kind == "DELETED" or (pod.get("spec") or {}).get("nodeName"):
             with self._lock:
-                self._offered.pop(_uid(pod), None)
-                self._parsed.pop(_uid(pod), None)
+                self._offered.pop((pod.get("metadata") or {}).get("uid", ""), None)
 
     def _stall(self, gang: Gang, pod: Mapping[str, Any], seen: int) -> None:
         """``pod``'s gang waits for room on any node: it is marked when room may have come free."""
@@ -158,42 +163,45 @@ class Gangs:
     def _unstall(self, gang: Gang) -> None:
         self._waiters.forget(gang.key)
 
-    def filter(self, pod: Mapping[str, Any], gang: Gang, names: Sequence[str]) -> Verdict:
-        """Passing nodes, failed nodes and unresolvable nodes for member ``pod``: its planned node alone
-        once a plan for enough members is held, else none, every node with the reason. One gang's
-        filters run one at a time, so a second one finds the first one's plan."""
+    def filter(self, pod: Mapping[str, Any], ask: PodAsk, names: Sequence[str]) -> Verdict:
+        """Passing nodes, failed nodes and unresolvable nodes for member ``pod`` (whose ``ask`` names its
+        gang): its planned node alone once a plan for enough members is held, else none, every node with
+        the reason. One gang's filters run one at a time, so a second one finds the first one's plan."""
+        gang = ask.gang
+        assert gang is not None
         with self._plan_locks[hash(gang.key) % len(self._plan_locks)]:
-            return self._filter(pod, gang, names)
+            return self._filter(MemberPod(pod, ask), gang, names)
 
-    def _filter(self, pod: Mapping[str, Any], gang: Gang, names: Sequence[str]) -> Verdict:
-        uid = _uid(pod)
+    def _filter(self, this: MemberPod, gang: Gang, names: Sequence[str]) -> Verdict:
+        pod, uid = this.pod, this.ask.uid
         seen = self._waiters.seen()
         with self._lock:
             self._offered[uid] = frozenset(names)
         members = self.index.members(gang)
-        if uid not in {_uid(m) for m in members}:
-            members.append(pod)  # the watch may not have brought it yet
+        if uid not in {m.ask.uid for m in members}:
+            members.append(this)  # the watch may not have brought it yet
         present = len(members)
         held = self._cache.gang_holds(gang.key)
         assumed = self._cache.assumed_uids()
-        bound, waiting = [], []
+        bound: list[MemberPod] = []
+        waiting: list[MemberPod] = []
         for m in members:
-            (bound if (m.get("spec") or {}).get("nodeName") or _uid(m) in assumed else waiting).append(m)
+            (bound if m.bound or m.ask.uid in assumed else waiting).append(m)
         if present > self._max_members:
             self._release(gang, held, waiting)
             reason = (
                 f"gang {gang.name}: {present} members present, more than the {self._max_members} the extender "
                 "plans for one gang (its --max-gang-members)"
             )
-            return self._refuse(pod, names, reason)
+            return self._refuse(this, names, reason)
         if present < gang.minimum:
             self._unstall(gang)
             self._release(gang, held, waiting)
             missing = gang.minimum - present
             reason = f"gang {gang.name}: {present} of {gang.minimum} members present, waiting for {missing} more"
-            return self._refuse(pod, names, reason)
+            return self._refuse(this, names, reason)
         plan, problems = self._held_plan(gang, uid, len(bound), waiting, held) or self._plan(
-            gang, pod, waiting, names, held
+            gang, this.ask, waiting, names, held
         )
         placeable = len(bound) + len(plan.spots)
         counts = f"gang {gang.name}: {present} members present, {placeable} can be placed"
@@ -201,82 +209,64 @@ class Gangs:
             self._stall(gang, pod, seen)
             self._release(gang, held, waiting)
             why = "; ".join(problems) or plan.reason
-            return self._refuse(pod, names, f"{counts}, {gang.minimum} needed" + (f" ({why})" if why else ""))
+            return self._refuse(this, names, f"{counts}, {gang.minimum} needed" + (f" ({why})" if why else ""))
         spot = plan.spots.get(uid)
         if spot is None:
-            return self._refuse(pod, names, f"{counts}, but not this one ({plan.reason or 'no room left'})")
-        failure = self._hold(gang, plan, {_uid(m): pod_key(m) for m in waiting}, held)
+            return self._refuse(this, names, f"{counts}, but not this one ({plan.reason or 'no room left'})")
+        failure = self._hold(gang, plan, {m.ask.uid: m.ask.key for m in waiting}, held)
         if failure is not None:
             reason = f"gang {gang.name}: holding the plan's cards failed, will try again ({failure})"
-            return self._refuse(pod, names, reason, resolvable=True)
+            return self._refuse(this, names, reason, resolvable=True)
         self._unstall(gang)
-        self._mark(gang, [m for m in waiting if _uid(m) != uid], {u: s.node for u, s in plan.spots.items()})
+        self._mark(gang, [m for m in waiting if m.ask.uid != uid], {u: s.node for u, s in plan.spots.items()})
         where = f"gang {gang.name}: this member's cards are held on node {spot.node}"
         cards = ", ".join(f"{uuid} ({units})" for uuid, units in sorted(spot.held.items()))
         log.info(
             "filter pod %s: gang %s holds node %s for it, cards %s; %d of %d members placeable",
-            pod_key(pod), gang.key, spot.node, cards, placeable, present,
+            this.ask.key, gang.key, spot.node, cards, placeable, present,
         )  # fmt: skip
         return [spot.node], {n: where for n in names if n != spot.node}, {}
 
-    def _refuse(self, pod: Mapping[str, Any], names: Sequence[str], reason: str, resolvable: bool = False) -> Verdict:
+    def _refuse(self, this: MemberPod, names: Sequence[str], reason: str, resolvable: bool = False) -> Verdict:
         """No node. The reason goes in ``FailedNodes``, the only map kube-scheduler 1.20 reads, and unless
         said otherwise also in ``FailedAndUnresolvableNodes``, which later versions read first and which
         keeps them from preempting pods for one member: that can't place a gang."""
-        log.info("filter pod %s: %s", pod_key(pod), reason)
+        log.info("filter pod %s: %s", this.ask.key, reason)
         every = dict.fromkeys(names, reason)
         return [], every, {} if resolvable else dict(every)
 
     def _held_plan(
-        self, gang: Gang, uid: str, bound: int, waiting: Sequence[Mapping[str, Any]], held: Mapping[str, Hold]
+        self, gang: Gang, uid: str, bound: int, waiting: Sequence[MemberPod], held: Mapping[str, Hold]
     ) -> tuple[GangPlan, list[str]] | None:
         """The gang's holds as its plan, without planning, when this member holds cards on a node offered
         for it and, with the ``bound`` members, enough of the others hold cards on nodes they may still go
         to (holds that don't are left out, and so released); else None."""
         spots = {}
         for member in waiting:
-            hold = held.get(_uid(member))
-            if hold is not None and self._may_use(member, hold):
-                spots[_uid(member)] = Spot(hold[0], hold[1].held)
+            hold = held.get(member.ask.uid)
+            if hold is not None and self._may_use(member.ask, hold):
+                spots[member.ask.uid] = Spot(hold[0], hold[1].held)
         if uid not in spots or bound + len(spots) < gang.minimum:
             return None
         return GangPlan(spots), []
 
-    def _may_use(self, member: Mapping[str, Any], hold: Hold) -> bool:
+    def _may_use(self, member: PodAsk, hold: Hold) -> bool:
         """Whether the member may still go to the node it holds cards on: offered for it at its last
         filter, allowed by its constraints, and its held cards healthy there."""
         node, entry = hold
-        parsed, facts, view = self._parsed_member(member), self._cache.node_facts(node), self._cache.view(node)
+        parsed, facts, view = _planned(member), self._cache.node_facts(node), self._cache.view(node)
         with self._lock:
-            offered = self._offered.get(_uid(member))
+            offered = self._offered.get(member.uid)
         if isinstance(parsed, str) or facts is None or view is None or (offered is not None and node not in offered):
             return False
         healthy = {c.uuid for c in view.cards if c.healthy}
         return node_refusal(parsed.nodes, facts) is None and set(entry.held) <= healthy
 
-    def _parsed_member(self, member: Mapping[str, Any]) -> _Parsed | str:
-        """What the planner reads of a member, or why it can't be read; parsed once per version of the pod."""
-        meta = member.get("metadata") or {}
-        uid, version = meta.get("uid", ""), meta.get("resourceVersion")
-        with self._lock:
-            known = self._parsed.get(uid)
-        if known is not None and known[0] == version and version is not None:
-            return known[1]
-        try:
-            parsed: _Parsed | str = _Parsed(
-                demands_of(member), parse_card_rule(member), parse_pod_nodes(member), host_request(member)
-            )
-        except (ContractError, ValueError) as exc:
-            parsed = str(exc)
-        with self._lock:
-            self._parsed[uid] = (version, parsed)
-        return parsed
-
     def _plan(
         self,
         gang: Gang,
-        pod: Mapping[str, Any],
-        waiting: Sequence[Mapping[str, Any]],
+        ask: PodAsk,
+        waiting: Sequence[MemberPod],
         names: Sequence[str],
         held: Mapping[str, Hold],
     ) -> tuple[GangPlan, list[str]]:
@@ -284,21 +274,21 @@ class Gangs:
         the gang's last plan again while nothing it was made from has changed.
 
         Each member may go where its nodeSelector, node affinity and tolerations let it, and only to
-        the nodes kube-scheduler offered for it at its last filter (``names`` for ``pod``); a member
+        the nodes kube-scheduler offered for it at its last filter (``names`` for ``ask``'s); a member
         not filtered yet, to any of those nodes and the ones the gang holds cards on. A hold on a node
         the member may not go to is not kept: the member is planned afresh."""
-        _, policy = self._engine.policy_for(pod)
+        _, policy = self._engine.policy_for(ask)
         with self._lock:
-            offered = {_uid(m): self._offered[_uid(m)] for m in waiting if _uid(m) in self._offered}
+            offered = {m.ask.uid: self._offered[m.ask.uid] for m in waiting if m.ask.uid in self._offered}
         candidates = set(names) | {node for node, _ in held.values()}
         candidates.update(*offered.values())
         views = {name: self._cache.view(name) for name in sorted(candidates)}
         key = (
             tuple(
-                ((m.get("metadata") or {}).get("uid"), (m.get("metadata") or {}).get("resourceVersion"))
+                ((m.pod.get("metadata") or {}).get("uid"), (m.pod.get("metadata") or {}).get("resourceVersion"))
                 for m in waiting
             ),
-            tuple(offered.get(_uid(m)) for m in waiting),
+            tuple(offered.get(m.ask.uid) for m in waiting),
             frozenset(names),
             tuple((name, view.generation if view is not None else -1) for name, view in views.items()),
             tuple(sorted((uid, node, entry.at) for uid, (node, entry) in held.items())),
@@ -318,7 +308,7 @@ class Gangs:
     def _plan_afresh(
         self,
         policy: Policy,
-        waiting: Sequence[Mapping[str, Any]],
+        waiting: Sequence[MemberPod],
         names: Sequence[str],
         held: Mapping[str, Hold],
         offered: Mapping[str, frozenset[str]],
@@ -340,20 +330,20 @@ class Gangs:
         allowed_for: dict[PodNodes, tuple[frozenset[str], str]] = {}
         members, problems = [], []
         for member in waiting:
-            parsed = self._parsed_member(member)
+            parsed = _planned(member.ask)
             if isinstance(parsed, str):
                 problems.append(parsed)
                 continue
             if parsed.nodes not in allowed_for:
                 allowed_for[parsed.nodes] = _allowed(parsed.nodes, facts)
             eligible, refusal = allowed_for[parsed.nodes]
-            where = offered.get(_uid(member))
+            where = offered.get(parsed.uid)
             allowed = eligible if where is None else eligible & where
             if not allowed:
                 why = refusal if not eligible else "kube-scheduler offered it none of the nodes it may go to"
-                problems.append(f"pod {pod_key(member)} may go to none of {len(rooms)} node(s): {why}")
+                problems.append(f"pod {parsed.key} may go to none of {len(rooms)} node(s): {why}")
                 continue
-            members.append(Member(_uid(member), pod_key(member), parsed.demands, parsed.host, allowed, parsed.rule))
+            members.append(Member(parsed.uid, parsed.key, parsed.demands, parsed.host, allowed, parsed.rule))
         previous = {uid: Spot(node, hold.held) for uid, (node, hold) in held.items()}
         return plan_gang(members, rooms, policy, previous), problems
 
@@ -366,28 +356,28 @@ class Gangs:
             want.setdefault(spot.node, {})[uid] = PendingBind(keys[uid], dict(spot.held), now, gang.key)
         return self._write(gang, want, _by_node(held))
 
-    def _release(self, gang: Gang, held: Mapping[str, Hold], unbound: Sequence[Mapping[str, Any]]) -> None:
+    def _release(self, gang: Gang, held: Mapping[str, Hold], unbound: Sequence[MemberPod]) -> None:
         if held:
             failure = self._write(gang, {}, _by_node(held))
             log.info("gang %s: holds released%s", gang.key, f" in part ({failure})" if failure else "")
         self._mark(gang, unbound, {})
 
-    def _mark(self, gang: Gang, unbound: Sequence[Mapping[str, Any]], nodes: Mapping[str, str]) -> None:
+    def _mark(self, gang: Gang, unbound: Sequence[MemberPod], nodes: Mapping[str, str]) -> None:
         """Set ``gpushare.io/gang-hold`` on each unbound member to the node in ``nodes`` holding its cards
         (removed when it has none) where it says otherwise: the change makes kube-scheduler retry it now.
         A member that can't be patched (gone meanwhile) is retried on kube-scheduler's own timing."""
-        for member in unbound:
-            node = nodes.get(_uid(member))
+        for member, ask in unbound:
+            node = nodes.get(ask.uid)
             if annotations_of(member).get(ANN_GANG_HOLD) == node:
                 continue
             meta = member.get("metadata") or {}
             try:
                 patch_pod_annotations(self._api, meta.get("namespace", ""), meta.get("name", ""), {ANN_GANG_HOLD: node})
             except KubeError as exc:
-                log.warning("gang %s: pod %s: marking its hold failed: %s", gang.key, pod_key(member), exc)
+                log.warning("gang %s: pod %s: marking its hold failed: %s", gang.key, ask.key, exc)
                 continue
             held_on = f"cards held for it on node {node}, marked for a retry" if node else "no cards held, mark removed"
-            log.info("gang %s: pod %s: %s", gang.key, pod_key(member), held_on)
+            log.info("gang %s: pod %s: %s", gang.key, ask.key, held_on)
 
     def _write(self, gang: Gang, want: Holds, have: Holds) -> str | None:
         written: list[str] = []
@@ -477,7 +467,3 @@ def _by_node(held: Mapping[str, Hold]) -> Holds:
     for uid, (node, hold) in held.items():
         nodes.setdefault(node, {})[uid] = hold
     return nodes
-
-
-def _uid(pod: Mapping[str, Any]) -> str:
-    return (pod.get("metadata") or {}).get("uid", "")
