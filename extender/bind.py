@@ -64,7 +64,7 @@ from gpushare.contract.units import MemoryUnit
 from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import bind_pod, get_node, get_pod, list_pods, patch_node
-from gpushare.placement.gang import taking, within
+from gpushare.placement.gangplan import taking, within
 from gpushare.usage import (
     alibaba_total_per_card,
     held_units,

@@ -2,7 +2,7 @@
 cards aside on the nodes until its members are bound.
 
 A member's filter finds the gang's members in the pod cache. With fewer than the gang's minimum
-present, or fewer placeable at once (:func:`gpushare.placement.gang.plan_gang`; bound members count as
+present, or fewer placeable at once (:func:`gpushare.placement.gangplan.plan_gang`; bound members count as
 placed), every node is refused with the counts and the gang's holds are released. Otherwise the plan is
 written as holds (pending-bind entries tagged with the gang, for members not bound yet) into the nodes'
 ``gpushare.io/pending-binds`` annotation, each node by the same compare-and-swap, against the same fresh
@@ -46,7 +46,7 @@ from gpushare.contract.request import annotations_of
 from gpushare.kube.errors import KubeConflict, KubeError
 from gpushare.kube.objects import get_node, patch_node, patch_pod_annotations
 from gpushare.placement import Policy
-from gpushare.placement.gang import GangPlan, Member, Room, Spot, plan_gang
+from gpushare.placement.gangplan import GangPlan, Member, Room, Spot, plan_gang
 from gpushare.usage import holds_resources, node_inventory
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from gpushare import placement
 from gpushare.contract.gang import Gang, GangError, format_gang, parse_gang
 from gpushare.contract.names import LABEL_GANG, LABEL_GANG_MIN
 from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
-from gpushare.placement import gang as gang_module
-from gpushare.placement.gang import Member, Room, Spot, plan_gang, within
+from gpushare.placement import gangplan as gang_module
+from gpushare.placement.gangplan import Member, Room, Spot, plan_gang, within
 from gpushare.sandbox.examples import with_string_quantities
 
 BINPACK = placement.POLICIES["binpack"]
