@@ -46,7 +46,7 @@ from gpushare.kube.transport import load_api
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 from gpushare.sandbox.apiserver import ApiServer
-from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.sandbox.kubeletemulator import KubeletEmulator
 from gpushare.settings import NodeSettings
 
 NODE = "n1"

@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import Any
 
-from gpushare.contract.kubelet import format_watching
+from gpushare.contract.kubeletwatch import format_watching
 from gpushare.contract.names import NODE_ANN_KUBELET_WATCHING
 from gpushare.kube.errors import KubeError
 from gpushare.kube.objects import patch_node

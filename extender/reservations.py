@@ -15,7 +15,7 @@ Once the holds are written, the gang's other unbound members get ``gpushare.io/g
 itself changes, but not when a node's annotations do, so without it they would wait for its periodic
 flush of unschedulable pods (5 minutes; 60 s in 1.20).
 
-For the same reason a gang refused for want of room waits in :class:`gpushare.extender.retry.RoomWaiters`:
+For the same reason a gang refused for want of room waits in :class:`gpushare.extender.roomwaiters.RoomWaiters`:
 when the pod watch shows a bound pod ending or going (room may have come free), the member refused last
 gets ``gpushare.io/gang-retry``.
 """
@@ -34,7 +34,7 @@ from gpushare.extender.asks import PodAsk
 from gpushare.extender.bind import ATTEMPTS, Binder
 from gpushare.extender.cache import CachedNode, ClusterCache
 from gpushare.extender.engine import PlacementEngine
-from gpushare.extender.retry import RoomWaiters, Waiter
+from gpushare.extender.roomwaiters import RoomWaiters, Waiter
 
 from gpushare import placement
 from gpushare.contract.errors import ContractError

@@ -15,7 +15,7 @@ from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.metrics import CARD_ALLOCATED, CARD_TOTAL, VERB_LATENCY
 from gpushare.extender.reservations import Gangs
-from gpushare.extender.retry import RoomWaiters
+from gpushare.extender.roomwaiters import RoomWaiters
 from gpushare.extender.verbs import filter_result, host_prioritize_result, preempt_result, prioritize_result
 from gpushare.extender.wire import BadRequest, encode
 

@@ -16,7 +16,7 @@ from gpushare.extender.cache import CachedNode, ClusterCache, placement_cards
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.podfit import Way
 from gpushare.extender.reservations import Gangs
-from gpushare.extender.retry import RoomWaiters, Waiter
+from gpushare.extender.roomwaiters import RoomWaiters, Waiter
 from gpushare.extender.wire import NodeNames, Raw, candidate_names, check_victims, refused_nodes, request_pod
 
 from gpushare import placement

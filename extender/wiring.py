@@ -13,7 +13,7 @@ from gpushare.extender.bind import Binder
 from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.reservations import Gangs
-from gpushare.extender.retry import RoomWaiters
+from gpushare.extender.roomwaiters import RoomWaiters
 from gpushare.extender.server import ExtenderServer, refresh_card_gauges
 
 from gpushare import placement

@@ -41,7 +41,7 @@ from gpushare.contract.aliyun import parse_card_index
 from gpushare.contract.allocation import Allocation, CardSlice, parse_allocation
 from gpushare.contract.errors import AnnotationError, ContractError, LedgerMismatch, OverClaimError, json_object, quoted
 from gpushare.contract.inventory import NodeInventory, parse_inventory
-from gpushare.contract.kubelet import parse_watching
+from gpushare.contract.kubeletwatch import parse_watching
 from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_FRAMEWORK_ALLOCATION,

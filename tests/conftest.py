@@ -16,7 +16,7 @@ from kubernetes import client
 
 from gpushare.kube.transport import load_api
 from gpushare.sandbox.apiserver import ApiServer
-from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.sandbox.kubeletemulator import KubeletEmulator
 
 
 @pytest.fixture

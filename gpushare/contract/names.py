@@ -44,7 +44,7 @@ ANN_GANG_HOLD = "gpushare.io/gang-hold"
 #: makes kube-scheduler retry the member, which it would otherwise do only on its next periodic flush
 ANN_GANG_RETRY = "gpushare.io/gang-retry"
 #: when the extender last saw room free up on a node where it had refused this pod for want of room;
-#: changing it makes kube-scheduler retry the pod (see extender/retry.py)
+#: changing it makes kube-scheduler retry the pod (see extender/roomwaiters.py)
 ANN_RETRY = "gpushare.io/retry"
 #: per-pod placement policy override
 ANN_POLICY = "gpushare.io/policy"

@@ -38,9 +38,9 @@ from gpushare.kube.nodeapi import NodeApi
 from gpushare.kube.objects import list_nodes, list_pods
 from gpushare.kube.transport import load_api
 from gpushare.sandbox.apiserver import ApiServer
-from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.sandbox.kubeletemulator import KubeletEmulator
 from gpushare.sandbox.nodespec import NodeSpec
-from gpushare.sandbox.report import Progress
+from gpushare.sandbox.printout import Progress
 from gpushare.settings import NodeSettings, RewriteOptions, ShimSettings
 
 log = logging.getLogger(__name__)

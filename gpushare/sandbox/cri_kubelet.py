@@ -17,7 +17,7 @@ from gpushare.contract.names import (
 )
 from gpushare.pb import cri_pb2 as pb
 from gpushare.pb import cri_pb2_grpc as pb_grpc
-from gpushare.sandbox.kubelet import ContainerResult
+from gpushare.sandbox.kubeletemulator import ContainerResult
 
 
 def sandbox_config(pod: Mapping[str, Any]) -> pb.PodSandboxConfig:

@@ -17,9 +17,7 @@ from gpushare.placement import DEFAULT_POLICY
 from gpushare.sandbox.examples import EXAMPLES, load_examples
 from gpushare.sandbox.launch import ClusterError, wait_for
 from gpushare.sandbox.nodespec import NodeSpec
-from gpushare.sandbox.realcluster import RealCluster, as_sandbox_pod
-from gpushare.sandbox.realnode import NVML_PREFIX
-from gpushare.sandbox.report import (
+from gpushare.sandbox.printout import (
     KEEP_RUNNING_HINT,
     PodOutcome,
     Progress,
@@ -29,6 +27,8 @@ from gpushare.sandbox.report import (
     report,
     stay_up,
 )
+from gpushare.sandbox.realcluster import RealCluster, as_sandbox_pod
+from gpushare.sandbox.realnode import NVML_PREFIX
 
 #: how long an example pod may take to reach a final answer (Running, Failed or Unschedulable)
 SETTLE_SECONDS = 60.0

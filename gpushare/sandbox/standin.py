@@ -17,9 +17,9 @@ from gpushare.kube.objects import bind_pod, get_pod, patch_pod_status
 from gpushare.placement import DEFAULT_POLICY
 from gpushare.sandbox.cluster import Sandbox, SandboxError, SimNode
 from gpushare.sandbox.examples import EXAMPLES, load_examples, with_string_quantities
-from gpushare.sandbox.kubelet import AdmissionResult
+from gpushare.sandbox.kubeletemulator import AdmissionResult
 from gpushare.sandbox.nodespec import NodeSpec
-from gpushare.sandbox.report import KEEP_RUNNING_HINT, PodOutcome, Progress, RunDir, cards_of, report, stay_up
+from gpushare.sandbox.printout import KEEP_RUNNING_HINT, PodOutcome, Progress, RunDir, cards_of, report, stay_up
 from gpushare.sandbox.scheduler import ExtenderCallError, ExtenderClient, schedule_one
 
 

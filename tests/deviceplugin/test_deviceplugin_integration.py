@@ -48,7 +48,7 @@ from gpushare.observability import serve_http
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 from gpushare.sandbox.apiserver import ApiServer
-from gpushare.sandbox.kubelet import AdmissionResult, KubeletEmulator, LaggingWatchCache
+from gpushare.sandbox.kubeletemulator import AdmissionResult, KubeletEmulator, LaggingWatchCache
 from gpushare.settings import DEFAULT_REREAD, MetricsEndpoint, NodeSettings, Reread, UsageError
 
 SPEC = "2xA100-80GB:81920,1xT4:15360"

@@ -1,12 +1,12 @@
-"""Which waiting pods a bound pod's end marks for a retry (extender/retry.py), without an API server."""
+"""Which waiting pods a bound pod's end marks for a retry (extender/roomwaiters.py), without an API server."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from gpushare.extender import retry
-from gpushare.extender.retry import RoomWaiters, Waiter
+from gpushare.extender import roomwaiters
+from gpushare.extender.roomwaiters import RoomWaiters, Waiter
 
 
 class Watch:
@@ -34,7 +34,7 @@ def marked(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
     def patch(_api: Any, namespace: str, name: str, annotations: dict[str, str]) -> None:
         done.extend((namespace, name, key) for key in annotations)
 
-    monkeypatch.setattr(retry, "patch_pod_annotations", patch)
+    monkeypatch.setattr(roomwaiters, "patch_pod_annotations", patch)
     return done
 
 

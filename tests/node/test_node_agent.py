@@ -19,7 +19,7 @@ from gpushare.cli import build_parser
 from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.kube.objects import get_node
 from gpushare.sandbox.apiserver import ApiServer
-from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.sandbox.kubeletemulator import KubeletEmulator
 
 
 def test_node_agent_runs_all_node_components_on_one_pod_watch(

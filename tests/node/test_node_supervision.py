@@ -27,7 +27,7 @@ from gpushare.kube.watch import WatchCache
 from gpushare.node import NODE_API, components
 from gpushare.observability import serve_http
 from gpushare.sandbox.apiserver import ApiServer
-from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.sandbox.kubeletemulator import KubeletEmulator
 from gpushare.settings import MetricsEndpoint, NodeSettings
 from gpushare.supervisor import Supervisor
 

@@ -18,7 +18,7 @@ from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 from gpushare.sandbox.cluster import devices_listed
-from gpushare.sandbox.kubelet import KUBELET_SOCKET, KubeletEmulator, registration_error
+from gpushare.sandbox.kubeletemulator import KUBELET_SOCKET, KubeletEmulator, registration_error
 
 ENDPOINT = "scripted.sock"
 

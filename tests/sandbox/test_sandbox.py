@@ -12,8 +12,8 @@ import pytest
 from support.sandboxrun import leftovers
 
 from gpushare.sandbox.containerd import containerd_available
+from gpushare.sandbox.printout import KEEP_RUNNING_HINT
 from gpushare.sandbox.realcluster import realcluster_available
-from gpushare.sandbox.report import KEEP_RUNNING_HINT
 
 GPU_EXAMPLES = ("shared-1", "shared-2", "multi-container", "two-cards")
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from gpushare.sandbox.podnetwork import bridge_name, pod_subnet, render_pod_network
-from gpushare.sandbox.report import keep_only_logs
+from gpushare.sandbox.printout import keep_only_logs
 
 
 def test_each_node_of_each_cluster_has_a_bridge_name_linux_accepts_and_no_other_has() -> None:

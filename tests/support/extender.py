@@ -19,7 +19,7 @@ from gpushare.contract.names import ANN_ALLOCATION, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB
 from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.kube.objects import get_pod
-from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.sandbox.kubeletemulator import KubeletEmulator
 from gpushare.sandbox.scheduler import ExtenderClient, ScheduleResult, schedule_one
 from gpushare.settings import NodeSettings
 

@@ -41,7 +41,7 @@ from gpushare.kube.objects import get_node
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
 from gpushare.sandbox.fakenvml import FakeNvml
-from gpushare.sandbox.kubelet import KubeletEmulator
+from gpushare.sandbox.kubeletemulator import KubeletEmulator
 from gpushare.settings import NodeSettings
 
 FAST = {"poll_interval": 0.05}
