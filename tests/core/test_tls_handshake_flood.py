@@ -150,3 +150,30 @@ def test_a_handshake_sent_a_byte_at_a_time_is_dropped_after_the_read_timeout(cer
         wait_until(lambda: server.open_connections == 4, what="the server to take the handshakes in")
         # still trickling (the whole ClientHello would take 10 s more) when the server gives up on them
         wait_until(lambda: server.open_connections == 0, timeout=3, what="the slow handshakes dropped")
+
+
+def test_at_the_cap_the_schedulers_idle_connection_outlives_the_attack(certs: Certs) -> None:
+    """kube-scheduler's keep-alive connection, its certificate verified, idle between two requests while
+    the attack fills the cap three times over, is still open for the next one."""
+    limits = Limits(max_connections=8)
+    tls = ServerTLS(certs.server.cert, certs.server.key, certs.ca)
+    with serving(tls, limits) as server:
+        scheduler = http.client.HTTPSConnection(
+            "127.0.0.1", server.port, context=client_context(certs, True), timeout=SCHEDULER_TIMEOUT
+        )
+
+        def ask() -> object:
+            """Where the answer came to."""
+            scheduler.request("POST", "/filter", b"{}", {"Content-Type": "application/json"})
+            reply = scheduler.getresponse()
+            assert reply.status == 200 and reply.read() == b'{"Error": ""}'
+            assert scheduler.sock is not None
+            return scheduler.sock.getsockname()
+
+        try:
+            where = ask()
+            with SlowHandshakes(server.port, 3 * limits.max_connections, every=1.0):
+                wait_until(lambda: server.open_connections == limits.max_connections, what="the attack to hold the cap")
+                assert ask() == where  # the same connection
+        finally:
+            scheduler.close()

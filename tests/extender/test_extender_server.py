@@ -109,7 +109,7 @@ def test_half_sent_bodies_hold_neither_threads_nor_connections(kube_api: client.
         socks = [_send_head(port, 1000, b'{"Pod": ') for _ in range(200)]
         # every connection has been taken in, and is waiting for the rest of its body
         wait_until(lambda: running.server.open_connections == 200, what="the server to accept all 200")
-        # the server's own threads (its selector loop and its worker pool), whatever other tests left running
+        # the server's own threads (its loop and its worker pool), whatever other tests left running
         server_threads = [t for t in threading.enumerate() if t.name.startswith(("extender-loop", "extender-worker"))]
         assert len(server_threads) <= 1 + limits.workers, [t.name for t in server_threads]
         # and nothing else grew with the 200 connections (a few threads of other tests may come and go)
