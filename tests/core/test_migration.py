@@ -33,7 +33,7 @@ from gpushare.usage import node_inventory, node_usage
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# --- point 1: nodes that still run the original device plugin --------------------------------------------
+# --- nodes that still run the original device plugin --------------------------------------------
 
 
 def test_cards_are_inferred_from_allocatable_in_the_original_unit() -> None:
@@ -50,7 +50,7 @@ def test_cards_are_inferred_from_allocatable_in_the_original_unit() -> None:
         node_inventory(ours)
 
 
-# --- point 6: one rule for what a pod holds ---------------------------------------------------------------
+# --- one rule for what a pod holds ---------------------------------------------------------------
 
 THREE = tuple(Card(i, f"GPU-{i}", "T4", 16384, minor=i) for i in range(3))
 FRAMEWORK_POD = {
@@ -85,7 +85,7 @@ def test_every_component_counts_the_framework_annotation_the_same() -> None:
     assert view.pods[0].units == {0: 10, 2: 5}
 
 
-# --- point 9: kubectl inspect gpushare ------------------------------------------------------------------
+# --- kubectl inspect gpushare ------------------------------------------------------------------
 
 
 def test_kubectl_inspect_gpushare_keeps_the_original_layout(

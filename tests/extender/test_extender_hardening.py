@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kubernetes import client
 from podfactory import container, gpu_pod
 from support.extender import Cluster
 
@@ -22,18 +20,11 @@ from gpushare.sandbox import apiserver as standin
 from gpushare.usage import pod_allocation
 
 
-@pytest.fixture
-def cluster(kube_api: client.ApiClient, core_v1: client.CoreV1Api) -> Iterator[Cluster]:
-    cl = Cluster(kube_api, core_v1)
-    yield cl
-    cl.extender.stop()
-
-
 def annotations(cluster: Cluster, name: str) -> dict[str, str]:
     return cluster.core.read_namespaced_pod(name, "default").metadata.annotations or {}
 
 
-# --- point 7: a request body can't decide what another request sees ---------------------------------
+# --- a request body can't decide what another request sees ---------------------------------
 
 
 def test_a_sprayed_filter_body_does_not_change_what_bind_places(cluster: Cluster) -> None:
@@ -50,7 +41,7 @@ def test_a_sprayed_filter_body_does_not_change_what_bind_places(cluster: Cluster
     assert [s.units for s in cluster.allocation("big")["main"]] == [40]
 
 
-# --- point 10: messages -----------------------------------------------------------------------------
+# --- messages -----------------------------------------------------------------------------
 
 
 def test_a_bad_request_names_the_pod_once(cluster: Cluster) -> None:
@@ -71,7 +62,7 @@ def test_untrusted_strings_are_quoted_and_cut() -> None:
     assert "\n" not in str(named.value) and "forged line" in str(named.value)
 
 
-# --- point 6: bind only what the filter would accept ---------------------------------------------------
+# --- bind only what the filter would accept ---------------------------------------------------
 
 
 def test_bind_refuses_a_pod_that_requests_no_gpu(cluster: Cluster) -> None:
@@ -92,7 +83,7 @@ def test_bind_refuses_a_node_outside_the_pods_node_selector(cluster: Cluster) ->
     assert cluster.bind(pod, "n2")["Error"] == ""
 
 
-# --- point 12: the per-node lock map ----------------------------------------------------------------
+# --- the per-node lock map ----------------------------------------------------------------
 
 
 def test_binds_to_made_up_nodes_leave_no_locks_behind(cluster: Cluster) -> None:
@@ -102,7 +93,7 @@ def test_binds_to_made_up_nodes_leave_no_locks_behind(cluster: Cluster) -> None:
     assert cluster.extender.binder.locked_nodes == 0
 
 
-# --- point 1: a failed bind leaves nothing behind, whatever the error --------------------------------
+# --- a failed bind leaves nothing behind, whatever the error --------------------------------
 
 
 def test_a_forbidden_node_patch_takes_the_assignment_back(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,7 +113,7 @@ def test_a_forbidden_node_patch_takes_the_assignment_back(cluster: Cluster, monk
     assert cluster.extender.cache.assumed_on("n1") == []
 
 
-# --- point 11: a pause in the middle of a bind --------------------------------------------------------
+# --- a pause in the middle of a bind --------------------------------------------------------
 
 
 def test_a_bind_whose_answers_are_lost_in_an_api_pause_still_succeeds(

@@ -49,7 +49,7 @@ def _client_context(certs: Certs, pair: tuple[str, str] | None) -> ssl.SSLContex
     return context
 
 
-# --- point 6: TLS, and only kube-scheduler's certificate gets in ------------------------------------
+# --- TLS, and only kube-scheduler's certificate gets in ------------------------------------
 
 
 def test_verbs_answer_only_a_client_holding_the_schedulers_certificate(
@@ -77,7 +77,7 @@ def test_plain_http_is_refused_anywhere_but_loopback(kube_api: client.ApiClient)
         start_extender(kube_api, 0, "binpack", host="0.0.0.0")
 
 
-# --- point 8: limits, timeouts, a bounded pool -----------------------------------------------------------
+# --- limits, timeouts, a bounded pool -----------------------------------------------------------
 
 
 def _send_head(port: int, length: int, first_bytes: bytes = b"") -> socket.socket:
@@ -132,7 +132,7 @@ def test_a_body_without_content_length_is_refused(cluster: Cluster) -> None:
         assert sock.recv(200).startswith(b"HTTP/1.1 411 ")
 
 
-# --- point 9: 400 for bad input, 500 (logged) for bugs ----------------------------------------------------
+# --- 400 for bad input, 500 (logged) for bugs ----------------------------------------------------
 
 
 @pytest.mark.parametrize(
