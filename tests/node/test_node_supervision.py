@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -100,18 +101,35 @@ def node_agent(directory: Path, backend: GpuBackend, shared: NodeApi) -> Iterato
         supervisor.stop()
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the deaths are the point
-def test_a_component_that_dies_is_restarted_and_readyz_is_false_until_it_is_back(
+@dataclass(frozen=True)
+class Node:
+    """Node n1 in the API stand-in, with its kubelet and device-plugins directory."""
+
+    apiserver: ApiServer
+    api: client.ApiClient
+    core_v1: client.CoreV1Api
+    directory: Path
+    kubelet: KubeletEmulator
+
+
+@pytest.fixture
+def node(
     apiserver: ApiServer,
     kube_api: client.ApiClient,
     core_v1: client.CoreV1Api,
     directory: Path,
     kubelet: KubeletEmulator,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> Node:
     core_v1.create_node({"metadata": {"name": "n1"}})
+    return Node(apiserver, kube_api, core_v1, directory, kubelet)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the deaths are the point
+def test_a_component_that_dies_is_restarted_and_readyz_is_false_until_it_is_back(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
     backend = FlakyBackend()
-    with node_agent(directory, backend, NodeApi(kube_api, "n1")) as (supervisor, port):
+    with node_agent(node.directory, backend, NodeApi(node.api, "n1")) as (supervisor, port):
         # the advertiser's card read fails with an error its loop doesn't expect: its thread dies
         backend.fail_for = "advertiser"
         wait_until(lambda: supervisor.down() == ["advertiser"], 5, "the advertiser's death to be noticed")
@@ -134,18 +152,18 @@ def test_a_component_that_dies_is_restarted_and_readyz_is_false_until_it_is_back
         assert readyz(port) == 503
         wait_until(lambda: readyz(port) == 200, 5, "the device plugin to be restarted")
         assert supervisor.restarts("device-plugin") == 1
-        assert apiserver.reads["pods", "watch", "spec.nodeName=n1"] == 1, "the restart opened a watch of its own"
-        assert kubelet.wait_for(lambda k: k.capacity(RESOURCE_MEM) == 160, 5)
+        assert node.apiserver.reads["pods", "watch", "spec.nodeName=n1"] == 1, "the restart opened a watch of its own"
+        assert node.kubelet.wait_for(lambda k: k.capacity(RESOURCE_MEM) == 160, 5)
         a1 = backend.cards()[1]
-        core_v1.create_namespaced_pod("default", gpu_pod("after", [container("main", 4)], original_index=a1.minor))
-        admission = kubelet.admit(
-            core_v1.api_client.sanitize_for_serialization(core_v1.read_namespaced_pod("after", "default"))
+        node.core_v1.create_namespaced_pod("default", gpu_pod("after", [container("main", 4)], original_index=a1.minor))
+        admission = node.kubelet.admit(
+            node.core_v1.api_client.sanitize_for_serialization(node.core_v1.read_namespaced_pod("after", "default"))
         )
         assert admission.admitted, admission.error
         assert admission.containers["main"].envs[ENV_VISIBLE_DEVICES] == a1.uuid
         # the dead instances no longer hear of health changes: one subscriber per live component
         assert len(backend._subscribers._callbacks) == 2
-    assert not any(directory.glob("gpushare-*.sock"))
+    assert not any(node.directory.glob("gpushare-*.sock"))
 
 
 class WatchKilled(BaseException):
@@ -154,16 +172,10 @@ class WatchKilled(BaseException):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
 def test_a_pod_watch_that_dies_is_restarted_in_place_and_the_components_keep_it(
-    apiserver: ApiServer,
-    kube_api: client.ApiClient,
-    core_v1: client.CoreV1Api,
-    directory: Path,
-    kubelet: KubeletEmulator,
-    monkeypatch: pytest.MonkeyPatch,
+    node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    core_v1.create_node({"metadata": {"name": "n1"}})
-    shared = NodeApi(kube_api, "n1")
-    with node_agent(directory, SimulatedBackend("n1", SPEC), shared) as (supervisor, port):
+    shared = NodeApi(node.api, "n1")
+    with node_agent(node.directory, SimulatedBackend("n1", SPEC), shared) as (supervisor, port):
         cache = shared.pods
         assert cache is not None
         store = WatchCache._store
@@ -173,7 +185,7 @@ def test_a_pod_watch_that_dies_is_restarted_in_place_and_the_components_keep_it(
             raise WatchKilled
 
         monkeypatch.setattr(WatchCache, "_store", dies_on_the_next_event)
-        core_v1.create_namespaced_pod("default", gpu_pod("missed", [container("main", 4)]))
+        node.core_v1.create_namespaced_pod("default", gpu_pod("missed", [container("main", 4)]))
         wait_until(lambda: supervisor.down() == [NODE_API], 5, "the watch's death to be noticed")
         assert readyz(port) == 503
         assert not cache.connected, "a dead watch must not pass for a live one"
@@ -186,5 +198,5 @@ def test_a_pod_watch_that_dies_is_restarted_in_place_and_the_components_keep_it(
         wait_until(lambda: cache.get("missed", "default"), 5, "the missed pod in the cache")
         assert cache.connected
         watches = ("pods", "watch", "spec.nodeName=n1")
-        wait_until(lambda: apiserver.reads[watches] == 2, 5, "the one watch to be opened again")
+        wait_until(lambda: node.apiserver.reads[watches] == 2, 5, "the one watch to be opened again")
     assert not shared.alive()
