@@ -27,23 +27,11 @@ from support.original import original_inspect_usage, original_node
 from support.waiting import readiness, wait_until
 
 from gpushare.cards import Card
+from gpushare.contract import names
 from gpushare.contract.aliyun import format_framework_allocation
 from gpushare.contract.allocation import CardSlice, format_allocation, parse_allocation, validate_allocation
 from gpushare.contract.errors import AnnotationError, ContractError
 from gpushare.contract.inventory import NodeInventory
-from gpushare.contract.names import (
-    ANN_ALLOCATION,
-    ANN_FRAMEWORK_ALLOCATION,
-    ANN_MEM_ASSIGNED,
-    ANN_MEM_ASSUME_TIME,
-    ANN_MEM_DEV,
-    ANN_MEM_IDX,
-    ANN_MEM_POD,
-    ANN_POLICY,
-    ANN_REQUIRE_NVLINK,
-    NODE_ANN_KUBELET_WATCHING,
-    NODE_ANN_PENDING_BINDS,
-)
 from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
 from gpushare.contract.request import parse_pod_request
 from gpushare.contract.units import GIB
@@ -79,7 +67,7 @@ def test_no_gpu_pod_is_placed_on_a_node_whose_kubelet_is_not_watching_its_device
     """A kubelet restarting could admit the pod before the plugin registered with it, and fail it for good."""
 
     def watching(value: str) -> None:
-        cluster.core.patch_node("n2", {"metadata": {"annotations": {NODE_ANN_KUBELET_WATCHING: value}}})
+        cluster.core.patch_node("n2", {"metadata": {"annotations": {names.NODE_ANN_KUBELET_WATCHING: value}}})
 
     pod = cluster.pod(gpu_pod("p", [container("main", 4)]))
     watching("false")
@@ -120,16 +108,16 @@ def test_bind_writes_all_annotations_compatible_with_the_original_plugin(cluster
     got = cluster.core.read_namespaced_pod("p", "default")
     ann = got.metadata.annotations
     assert got.spec.node_name == "n1"
-    assert ann[ANN_MEM_ASSIGNED] == "false"
-    assert int(ann[ANN_MEM_ASSUME_TIME]) > 1_600_000_000 * 10**9  # nanoseconds
-    assert ann[ANN_MEM_POD] == "8"  # the pod's total, as the original plugin matches on
-    alloc = parse_allocation(ann[ANN_ALLOCATION])
+    assert ann[names.ANN_MEM_ASSIGNED] == "false"
+    assert int(ann[names.ANN_MEM_ASSUME_TIME]) > 1_600_000_000 * 10**9  # nanoseconds
+    assert ann[names.ANN_MEM_POD] == "8"  # the pod's total, as the original plugin matches on
+    alloc = parse_allocation(ann[names.ANN_ALLOCATION])
     assert set(alloc) == {"a", "b"}
     first = alloc["a"][0]
     cards = {card.uuid: card for card in cluster.backends["n1"].cards()}
-    assert ann[ANN_MEM_IDX] == str(cards[first.uuid].minor)  # the original components number cards by minor
+    assert ann[names.ANN_MEM_IDX] == str(cards[first.uuid].minor)  # the original components number cards by minor
     # what the original extender takes each card to hold: the node's total over its cards
-    assert ann[ANN_MEM_DEV] == str(sum(card.memory_mib // 1024 for card in cards.values()) // len(cards))
+    assert ann[names.ANN_MEM_DEV] == str(sum(card.memory_mib // 1024 for card in cards.values()) // len(cards))
 
 
 def test_a_bind_records_which_cards_the_pod_got_in_an_event(cluster: Cluster) -> None:
@@ -147,7 +135,7 @@ def test_a_bind_records_which_cards_the_pod_got_in_an_event(cluster: Cluster) ->
 @pytest.mark.parametrize(
     ("annotations", "containers", "said"),
     [
-        ({ANN_REQUIRE_NVLINK: "maybe"}, [container("main", 8)], ANN_REQUIRE_NVLINK),
+        ({names.ANN_REQUIRE_NVLINK: "maybe"}, [container("main", 8)], names.ANN_REQUIRE_NVLINK),
         ({}, [container("main", 5, 2)], "not divisible"),
     ],
 )
@@ -262,13 +250,13 @@ def test_a_bind_another_replica_recorded_on_the_node_counts_until_its_pod_is_gon
     a10 = cluster.backends["n2"].cards()[0].uuid
     pending = {other["metadata"]["uid"]: PendingBind("default/other", {a10: 20}, time.time())}
     cluster.core.patch_node(
-        "n2", {"metadata": {"annotations": {NODE_ANN_PENDING_BINDS: format_pending_binds(pending)}}}
+        "n2", {"metadata": {"annotations": {names.NODE_ANN_PENDING_BINDS: format_pending_binds(pending)}}}
     )
     pod = cluster.pod(gpu_pod("p", [container("main", 8)]))
     assert "no single card has 8 GiB free" in cluster.bind(pod, "n2")["Error"]
     cluster.core.delete_namespaced_pod("other", "default")
     assert cluster.bind(pod, "n2")["Error"] == ""
-    recorded = parse_pending_binds(cluster.core.read_node("n2").metadata.annotations[NODE_ANN_PENDING_BINDS])
+    recorded = parse_pending_binds(cluster.core.read_node("n2").metadata.annotations[names.NODE_ANN_PENDING_BINDS])
     assert list(recorded) == [pod["metadata"]["uid"]] and recorded[pod["metadata"]["uid"]].held == {a10: 8}
 
 
@@ -319,7 +307,7 @@ def test_a_bind_reads_nothing_from_the_api_server_and_writes_the_node_and_the_bi
     requests.clear()
     assert cluster.bind(after, "n1")["Error"] == ""
     assert requests == ["PATCH /api/v1/nodes/n1", "POST /api/v1/namespaces/default/pods/after/binding"]
-    ledger = parse_pending_binds(cluster.core.read_node("n1").metadata.annotations[NODE_ANN_PENDING_BINDS])
+    ledger = parse_pending_binds(cluster.core.read_node("n1").metadata.annotations[names.NODE_ANN_PENDING_BINDS])
     assert list(ledger) == [after["metadata"]["uid"]]
 
 
@@ -333,7 +321,7 @@ def test_failed_binding_takes_the_assignment_back(cluster: Cluster) -> None:
     )
     reply = cluster.bind(pod, "n1")
     assert "creating the binding failed" in reply["Error"]
-    assert ANN_ALLOCATION not in (cluster.core.read_namespaced_pod("p", "default").metadata.annotations or {})
+    assert names.ANN_ALLOCATION not in (cluster.core.read_namespaced_pod("p", "default").metadata.annotations or {})
     assert cluster.extender.cache.assumed_on("n1") == []
 
 
@@ -553,7 +541,7 @@ def test_mixed_cards_each_count_with_their_own_memory(ext: Extender) -> None:
     pod = ext.pending(gpu_pod("p12", [container("main", 12)]))
     assert ext.call("filter", {"Pod": pod, "NodeNames": ["mixed"]})["NodeNames"] == ["mixed"]
     assert ext.bind(pod, "mixed")["Error"] == ""
-    assert parse_allocation(ext.annotations("p12")[ANN_ALLOCATION])["main"][0].index == 2
+    assert parse_allocation(ext.annotations("p12")[names.ANN_ALLOCATION])["main"][0].index == 2
     wait_counted(ext, "mixed", [70, 70, 12])
     too_big = ext.pending(gpu_pod("p11", [container("main", 11)]))
     reply = ext.call("filter", {"Pod": too_big, "NodeNames": ["mixed"]})
@@ -576,10 +564,10 @@ def test_nodes_without_inventory_or_pods_that_can_never_fit_are_unresolvable(ext
 # --- prioritize ------------------------------------------------------------------------------------------
 
 
-def scores(ext: Extender, pod: Mapping[str, Any], names: Sequence[str]) -> dict[str, int]:
-    reply = ext.call("prioritize", {"Pod": pod, "NodeNames": list(names)})
-    assert [entry["Host"] for entry in reply] == [n for n in names if n in {e["Host"] for e in reply}]
-    return host_scores(reply, names)
+def scores(ext: Extender, pod: Mapping[str, Any], nodes: Sequence[str]) -> dict[str, int]:
+    reply = ext.call("prioritize", {"Pod": pod, "NodeNames": list(nodes)})
+    assert [entry["Host"] for entry in reply] == [n for n in nodes if n in {e["Host"] for e in reply}]
+    return host_scores(reply, nodes)
 
 
 def test_prioritize_returns_a_host_priority_list_and_honours_the_pod_policy(ext: Extender) -> None:
@@ -588,7 +576,7 @@ def test_prioritize_returns_a_host_priority_list_and_honours_the_pod_policy(ext:
     wait_counted(ext, "small", [20])
     packed = scores(ext, ext.pending(gpu_pod("packed", [container("main", 2)])), ["mixed", "small"])
     assert packed["small"] > packed["mixed"]  # binpack, the cluster-wide policy here: the fuller node
-    spread_pod = gpu_pod("spread", [container("main", 2)], extra_annotations={ANN_POLICY: "spread"})
+    spread_pod = gpu_pod("spread", [container("main", 2)], extra_annotations={names.ANN_POLICY: "spread"})
     spread = scores(ext, ext.pending(spread_pod), ["mixed", "small"])
     assert spread["mixed"] > spread["small"]
 
@@ -604,11 +592,11 @@ def original_plugin_pick(pods: Sequence[Mapping[str, Any]], node: str, request: 
         ann = pod["metadata"].get("annotations") or {}
         if pod["spec"].get("nodeName") != node or pod["status"].get("phase") != "Pending":
             continue
-        if ann.get(ANN_MEM_ASSIGNED) != "false" or ANN_MEM_ASSUME_TIME not in ann:
+        if ann.get(names.ANN_MEM_ASSIGNED) != "false" or names.ANN_MEM_ASSUME_TIME not in ann:
             continue
-        candidates.append((int(ann[ANN_MEM_ASSUME_TIME]), pod))
+        candidates.append((int(ann[names.ANN_MEM_ASSUME_TIME]), pod))
     for _, pod in sorted(candidates, key=lambda item: item[0]):
-        if int(pod["metadata"]["annotations"][ANN_MEM_POD]) == request:
+        if int(pod["metadata"]["annotations"][names.ANN_MEM_POD]) == request:
             return pod
     return None
 
@@ -627,12 +615,12 @@ def test_bind_writes_annotations_the_original_device_plugin_matches(ext: Extende
     per_card = sum(card.memory_mib // 1024 for card in cards.values()) // len(cards)
     for pod in pods:
         ann = pod["metadata"]["annotations"]
-        allocation = parse_allocation(ann[ANN_ALLOCATION])
-        card = cards[int(ann[ANN_MEM_IDX])]
+        allocation = parse_allocation(ann[names.ANN_ALLOCATION])
+        card = cards[int(ann[names.ANN_MEM_IDX])]
         assert allocation["main"][0].uuid == card.uuid  # IDX is the /dev/nvidia minor of the chosen card
-        assert ann[ANN_MEM_DEV] == str(per_card)
+        assert ann[names.ANN_MEM_DEV] == str(per_card)
         assert pod["spec"]["nodeName"] == "mixed"
-    times = [int(p["metadata"]["annotations"][ANN_MEM_ASSUME_TIME]) for p in reversed(pods)]
+    times = [int(p["metadata"]["annotations"][names.ANN_MEM_ASSUME_TIME]) for p in reversed(pods)]
     assert times == sorted(times) and all(t > 10**18 for t in times)  # nanoseconds since the epoch
 
 
@@ -646,7 +634,7 @@ def test_multi_card_and_multi_container_pods_get_distinct_whole_shapes(ext: Exte
     assert ext.call("filter", {"Pod": pending, "NodeNames": ["mixed", "small"]})["NodeNames"] == ["mixed"]
     assert ext.bind(pending, "mixed")["Error"] == ""
     ann = ext.annotations("trainer")
-    allocation = parse_allocation(ann[ANN_ALLOCATION])
+    allocation = parse_allocation(ann[names.ANN_ALLOCATION])
     request = parse_pod_request(pending)
     validate_allocation(request, allocation)
     pair, solo = allocation["pair"], allocation["solo"]
@@ -657,19 +645,19 @@ def test_multi_card_and_multi_container_pods_get_distinct_whole_shapes(ext: Exte
     # the original keys name the first card of the first app container (by minor) and what the pod
     # holds there: the init container runs before, so it adds nothing to the pair's 8
     minors = {card.uuid: card.minor for card in ext.backends["mixed"].cards()}
-    assert ann[ANN_MEM_IDX] == str(minors[pair[0].uuid])
-    assert ann[ANN_MEM_POD] == "8"
+    assert ann[names.ANN_MEM_IDX] == str(minors[pair[0].uuid])
+    assert ann[names.ANN_MEM_POD] == "8"
     per_card = sum(capacity.values()) // len(capacity)
-    assert json.loads(ann[ANN_FRAMEWORK_ALLOCATION]) == {
+    assert json.loads(ann[names.ANN_FRAMEWORK_ALLOCATION]) == {
         "0": {str(minors[s.uuid]): 8 for s in pair},
         "1": {str(minors[solo[0].uuid]): per_card},
     }
 
 
 def test_unknown_policy_or_unknown_pod_come_back_in_error(ext: Extender) -> None:
-    odd = ext.pending(gpu_pod("odd", [container("main", 2)], extra_annotations={ANN_POLICY: "random"}))
+    odd = ext.pending(gpu_pod("odd", [container("main", 2)], extra_annotations={names.ANN_POLICY: "random"}))
     reply = ext.bind(odd, "small")
-    assert ANN_POLICY in reply["Error"] and "random" in reply["Error"]
+    assert names.ANN_POLICY in reply["Error"] and "random" in reply["Error"]
     assert "nodeName" not in get_pod(ext.api, "default", "odd")["spec"]
     ghost = ext.call("bind", {"PodName": "ghost", "PodNamespace": "default", "PodUID": "0-0", "Node": "small"})
     assert "pod default/ghost" in ghost["Error"] and "not found" in ghost["Error"]
@@ -686,7 +674,9 @@ def test_pods_annotated_by_the_original_extender_are_counted(ext: Extender) -> N
         [container("a", 10), container("b", 5)],
         node="mixed",
         original_index=minor[0],
-        extra_annotations={ANN_FRAMEWORK_ALLOCATION: json.dumps({"0": {str(minor[0]): 10}, "1": {str(minor[2]): 5}})},
+        extra_annotations={
+            names.ANN_FRAMEWORK_ALLOCATION: json.dumps({"0": {str(minor[0]): 10}, "1": {str(minor[2]): 5}})
+        },
     )
     for pod in (legacy, framework):
         ext.core.create_namespaced_pod("default", pod)
@@ -705,7 +695,7 @@ def test_framework_allocation_round_trips_by_container_position_and_minor() -> N
     text = format_framework_allocation({"a": {11: 10}, "b": {10: 2, 12: 2}}, request)
     assert json.loads(text) == {"0": {"11": 10}, "1": {"10": 2, "12": 2}}
     assert pod_allocation(
-        {**pod, "metadata": {**pod["metadata"], "annotations": {ANN_FRAMEWORK_ALLOCATION: text}}}, cards
+        {**pod, "metadata": {**pod["metadata"], "annotations": {names.ANN_FRAMEWORK_ALLOCATION: text}}}, cards
     ) == {
         "a": (CardSlice(1, "GPU-1", 10),),
         "b": (CardSlice(0, "GPU-0", 2), CardSlice(2, "GPU-2", 2)),
@@ -714,7 +704,10 @@ def test_framework_allocation_round_trips_by_container_position_and_minor() -> N
         format_framework_allocation({"i": {10: 1}}, request)
 
     def annotated(value: dict) -> dict:
-        return {**pod, "metadata": {**pod["metadata"], "annotations": {ANN_FRAMEWORK_ALLOCATION: json.dumps(value)}}}
+        return {
+            **pod,
+            "metadata": {**pod["metadata"], "annotations": {names.ANN_FRAMEWORK_ALLOCATION: json.dumps(value)}},
+        }
 
     with pytest.raises(AnnotationError, match="'2' is not an app container's position"):
         pod_allocation(annotated({"2": {"10": 1}}), cards)
@@ -785,9 +778,9 @@ def test_a_node_running_the_original_plugin_is_scheduled_from_its_status(ext: Ex
     assert ext.bind(pod, "legacy") == {"Error": ""}
     ann = ext.annotations("p")
     # only what the original device plugin reads: its card number, the node total / cards, no UUIDs
-    assert ANN_ALLOCATION not in ann
-    assert ann[ANN_MEM_DEV] == "16" and ann[ANN_MEM_POD] == "10" and ann[ANN_MEM_ASSIGNED] == "false"
-    assert json.loads(ann[ANN_FRAMEWORK_ALLOCATION]) == {"0": {ann[ANN_MEM_IDX]: 10}}
+    assert names.ANN_ALLOCATION not in ann
+    assert ann[names.ANN_MEM_DEV] == "16" and ann[names.ANN_MEM_POD] == "10" and ann[names.ANN_MEM_ASSIGNED] == "false"
+    assert json.loads(ann[names.ANN_FRAMEWORK_ALLOCATION]) == {"0": {ann[names.ANN_MEM_IDX]: 10}}
     wait_until(lambda: sorted(ext.used("legacy")) == [10, 12], what="both pods counted")
 
     # what that plugin can't serve is refused there, with the reason
@@ -847,7 +840,7 @@ def test_cards_listed_in_the_unhealthy_gpu_configmap_take_no_pods(ext: Extender)
     )
     pod = ext.pending(gpu_pod("p", [container("main", 2)]))
     assert ext.bind(pod, "mixed") == {"Error": ""}
-    assert [s.index for s in parse_allocation(ext.annotations("p")[ANN_ALLOCATION])["main"]] == [open_card]
+    assert [s.index for s in parse_allocation(ext.annotations("p")[names.ANN_ALLOCATION])["main"]] == [open_card]
     ext.core.delete_namespaced_config_map("unhealthy-gpu-mixed", "kube-system")
     wait_until(lambda: all(card.healthy for card in ext.running.cache.view("mixed").cards), what="the fence lifted")
 
@@ -864,11 +857,11 @@ def test_multi_card_and_whole_card_pods_are_counted_right_by_the_original_compon
     assert sorted(original_inspect_usage(pair_pod).values()) == [8, 8]
     # the whole card is full in the original's eyes, not free (_POD was 0 before)
     whole_ann = whole_pod["metadata"]["annotations"]
-    assert whole_ann[ANN_MEM_POD] == whole_ann[ANN_MEM_DEV] == str(per_card)
-    assert original_inspect_usage(whole_pod) == {int(whole_ann[ANN_MEM_IDX]): per_card}
+    assert whole_ann[names.ANN_MEM_POD] == whole_ann[names.ANN_MEM_DEV] == str(per_card)
+    assert original_inspect_usage(whole_pod) == {int(whole_ann[names.ANN_MEM_IDX]): per_card}
     # the original extender counts _POD on the _IDX card: the pair holds 8 there
     pair_ann = pair_pod["metadata"]["annotations"]
-    assert pair_ann[ANN_MEM_POD] == "8" and pair_ann[ANN_MEM_DEV] == str(per_card)
+    assert pair_ann[names.ANN_MEM_POD] == "8" and pair_ann[names.ANN_MEM_DEV] == str(per_card)
 
 
 def test_an_init_container_runs_inside_the_app_containers_share(ext: Extender) -> None:
@@ -894,9 +887,9 @@ def _forge_and_damage(cluster: Cluster, damage: str | None) -> tuple[dict, str, 
     (mine,) = cluster.allocation("l1")["main"]
     other = next(c for c in cards if c.uuid != mine.uuid)
     forged = format_allocation({"main": (CardSlice(other.index, other.uuid, 80),)})
-    cluster.core.patch_namespaced_pod("l1", "default", {"metadata": {"annotations": {ANN_ALLOCATION: forged}}})
+    cluster.core.patch_namespaced_pod("l1", "default", {"metadata": {"annotations": {names.ANN_ALLOCATION: forged}}})
     wait_until(lambda: cluster.extender.cache.ledger("n1"), what="the ledger in the cache")
-    cluster.core.patch_node("n1", {"metadata": {"annotations": {NODE_ANN_PENDING_BINDS: damage}}})
+    cluster.core.patch_node("n1", {"metadata": {"annotations": {names.NODE_ANN_PENDING_BINDS: damage}}})
     return l1, mine.uuid, other.uuid
 
 
@@ -907,7 +900,7 @@ def test_a_damaged_ledger_is_rebuilt_from_the_last_one_read_and_a_forgery_gains_
     l1, held, claimed = _forge_and_damage(cluster, damage)
     wait_until(
         lambda: any(
-            r.levelname == "ERROR" and f"node n1 annotation {NODE_ANN_PENDING_BINDS}" in r.getMessage()
+            r.levelname == "ERROR" and f"node n1 annotation {names.NODE_ANN_PENDING_BINDS}" in r.getMessage()
             for r in caplog.records
         ),
         what="the damage logged",
@@ -916,7 +909,7 @@ def test_a_damaged_ledger_is_rebuilt_from_the_last_one_read_and_a_forgery_gains_
     assert cluster.bind(l2, "n1")["Error"] == ""
     (card,) = cluster.allocation("l2")["main"]
     assert card.uuid == claimed != held, "l2 must not share the card l1 really holds"
-    ledger = parse_pending_binds(cluster.core.read_node("n1").metadata.annotations[NODE_ANN_PENDING_BINDS])
+    ledger = parse_pending_binds(cluster.core.read_node("n1").metadata.annotations[names.NODE_ANN_PENDING_BINDS])
     assert dict(ledger[l1["metadata"]["uid"]].held) == {held: 80}, "the ledger is repaired with l1's true card"
 
 
@@ -932,7 +925,7 @@ def test_without_a_ledger_read_before_the_damage_binds_onto_the_node_are_refused
         wait_until(lambda: fresh.cache.problem("n1"), what="the damage in the new replica's cache")
         l2 = cluster.pod(gpu_pod("l2", [container("main", 80)], node=None))
         error = other.bind(l2, "n1")["Error"]
-        assert f"node n1 annotation {NODE_ANN_PENDING_BINDS}" in error and "refused until it is repaired" in error
+        assert f"node n1 annotation {names.NODE_ANN_PENDING_BINDS}" in error and "refused until it is repaired" in error
         assert cluster.core.read_namespaced_pod("l2", "default").spec.node_name is None
         reasons = other.filter(l2)["FailedAndUnresolvableNodes"]
         assert "takes no GPU pods until its ledger is repaired" in reasons["n1"]
