@@ -97,40 +97,35 @@ def host_fit(workload: Workload, nodes: NodeHosts, request: tuple[int, int], cap
     return HostFit(fit(cpu, memory), fit(cpu - request[0], memory - request[1]), nodes, request)
 
 
-class Binpack:
+class _FreeSpace:
+    """Cards and nodes ranked by free space alone: the least first with ``sign`` 1, the most with -1."""
+
+    sign = 1.0
+    keys_are_node_costs = False
+    uses_host = False
+
+    def card_keys(
+        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None = None
+    ) -> np.ndarray:
+        return self.sign * free.astype(np.float64)
+
+    def node_cost(
+        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None = None
+    ) -> np.ndarray:
+        return self.sign * after.sum(axis=1).astype(np.float64)
+
+
+class Binpack(_FreeSpace):
     """The original gpushare's choice: the card with the least free space that fits; fuller nodes first."""
 
     name = "binpack"
-    keys_are_node_costs = False
-    uses_host = False
-
-    def card_keys(
-        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None = None
-    ) -> np.ndarray:
-        return free.astype(np.float64)
-
-    def node_cost(
-        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None = None
-    ) -> np.ndarray:
-        return after.sum(axis=1).astype(np.float64)
 
 
-class Spread:
+class Spread(_FreeSpace):
     """The card with the most free space; emptier nodes first."""
 
     name = "spread"
-    keys_are_node_costs = False
-    uses_host = False
-
-    def card_keys(
-        self, capacity: np.ndarray, free: np.ndarray, take: np.ndarray, pod: Pod, host: HostFit | None = None
-    ) -> np.ndarray:
-        return -free.astype(np.float64)
-
-    def node_cost(
-        self, capacity: np.ndarray, before: np.ndarray, after: np.ndarray, pod: Pod, host: HostFit | None = None
-    ) -> np.ndarray:
-        return -after.sum(axis=1).astype(np.float64)
+    sign = -1.0
 
 
 class Fgd:
