@@ -54,7 +54,8 @@ def filter_way(ask: PodAsk, places_gangs: bool) -> Way:
 class InitOrder:
     """A pod's GPU demands (in spec order), and the groups Kubernetes runs them in: its app containers
     together (if it has any), then every init container alone. ``key``: the groups' shapes, the same
-    for two pods that fit, and cost, the same on any node."""
+    for two pods that fit, and cost, the same on any node. Every question takes the pod's card rule,
+    with no default: one left out would place the pod on models or links it refused."""
 
     demands: tuple[placement.Demand, ...]
     groups: tuple[tuple[placement.Demand, ...], ...]
@@ -67,7 +68,7 @@ class InitOrder:
         return cls(tuple(demands), groups, tuple(placement.shape_key(group) for group in groups))
 
     def fit(
-        self, cards: Sequence[placement.CardCapacity], unit: str, rule: placement.CardRule = placement.ANY_CARD
+        self, cards: Sequence[placement.CardCapacity], unit: str, rule: placement.CardRule
     ) -> placement.NoFit | None:
         for group in self.groups:
             nofit = placement.check_fit(cards, group, unit=unit, rule=rule)
@@ -76,11 +77,7 @@ class InitOrder:
         return None
 
     def cost(
-        self,
-        cards: Sequence[placement.CardCapacity],
-        policy: placement.Policy,
-        unit: str,
-        rule: placement.CardRule = placement.ANY_CARD,
+        self, cards: Sequence[placement.CardCapacity], policy: placement.Policy, unit: str, rule: placement.CardRule
     ) -> float:
         """The policy's cost of what the pod keeps: its app containers (its init containers when it has
         no GPU app container); raises NoFit when any part doesn't fit."""
@@ -89,11 +86,7 @@ class InitOrder:
         return placement.node_cost(cards, self.groups[0], policy, unit=unit, rule=rule)
 
     def place(
-        self,
-        cards: Sequence[placement.CardCapacity],
-        policy: placement.Policy,
-        unit: str,
-        rule: placement.CardRule = placement.ANY_CARD,
+        self, cards: Sequence[placement.CardCapacity], policy: placement.Policy, unit: str, rule: placement.CardRule
     ) -> tuple[placement.Assignment, ...]:
         """Assignments for every demand; raises NoFit. The rule binds each group on its own: the app
         containers' cards together, and each init container's."""
