@@ -103,13 +103,6 @@ class EventLog:
 
 
 @dataclass(frozen=True, slots=True)
-class _Pending:
-    key: EventKey
-    involved: dict[str, Any]
-    timestamp: str
-
-
-@dataclass(frozen=True, slots=True)
 class EventSource:
     """One component's Events, written by a recorder it may share with other components."""
 
@@ -119,6 +112,15 @@ class EventSource:
     def record(self, obj: Mapping[str, Any], *, reason: str, message: str, type_: str = "Normal") -> None:
         """See :meth:`EventRecorder.record`."""
         self.recorder.record_from(self.component, obj, reason=reason, message=message, type_=type_)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """An Event queued for the writer, stamped when it was recorded."""
+
+    key: EventKey
+    involved: dict[str, Any]
+    timestamp: str
 
 
 def _timestamp() -> str:
