@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 
 from gpushare.advertiser.publish import node_patch
 
@@ -21,45 +22,47 @@ from gpushare.kube.retry import Backoff
 log = logging.getLogger(__name__)
 
 
+#: the waits between failed publishes
+PUBLISH_BACKOFF = Backoff(initial=0.5, maximum=30.0)
+
+
+@dataclass(eq=False)
 class Advertiser:
-    def __init__(
-        self,
-        api: object,
-        node: str,
-        backend: GpuBackend,
-        unit: MemoryUnit,
-        interval: float = 60.0,
-        backoff: Backoff | None = None,
-    ) -> None:
-        self._api = api
-        self._node = node
-        self._backend = backend
-        self._unit = unit
-        self._interval = interval
-        self._backoff = backoff or Backoff(initial=0.5, maximum=30.0)
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.published = threading.Event()
-        backend.subscribe(self._on_health)
+    """Keeps ``node``'s inventory annotation true to ``backend``'s cards, in ``unit``; re-checks every
+    ``interval`` seconds."""
+
+    api: object
+    node: str
+    backend: GpuBackend
+    unit: MemoryUnit
+    interval: float = 60.0
+    backoff: Backoff = PUBLISH_BACKOFF
+    #: set once the annotation has been brought up to date
+    published: threading.Event = field(default_factory=threading.Event, init=False)
+    _wake: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.backend.subscribe(self._on_health)
 
     def _on_health(self, event: HealthEvent) -> None:
         self._wake.set()
 
     def publish_once(self) -> bool:
         """Bring the node annotation up to date. Returns whether a patch was sent."""
-        node = get_node(self._api, self._node)
-        cards = self._backend.cards()
-        patch = node_patch(node, cards, self._unit)
+        node = get_node(self.api, self.node)
+        cards = self.backend.cards()
+        patch = node_patch(node, cards, self.unit)
         if patch is not None:
-            patch_node(self._api, self._node, patch, retries=2)
+            patch_node(self.api, self.node, patch, retries=2)
             healthy = sum(c.healthy for c in cards)
             log.info(
                 "node %s: published %d card(s) (%d healthy) in %s units",
-                self._node,
+                self.node,
                 len(cards),
                 healthy,
-                self._unit.name,
+                self.unit.name,
             )
         self.published.set()
         return patch is not None
@@ -79,17 +82,17 @@ class Advertiser:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self._backend.unsubscribe(self._on_health)
+        self.backend.unsubscribe(self._on_health)
 
     def _run(self) -> None:
-        delays = self._backoff.delays()
+        delays = self.backoff.delays()
         while not self._stop.is_set():
             try:
                 self.publish_once()
-                delays = self._backoff.delays()
-                wait = self._interval
+                delays = self.backoff.delays()
+                wait = self.interval
             except KubeError as exc:
                 wait = next(delays)
-                log.warning("node %s: publishing the inventory failed (%s); retrying in %.1fs", self._node, exc, wait)
+                log.warning("node %s: publishing the inventory failed (%s); retrying in %.1fs", self.node, exc, wait)
             self._wake.wait(wait)
             self._wake.clear()

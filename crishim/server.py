@@ -11,6 +11,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -42,31 +43,24 @@ CONNECT_TIMEOUT = 0.5
 EventSink = Callable[[Target, str, str, str], None]
 
 
+@dataclass(frozen=True, slots=True)
 class CreateContainerGuard:
     """Decode CreateContainer, resolve and enforce the container's card assignment, re-encode."""
 
-    def __init__(
-        self,
-        resolver: Resolver,
-        cards: Callable[[], Sequence[Card]],
-        unit: MemoryUnit,
-        options: RewriteOptions,
-        events: EventSink | None = None,
-    ) -> None:
-        self._resolver = resolver
-        self._cards = cards
-        self._unit = unit
-        self._options = options
-        self._events = events
+    resolver: Resolver
+    cards: Callable[[], Sequence[Card]]
+    unit: MemoryUnit
+    options: RewriteOptions
+    events: EventSink | None = None
 
     def __call__(self, request: bytes) -> Verdict:
         try:
             decoded = cri_pb2.CreateContainerRequest.FromString(request)
         except DecodeError as exc:
             return Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"CreateContainer request can't be decoded: {exc}")
-        cards = list(self._cards())
-        resolution = self._resolver.resolve(decoded, cards)
-        outcome = rewrite(decoded.config, resolution, cards, self._unit, self._options)
+        cards = list(self.cards())
+        resolution = self.resolver.resolve(decoded, cards)
+        outcome = rewrite(decoded.config, resolution, cards, self.unit, self.options)
         if outcome.refusal is not None:
             REFUSALS.labels(outcome.refusal.reason).inc()
             log.warning("refused CreateContainer (%s): %s", outcome.refusal.reason, outcome.refusal.message)
@@ -86,8 +80,8 @@ class CreateContainerGuard:
         return Forward(decoded.SerializeToString())
 
     def _event(self, target: Target, reason: str, message: str, type_: str) -> None:
-        if self._events is not None:
-            self._events(target, reason, message, type_)
+        if self.events is not None:
+            self.events(target, reason, message, type_)
 
 
 class CriShim:

@@ -11,11 +11,11 @@ API server (bounded by :class:`gpushare.settings.Reread`); the decision itself s
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpushare.deviceplugin.decision import Decision, booked_cards_note, decide, node_env, preferred_cards
@@ -47,41 +47,32 @@ class Unavailable(Exception):
     """The API server can't be reached: kubelet should retry later."""
 
 
+@dataclass(eq=False)
 class Allocator:
-    def __init__(
-        self,
-        api: Any,
-        node: str,
-        cache: WatchCache,
-        cards: Callable[[], Sequence[Card]],
-        unit: MemoryUnit,
-        events: EventSource,
-        reread: Reread = DEFAULT_REREAD,
-    ) -> None:
-        self._api = api
-        self._node = node
-        self._cache = cache
-        self._cards = cards
-        self._unit = unit
-        self._reread = reread
-        self._lock = threading.Lock()
-        self._events = events
-        #: the node's labels and ledger as last read (read again on every Allocate)
-        self._labels: Mapping[str, str] = {}
-        self._ledger: Ledger = {}
+    """Allocate and GetPreferredAllocation for ``node``, serialised (see the module docstring)."""
+
+    api: Any
+    node: str
+    cache: WatchCache
+    cards: Callable[[], Sequence[Card]]
+    unit: MemoryUnit
+    events: EventSource
+    reread: Reread = DEFAULT_REREAD
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    #: the node's labels and ledger as last read (read again on every Allocate)
+    _labels: Mapping[str, str] = field(default_factory=dict, init=False, repr=False)
+    _ledger: Ledger = field(default_factory=dict, init=False, repr=False)
 
     def pods(self) -> list[Mapping[str, Any]]:
         """The node's pods: from the watch cache; a LIST only while the cache has never synced."""
-        if self._cache.synced:
-            if not self._cache.connected:
-                raise Unavailable(
-                    f"the API server is unreachable from node {self._node}; pod assignments can't be read"
-                )
-            return self._cache.items()
+        if self.cache.synced:
+            if not self.cache.connected:
+                raise Unavailable(f"the API server is unreachable from node {self.node}; pod assignments can't be read")
+            return self.cache.items()
         try:
-            return list_pods(self._api, field_selector=f"spec.nodeName={self._node}")
+            return list_pods(self.api, field_selector=f"spec.nodeName={self.node}")
         except KubeError as exc:
-            raise Unavailable(f"node {self._node}: listing pods failed: {exc}") from None
+            raise Unavailable(f"node {self.node}: listing pods failed: {exc}") from None
 
     def allocate(self, resource: str, device_ids: Sequence[str]) -> Decision:
         """Serve one container's Allocate: ``device_ids`` are the devices kubelet booked for it."""
@@ -92,52 +83,52 @@ class Allocator:
                 decision = self._allocate(resource, units)
             except Refusal as refusal:
                 ALLOCATE_FAILURES.labels(resource=resource, reason=refusal.reason).inc()
-                log.warning("node %s: refused %s x%d: %s", self._node, resource, units, refusal)
+                log.warning("node %s: refused %s x%d: %s", self.node, resource, units, refusal)
                 if refusal.pod is not None:
                     self._warn(refusal.pod, str(refusal))
                 raise
             except Unavailable as exc:
                 ALLOCATE_FAILURES.labels(resource=resource, reason="api-unavailable").inc()
-                log.warning("node %s: %s x%d unavailable: %s", self._node, resource, units, exc)
+                log.warning("node %s: %s x%d unavailable: %s", self.node, resource, units, exc)
                 raise
         for skipped in decision.skipped:
-            log.warning("node %s: passed over in Allocate: %s", self._node, skipped.reason)
-            self._warn(skipped.pod, f"passed over in Allocate on node {self._node}: {skipped.reason}")
+            log.warning("node %s: passed over in Allocate: %s", self.node, skipped.reason)
+            self._warn(skipped.pod, f"passed over in Allocate on node {self.node}: {skipped.reason}")
         ALLOCATE_LATENCY.labels(resource=resource).observe(time.perf_counter() - started)
         note = booked_cards_note(resource, device_ids, decision.slices)
         if note:
-            log.warning("node %s: pod %s container %s: %s", self._node, pod_key(decision.pod), decision.container, note)
+            log.warning("node %s: pod %s container %s: %s", self.node, pod_key(decision.pod), decision.container, note)
         return decision
 
     def _warn(self, pod: Mapping[str, Any], message: str) -> None:
         """A Warning Event on ``pod`` about its Allocate (queued: Allocate never waits for it)."""
-        self._events.record(pod, reason=REFUSAL_EVENT_REASON, message=message, type_="Warning")
+        self.events.record(pod, reason=REFUSAL_EVENT_REASON, message=message, type_="Warning")
 
     def _fresh_pods(self) -> list[Mapping[str, Any]]:
         """The node's pods as the API server has them now; the cache learns them too."""
         try:
-            pods = list_pods(self._api, field_selector=f"spec.nodeName={self._node}")
+            pods = list_pods(self.api, field_selector=f"spec.nodeName={self.node}")
         except KubeError as exc:
-            raise Unavailable(f"node {self._node}: re-reading the node's pods failed: {exc}") from None
+            raise Unavailable(f"node {self.node}: re-reading the node's pods failed: {exc}") from None
         for pod in pods:
-            self._cache.apply(pod)
+            self.cache.apply(pod)
         return pods
 
     def _decide(self, resource: str, units: int, cards: Sequence[Card]) -> Decision:
         """Decide on the cached pods; on a refusal a stale cache could explain, decide again on pods
         re-read from the API server, a bounded number of times, before refusing."""
         try:
-            return decide(self.pods(), self._node, resource, units, cards, self._unit, self._ledger)
+            return decide(self.pods(), self.node, resource, units, cards, self.unit, self._ledger)
         except Refusal as refusal:
-            if refusal.reason not in STALE_CACHE_REASONS or not self._reread.attempts:
+            if refusal.reason not in STALE_CACHE_REASONS or not self.reread.attempts:
                 raise
             last = refusal
         started = time.monotonic()
-        for wait in self._reread.waits():
+        for wait in self.reread.waits():
             if wait:
                 time.sleep(wait)
             try:
-                decision = decide(self._fresh_pods(), self._node, resource, units, cards, self._unit, self._ledger)
+                decision = decide(self._fresh_pods(), self.node, resource, units, cards, self.unit, self._ledger)
             except Refusal as refusal:
                 if refusal.reason not in STALE_CACHE_REASONS:
                     raise
@@ -145,14 +136,14 @@ class Allocator:
                 continue
             log.info(
                 "node %s: %s x%d matched only after re-reading the node's pods (the watch cache lagged)",
-                self._node,
+                self.node,
                 resource,
                 units,
             )
             return decision
         raise Refusal(
             last.reason,
-            f"{last} (the node's pods were re-read from the API server {self._reread.attempts} time(s) "
+            f"{last} (the node's pods were re-read from the API server {self.reread.attempts} time(s) "
             f"over {time.monotonic() - started:.1f}s)",
             invalid_input=last.invalid_input,
             pod=last.pod,
@@ -161,10 +152,10 @@ class Allocator:
     def _read_node(self) -> None:
         """The node's labels and ledger now; the last ones read when the API server can't say."""
         try:
-            node = get_node(self._api, self._node)
+            node = get_node(self.api, self.node)
         except KubeError as exc:
             log.warning(
-                "node %s: reading the node failed, using its labels and ledger as last read: %s", self._node, exc
+                "node %s: reading the node failed, using its labels and ledger as last read: %s", self.node, exc
             )
             return
         self._labels = (node.get("metadata") or {}).get("labels") or {}
@@ -174,16 +165,16 @@ class Allocator:
             log.error("%s; pods are checked against the ledger last read (%d entries)", exc, len(self._ledger))
 
     def _allocate(self, resource: str, units: int) -> Decision:
-        cards = self._cards()
+        cards = self.cards()
         self._read_node()
         decision = self._decide(resource, units, cards)
         if extra := node_env(self._labels):
-            decision = dataclasses.replace(decision, envs={**decision.envs, **extra})
+            decision = replace(decision, envs={**decision.envs, **extra})
         meta = decision.pod.get("metadata") or {}
         namespace, name = meta.get("namespace", "default"), meta.get("name", "")
         where = f"pod {namespace}/{name} container {decision.container}"
         try:
-            updated = patch_pod(self._api, namespace, name, decision.pod_patch, retries=2)
+            updated = patch_pod(self.api, namespace, name, decision.pod_patch, retries=2)
         except KubeUnavailable as exc:
             raise Unavailable(
                 f"{where}: recording the assignment of {describe(decision.slices)} failed: {exc}"
@@ -194,10 +185,10 @@ class Allocator:
                 f"{where}: recording the assignment of {describe(decision.slices)} failed: {exc}",
                 pod=decision.pod,
             ) from None
-        self._cache.apply(updated)
+        self.cache.apply(updated)
         log.info(
             "node %s: pod %s container %s gets %s (%s x%d)%s",
-            self._node,
+            self.node,
             f"{namespace}/{name}",
             decision.container,
             describe(decision.slices),
@@ -205,7 +196,7 @@ class Allocator:
             units,
             "".join(f", {key}={value}" for key, value in sorted(decision.envs.items()) if key == ENV_CGPU_DISABLE),
         )
-        publish_card_usage(self._node, cards, decision.usage, self._unit)
+        publish_card_usage(self.node, cards, decision.usage, self.unit)
         return decision
 
     def preferred(self, resource: str, size: int) -> tuple[tuple[str, ...], CardRule]:
@@ -215,13 +206,13 @@ class Allocator:
                 pods = self.pods()
             except Unavailable:
                 return (), ANY_CARD
-            return preferred_cards(pods, self._node, resource, size, self._cards())
+            return preferred_cards(pods, self.node, resource, size, self.cards())
 
     def publish_usage(self) -> None:
         try:
             pods = self.pods()
         except Unavailable:
             return
-        cards = self._cards()
-        used, _, _ = node_usage(pods, NodeInventory(self._unit, tuple(cards)), ledger=self._ledger)
-        publish_card_usage(self._node, cards, used, self._unit)
+        cards = self.cards()
+        used, _, _ = node_usage(pods, NodeInventory(self.unit, tuple(cards)), ledger=self._ledger)
+        publish_card_usage(self.node, cards, used, self.unit)

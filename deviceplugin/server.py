@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 from gpushare.deviceplugin.allocator import Allocator, Unavailable
@@ -54,25 +55,18 @@ class DeviceState:
         return self._version
 
 
+@dataclass(eq=False)
 class ResourceService(pb_grpc.DevicePluginServicer):
-    def __init__(
-        self,
-        resource: str,
-        state: DeviceState,
-        allocator: Allocator,
-        unit: MemoryUnit,
-        count_replicas: int = 0,
-        on_watch: Callable[[bool], None] = lambda _watching: None,
-    ) -> None:
-        """``on_watch(True)`` when kubelet opens ListAndWatch, ``on_watch(False)`` when its stream ends
-        other than by :meth:`stop` (kubelet went)."""
-        self.resource = resource
-        self._on_watch = on_watch
-        self._state = state
-        self._allocator = allocator
-        self._unit = unit
-        self._count_replicas = count_replicas
-        self._stopping = threading.Event()
+    """The DevicePlugin service for ``resource``. ``on_watch(True)`` when kubelet opens ListAndWatch,
+    ``on_watch(False)`` when its stream ends other than by :meth:`stop` (kubelet went)."""
+
+    resource: str
+    state: DeviceState
+    allocator: Allocator
+    unit: MemoryUnit
+    count_replicas: int = 0
+    on_watch: Callable[[bool], None] = lambda _watching: None
+    _stopping: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -81,32 +75,32 @@ class ResourceService(pb_grpc.DevicePluginServicer):
         return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
     def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
-        version = self._state.version
-        self._on_watch(True)
-        context.add_callback(lambda: None if self._stopping.is_set() else self._on_watch(False))
-        yield device_list(self.resource, self._state.cards(), self._unit, self._count_replicas)
+        version = self.state.version
+        self.on_watch(True)
+        context.add_callback(lambda: None if self._stopping.is_set() else self.on_watch(False))
+        yield device_list(self.resource, self.state.cards(), self.unit, self.count_replicas)
         while context.is_active() and not self._stopping.is_set():
-            new_version, closed = self._state.wait_change(version, timeout=0.5)
+            new_version, closed = self.state.wait_change(version, timeout=0.5)
             if closed:
                 return
             if new_version != version:
                 version = new_version
                 log.info("%s: device health changed, re-sending the device list", self.resource)
-                yield device_list(self.resource, self._state.cards(), self._unit, self._count_replicas)
+                yield device_list(self.resource, self.state.cards(), self.unit, self.count_replicas)
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
     ) -> pb.PreferredAllocationResponse:
         responses = []
         for req in request.container_requests:
-            chosen, rule = self._allocator.preferred(self.resource, req.allocation_size)
+            chosen, rule = self.allocator.preferred(self.resource, req.allocation_size)
             ids = preferred_ids(
                 self.resource,
                 list(req.available_deviceIDs),
                 list(req.must_include_deviceIDs),
                 req.allocation_size,
                 chosen,
-                self._state.cards(),
+                self.state.cards(),
                 rule,
             )
             responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
@@ -116,7 +110,7 @@ class ResourceService(pb_grpc.DevicePluginServicer):
         responses = []
         for req in request.container_requests:
             try:
-                decision = self._allocator.allocate(self.resource, list(req.devices_ids))
+                decision = self.allocator.allocate(self.resource, list(req.devices_ids))
             except Refusal as refusal:
                 code = (
                     grpc.StatusCode.INVALID_ARGUMENT if refusal.invalid_input else grpc.StatusCode.FAILED_PRECONDITION

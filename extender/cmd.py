@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from gpushare.contract.gang import MAX_GANG_MEMBERS
-from gpushare.settings import MetricsEndpoint, UsageError, add_kubeconfig_flag, add_metrics_host_flag, policy_name
+from gpushare.settings import (
+    MAX_GANG_MEMBERS,
+    MetricsEndpoint,
+    UsageError,
+    add_kubeconfig_flag,
+    add_metrics_host_flag,
+    policy_name,
+)
 from gpushare.tlshttp import DEFAULT_LIMITS, Limits, ServerTLS, TLSFilesError
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from gpushare.extender.roomwaiters import RoomWaiters, Waiter
 
 from gpushare import placement
 from gpushare.contract.errors import ContractError
-from gpushare.contract.gang import MAX_GANG_MEMBERS, Gang
+from gpushare.contract.gang import Gang
 from gpushare.contract.names import ANN_GANG_HOLD, ANN_GANG_RETRY, NODE_ANN_PENDING_BINDS
 from gpushare.contract.nodeselection import NodeFacts, PodNodes, node_refusal
 from gpushare.contract.pending import HOLD_BYTES, HOLD_SECONDS, PendingBind, format_pending_binds
@@ -47,6 +47,7 @@ from gpushare.kube.errors import KubeConflict, KubeError
 from gpushare.kube.objects import get_node, patch_node, patch_pod_annotations
 from gpushare.placement import Policy
 from gpushare.placement.gangplan import GangPlan, Member, Room, Spot, plan_gang
+from gpushare.settings import MAX_GANG_MEMBERS
 from gpushare.usage import holds_resources, node_inventory
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,10 @@ from gpushare.extender.roomwaiters import RoomWaiters
 from gpushare.extender.server import ExtenderServer, refresh_card_gauges
 
 from gpushare import placement
-from gpushare.contract.gang import MAX_GANG_MEMBERS
 from gpushare.kube.transport import load_api
 from gpushare.observability import ObservabilityServer, serve_http
 from gpushare.process import wait_for_termination
-from gpushare.settings import MetricsEndpoint, UsageError
+from gpushare.settings import MAX_GANG_MEMBERS, MetricsEndpoint, UsageError
 from gpushare.tlshttp import Limits, ServerTLS
 
 log = logging.getLogger(__name__)

@@ -21,6 +21,9 @@ from gpushare.gpus.backend import DEFAULT_IGNORED_XIDS, DEFAULT_NVML_RECOVERY, I
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 #: where /metrics, /healthz and /readyz listen unless told: they are plain HTTP, unauthenticated
 DEFAULT_METRICS_HOST = "127.0.0.1"
+#: how many members a gang may have unless the extender is told otherwise (its ``--max-gang-members``):
+#: the work of a member's filter grows with its gang's size
+MAX_GANG_MEMBERS = 1000
 
 
 class UsageError(Exception):

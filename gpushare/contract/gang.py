@@ -10,10 +10,6 @@ from gpushare.contract.errors import ContractError, quoted
 from gpushare.contract.names import LABEL_GANG, LABEL_GANG_MIN
 from gpushare.contract.request import pod_key
 
-#: how many members a gang may have unless the extender is told otherwise (its ``--max-gang-members``):
-#: the work of a member's filter grows with its gang's size
-MAX_GANG_MEMBERS = 1000
-
 
 class GangError(ContractError):
     """A pod's gang labels can't be read (one without the other, or a bad minimum)."""

@@ -52,7 +52,8 @@ class PodView:
 
 @dataclass(frozen=True, slots=True)
 class NodeView:
-    """One node as ``inspect`` shows it, in the node's own unit."""
+    """One node as ``inspect`` shows it. Every figure of its cards and pods is in ``unit``, the node's own
+    (nodes may differ), so totals across nodes convert first (:meth:`ClusterView.totals`)."""
 
     name: str
     address: str

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -36,6 +35,7 @@ from kubernetes import client
 from gpushare.kube.errors import KubeError, KubeNotFound
 from gpushare.kube.objects import MERGE_PATCH
 from gpushare.kube.transport import call
+from gpushare.restartable import RestartableThread
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +103,6 @@ class EventLog:
 
 
 @dataclass(frozen=True, slots=True)
-class _Pending:
-    key: EventKey
-    involved: dict[str, Any]
-    timestamp: str
-
-
-@dataclass(frozen=True, slots=True)
 class EventSource:
     """One component's Events, written by a recorder it may share with other components."""
 
@@ -119,6 +112,15 @@ class EventSource:
     def record(self, obj: Mapping[str, Any], *, reason: str, message: str, type_: str = "Normal") -> None:
         """See :meth:`EventRecorder.record`."""
         self.recorder.record_from(self.component, obj, reason=reason, message=message, type_=type_)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """An Event queued for the writer, stamped when it was recorded."""
+
+    key: EventKey
+    involved: dict[str, Any]
+    timestamp: str
 
 
 def _timestamp() -> str:
@@ -142,20 +144,19 @@ class EventRecorder:
         self._log = EventLog(cache_size, window)
         self._queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=queue_size)
         self._closed = True
-        self._thread: threading.Thread | None = None
+        self._writer = RestartableThread(self._run, f"{component}-events")
         self.start()
 
     def start(self) -> EventRecorder:
         """Start the writer; after :meth:`close`, or after the writer died, start it again (what is still
         queued is written). A no-op while it runs."""
-        if not self.alive():
+        if not self._writer.alive():
             self._closed = False
-            self._thread = threading.Thread(target=self._run, name=f"{self._component}-events", daemon=True)
-            self._thread.start()
+            self._writer.start()
         return self
 
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._writer.alive()
 
     def for_component(self, component: str) -> EventSource:
         """Events from ``component``, written by this recorder."""
@@ -201,8 +202,7 @@ class EventRecorder:
         if not self._closed:
             self._closed = True
             self._queue.put(None)
-        if self._thread is not None:
-            self._thread.join()
+        self._writer.join()
 
     def _run(self) -> None:
         while True:

@@ -17,6 +17,7 @@ from kubernetes.watch.watch import iter_resp_lines
 from gpushare.kube.errors import KubeUnavailable
 from gpushare.kube.retry import Backoff
 from gpushare.kube.transport import REQUEST_TIMEOUT, call, report_unreachable
+from gpushare.restartable import RestartableThread
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class WatchCache:
         self._synced = threading.Event()
         self._connected = False
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._follower = RestartableThread(self._run, f"watch-{kind}")
         self._response: Any = None
         self.description = f"{kind}" + (f" ({', '.join(self._selectors.values())})" if self._selectors else "")
 
@@ -102,15 +103,14 @@ class WatchCache:
         """Follow the API server, from a LIST. After :meth:`stop`, or after the thread died, follow it again,
         keeping the objects held (the LIST settles what changed meanwhile) and the listeners. A no-op while
         it runs."""
-        if not self.alive():
+        if not self._follower.alive():
             self._stop.clear()
             self._connected = False
-            self._thread = threading.Thread(target=self._run, name=f"watch-{self._kind}", daemon=True)
-            self._thread.start()
+            self._follower.start()
         return self
 
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._follower.alive()
 
     def stop(self) -> None:
         self._stop.set()
@@ -120,8 +120,7 @@ class WatchCache:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._follower.join(timeout=5)
 
     # --- internals --------------------------------------------------------------------------------------
 
