@@ -144,12 +144,14 @@ class Sandbox:
         directory = self._node_dir(spec.name[:8])
         backend = SimulatedBackend(spec.name, spec.gpus)
         settings = NodeSettings(spec.name, str(self.kubeconfig), f"sim:{spec.gpus}", directory, GIB, frozenset())
+        kubelet = KubeletEmulator(directory)
+        # stopped with the sandbox from here on, however far its start gets
+        node = self.nodes[spec.name] = SimNode(spec, backend, kubelet)
         advertiser = Advertiser(self.api, spec.name, backend, GIB)
         advertiser.start()
-        kubelet = KubeletEmulator(directory)
+        node.stop.insert(0, advertiser.stop)
         kubelet.start()
-        node = SimNode(spec, backend, kubelet)
-        node.stop += [kubelet.stop, advertiser.stop]
+        node.stop.insert(0, kubelet.stop)
         shared = NodeApi(self.api, spec.name).start()  # one pod watch for the node, as gpushare node has
         node.stop.insert(0, shared.stop)
         plugin = start_device_plugin(settings, backend, self.api, shared)
@@ -170,7 +172,6 @@ class Sandbox:
             shim = start_cri_shim(settings, shim_settings, backend, self.api, shared)
             node.stop.insert(0, shim.stop)
             node.cri_address = f"unix://{shim_socket}"
-        self.nodes[spec.name] = node
 
     def _start_nvml_node(self, machine: str) -> None:
         """``gpushare node --gpus nvml`` in its own process, on the fake libnvidia-ml presenting ``machine``."""
