@@ -69,14 +69,17 @@ def host_tool_missing(names: tuple[str, ...]) -> str | None:
 
 
 def main() -> int:
-    """``python -m gpushare.sandbox.binaries --require``: exit 1 with the reason when the real cluster or
-    real containers can't run here, so that CI fails instead of skipping those tests."""
+    """``python -m gpushare.sandbox.binaries --require``: exit 1 with the reason when the real cluster,
+    real containers or the gpushare image can't run here, so that CI fails instead of skipping those tests."""
+    from gpushare.sandbox import image
     from gpushare.sandbox.realcluster import realcluster_available
 
     reason = realcluster_available()
     versions = f"Kubernetes {KUBE_VERSION}, etcd {ETCD_VERSION}, containerd {CONTAINERD_VERSION}"
     print(f"real cluster: {'unavailable: ' + reason if reason else versions}")
-    return 1 if reason and "--require" in sys.argv[1:] else 0
+    image_missing = image.missing()
+    print(f"image: {image_missing or f'{image.IMAGE} in {image.built()}'}")
+    return 1 if (reason or image_missing) and "--require" in sys.argv[1:] else 0
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ K8S_NAMESPACE = "k8s.io"
 IDLE_COMMAND = ("/bin/sleep", "2147483647")
 
 _PT_INTERP = 3
-_GO_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}
+GO_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}
 
 
 def log_tail(path: Path, lines: int) -> str:
@@ -115,7 +115,7 @@ def build_busybox_image(path: Path, tags: Sequence[str] = (PAUSE_IMAGE, TEST_IMA
     diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
     config = json.dumps(
         {
-            "architecture": _GO_ARCH.get(platform.machine(), platform.machine()),
+            "architecture": GO_ARCH.get(platform.machine(), platform.machine()),
             "os": "linux",
             "config": {"Env": ["PATH=/bin"], "Cmd": list(IDLE_COMMAND), "WorkingDir": "/"},
             "rootfs": {"type": "layers", "diff_ids": [diff_id]},

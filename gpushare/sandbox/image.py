@@ -1,0 +1,410 @@
+"""The gpushare container image, built here from Debian's packages: no registry, no base image, no docker.
+
+``mmdebstrap`` assembles a Debian root filesystem with Python; a customize hook installs the project's
+wheel and its dependencies (manylinux wheels for that Python) into a venv at ``/opt/gpushare``; :func:`pack`
+writes the tar as a one-layer OCI image archive that ``ctr images import`` loads under the name that
+deploy/*.yaml give (:data:`IMAGE`). The archive is cached by a hash of every input (:class:`Inputs`) in a
+directory beside the Kubernetes binaries, so an unchanged tree costs a package resolution and a wheel
+resolution, not a build. The same inputs give a bit-identical archive (a fixed ``SOURCE_DATE_EPOCH``).
+
+The project's source is what git tracks, with its uncommitted changes (``git stash create``); it is
+exported to a temporary directory and built there, so nothing is written into the checkout.
+
+    python3 -m gpushare.sandbox.image [--key]    (as root; prints the archive's path, or only the key)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import importlib.util
+import io
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gpushare.sandbox import binaries
+from gpushare.sandbox.containerd import GO_ARCH
+
+ROOT = Path(__file__).resolve().parents[2]
+#: the name deploy/*.yaml give the image, and the one it is imported under
+IMAGE = f"gpushare:{importlib.metadata.version('gpushare')}"
+#: Debian release, and the Python it ships (the dependency wheels are chosen for it)
+SUITE = "bookworm"
+PYTHON_VERSION = "3.11"
+#: bookworm's glibc is 2.36: any manylinux wheel from 2.17 (manylinux2014) to it fits
+GLIBC_MINORS = range(17, 37)
+VENV = "/opt/gpushare"
+#: every file's time in the image (2025-05-20): rebuilding the same inputs gives the same bytes
+SOURCE_DATE_EPOCH = 1747699200
+#: the host's apt sources, used when they are for SUITE: they carry its updates and security suites
+HOST_SOURCES = Path("/etc/apt/sources.list.d/debian.sources")
+ARCHIVE_NAME = "gpushare.oci.tar"
+ZSTD_LEVEL = 3
+
+
+class ImageError(RuntimeError):
+    """The image could not be built: says which step failed and its output's tail."""
+
+
+def containerd_name(ref: str) -> str:
+    """The name containerd's CRI looks ``ref`` up under (``gpushare:0.1.0`` is
+    ``docker.io/library/gpushare:0.1.0``), so the imported image is the one kubelet asks for."""
+    first, _, rest = ref.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        return ref
+    return f"docker.io/{ref if rest else 'library/' + ref}"
+
+
+def cache_dir() -> Path:
+    """Beside the Kubernetes binaries' cache (``$GPUSHARE_KUBE_BIN`` moves both)."""
+    return binaries.bin_dir().parent / "image"
+
+
+def built() -> Path:
+    """The archive of the last build (which may not exist: see :func:`missing`)."""
+    return cache_dir() / ARCHIVE_NAME
+
+
+def missing() -> str | None:
+    """None when an image is built, else one line saying how to build it."""
+    if built().is_file():
+        return None
+    return f"the gpushare image is not built in {cache_dir()} (./install.sh builds it as root: python3 -m {__name__})"
+
+
+# --- the inputs and their hash ------------------------------------------------------------------------------
+
+
+def mmdebstrap_args(work: Path) -> list[str]:
+    """mmdebstrap's options, before the suite; ``work`` holds the wheels and pip that the hook installs from."""
+    excludes = [f"--dpkgopt=path-exclude=/usr/share/{d}/*" for d in ("man", "locale", "doc")]
+    includes = [f"--dpkgopt=path-include=/usr/share/{p}" for p in ("locale/locale.alias", "doc/*/copyright")]
+    install = (
+        f'set -e; mkdir "$1/tmp/wheels" "$1/tmp/pipboot"; cp {work}/wheels/*.whl "$1/tmp/wheels/";'
+        f' cp -r {work}/pip "$1/tmp/pipboot/pip"; chroot "$1" python3 -m venv --without-pip {VENV};'
+        f' chroot "$1" env PYTHONPATH=/tmp/pipboot SOURCE_DATE_EPOCH={SOURCE_DATE_EPOCH} {VENV}/bin/python -m pip'
+        " install -q --no-index --find-links /tmp/wheels --no-cache-dir --disable-pip-version-check gpushare;"
+        ' rm -rf "$1/tmp/wheels" "$1/tmp/pipboot";'
+        f' chroot "$1" env PYTHONDONTWRITEBYTECODE=1 {VENV}/bin/gpushare --help >/dev/null'
+    )
+    return [
+        "--variant=essential",
+        "--include=python3,libstdc++6",  # grpc needs libstdc++
+        "--mode=unshare",  # its mounts go with its namespace, however it ends
+        *excludes,
+        *includes,
+        "--skip=output/dev",  # the runtime mounts /dev
+        # not the build host's
+        '--customize-hook=echo localhost > "$1/etc/hostname"; : > "$1/etc/resolv.conf"',
+        f"--customize-hook={install}",
+    ]
+
+
+def mirror() -> list[str]:
+    """The host's sources when they are for SUITE, else mmdebstrap's default (which adds updates and
+    security for a stable suite; a bare mirror URL would not)."""
+    with contextlib.suppress(OSError):
+        if SUITE in HOST_SOURCES.read_text():
+            return [str(HOST_SOURCES)]
+    return []
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Everything the image's bytes depend on."""
+
+    #: apt's resolved packages, ``Inst name (version ...)`` lines
+    packages: tuple[str, ...]
+    #: (file name, sha256) of each dependency wheel pip resolved
+    wheels: tuple[tuple[str, str], ...]
+    #: git's tree id of the project's source
+    source_tree: str
+    #: the pip that installs the wheels into the image
+    pip_version: str
+    #: this module's text: the mmdebstrap options, the hook and the packer
+    recipe: str
+
+
+def cache_key(inputs: Inputs) -> str:
+    return hashlib.sha256(json.dumps(asdict(inputs), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def inst_lines(simulate_output: str) -> tuple[str, ...]:
+    """The ``Inst`` lines of apt's simulated install, sorted and without repeats."""
+    return tuple(sorted({line.strip() for line in simulate_output.splitlines() if line.startswith("Inst ")}))
+
+
+def pip_platform_args() -> list[str]:
+    machine = platform.machine()
+    return [
+        "--only-binary=:all:",
+        f"--python-version={PYTHON_VERSION}",
+        "--implementation=cp",
+        f"--platform=manylinux2014_{machine}",
+        *(f"--platform=manylinux_2_{minor}_{machine}" for minor in GLIBC_MINORS),
+    ]
+
+
+# --- the OCI archive ---------------------------------------------------------------------------------------
+
+
+def _json(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _descriptor(media_type: str, data: bytes) -> dict[str, object]:
+    return {"mediaType": media_type, "digest": "sha256:" + hashlib.sha256(data).hexdigest(), "size": len(data)}
+
+
+def oci_documents(
+    ref: str, layer: dict[str, object], diff_id: str, arch: str, epoch: int
+) -> tuple[bytes, bytes, bytes]:
+    """The image config, manifest and index (in that order) of a one-layer image named ``ref``.
+
+    ``layer`` is the compressed layer's descriptor, ``diff_id`` the sha256 of its uncompressed tar."""
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+    path = f"PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    config = _json(
+        {
+            "architecture": arch,
+            "os": "linux",
+            "created": created,
+            "config": {"Env": [path, "PYTHONDONTWRITEBYTECODE=1"], "Cmd": ["gpushare", "--help"], "WorkingDir": "/"},
+            "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+            "history": [{"created": created, "created_by": f"{__name__}: mmdebstrap {SUITE} + pip"}],
+        }
+    )
+    manifest = _json(
+        {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": _descriptor("application/vnd.oci.image.config.v1+json", config),
+            "layers": [layer],
+        }
+    )
+    name = containerd_name(ref)
+    index = _json(
+        {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.index.v1+json",
+            "manifests": [
+                {
+                    **_descriptor("application/vnd.oci.image.manifest.v1+json", manifest),
+                    "platform": {"architecture": arch, "os": "linux"},
+                    "annotations": {
+                        "io.containerd.image.name": name,
+                        "org.opencontainers.image.ref.name": name.rpartition(":")[2],
+                    },
+                }
+            ],
+        }
+    )
+    return config, manifest, index
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def pack(rootfs_tar: Path, out: Path, ref: str = IMAGE, epoch: int = SOURCE_DATE_EPOCH) -> None:
+    """Write ``rootfs_tar`` as a one-layer, zstd-compressed OCI image-layout archive named ``ref``.
+
+    Written here rather than with umoci and skopeo: those are two more packages (and their
+    dependencies) for what is a compressed layer, three small JSON documents and a tar, and umoci
+    stamps the current time where this takes ``epoch``, which keeps rebuilds bit-identical."""
+    layer_file = out.with_name(out.name + ".layer")
+    try:
+        subprocess.run(
+            ["zstd", "-q", "-T0", f"-{ZSTD_LEVEL}", "-f", "-o", str(layer_file), str(rootfs_tar)], check=True
+        )
+        layer = {
+            "mediaType": "application/vnd.oci.image.layer.v1.tar+zstd",
+            "digest": "sha256:" + _sha256_file(layer_file),
+            "size": layer_file.stat().st_size,
+        }
+        arch = GO_ARCH.get(platform.machine(), platform.machine())
+        config, manifest, index = oci_documents(ref, layer, "sha256:" + _sha256_file(rootfs_tar), arch, epoch)
+        blobs: list[tuple[str, bytes | Path]] = [(str(layer["digest"]), layer_file)]
+        blobs += [("sha256:" + hashlib.sha256(doc).hexdigest(), doc) for doc in (config, manifest)]
+        with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+            for name, content in [("oci-layout", _json({"imageLayoutVersion": "1.0.0"})), ("index.json", index)]:
+                _add(tar, name, content, epoch)
+            for directory in ("blobs", "blobs/sha256"):
+                _add(tar, directory, None, epoch)
+            for digest, content in sorted(blobs, key=lambda blob: blob[0]):
+                _add(tar, "blobs/sha256/" + digest.removeprefix("sha256:"), content, epoch)
+    finally:
+        layer_file.unlink(missing_ok=True)
+
+
+def _add(tar: tarfile.TarFile, name: str, content: bytes | Path | None, epoch: int) -> None:
+    """One member, owned by root with time ``epoch``: a directory (None), bytes or a file's contents."""
+    info = tarfile.TarInfo(name)
+    info.mtime = epoch
+    if content is None:
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
+        tar.addfile(info)
+    elif isinstance(content, bytes):
+        info.size, info.mode = len(content), 0o644
+        tar.addfile(info, io.BytesIO(content))
+    else:
+        info.size, info.mode = content.stat().st_size, 0o644
+        with content.open("rb") as f:
+            tar.addfile(info, f)
+
+
+# --- the build ----------------------------------------------------------------------------------------------
+
+
+def _run(step: str, command: Sequence[str], **kwargs: object) -> str:
+    """Run ``command`` in a process group of its own and return its stdout; the group is ended however
+    this returns (mmdebstrap's apt and dpkg outlive a killed parent otherwise)."""
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        **kwargs,  # type: ignore[call-overload]
+    )
+    try:
+        output, _ = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            _end_group(proc)
+    if proc.returncode != 0:
+        tail = "\n".join(output.splitlines()[-20:])
+        raise ImageError(f"{step} failed (exit {proc.returncode}):\n{tail}")
+    return output
+
+
+def _end_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _source_commit() -> str:
+    """A commit of the tracked files as they are now: ``git stash create`` when they have changes, else HEAD."""
+    git = ["git", "-C", str(ROOT)]
+    return (
+        _run("git stash create", [*git, "stash", "create"]).strip() or _run("git", [*git, "rev-parse", "HEAD"]).strip()
+    )
+
+
+def gather(work: Path) -> tuple[Inputs, str]:
+    """Resolve the inputs (apt's packages, pip's wheels into ``work/wheels``) and return them with the
+    source commit."""
+    commit = _source_commit()
+    tree = _run("git rev-parse", ["git", "-C", str(ROOT), "rev-parse", f"{commit}^{{tree}}"]).strip()
+    pyproject = tomllib.loads(_run("git show", ["git", "-C", str(ROOT), "show", f"{commit}:pyproject.toml"]))
+    simulate = [*mmdebstrap_args(work), "--verbose", "--simulate", SUITE, "/dev/null", *mirror()]
+    packages = inst_lines(_run("mmdebstrap --simulate", ["mmdebstrap", *simulate]))
+    wheels = work / "wheels"
+    download = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", *pip_platform_args()]
+    _run("pip download", [*download, "-d", str(wheels), *pyproject["project"]["dependencies"]])
+    hashes = tuple((w.name, _sha256_file(w)) for w in sorted(wheels.glob("*.whl")))
+    inputs = Inputs(packages, hashes, tree, importlib.metadata.version("pip"), Path(__file__).read_text())
+    return inputs, commit
+
+
+def build_rootfs(work: Path, commit: str, out: Path) -> None:
+    """The project's wheel from an export of ``commit``, then the root filesystem as a tar at ``out``."""
+    source = work / "source"
+    _run("git archive", ["git", "-C", str(ROOT), "archive", "--prefix=source/", "-o", str(work / "source.tar"), commit])
+    with tarfile.open(work / "source.tar") as tar:
+        tar.extractall(work, filter="data")
+    env = {**os.environ, "SOURCE_DATE_EPOCH": str(SOURCE_DATE_EPOCH)}
+    wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check"]
+    _run("pip wheel", [*wheel, "-w", str(work / "wheels"), str(source)], env=env)
+    pip = importlib.util.find_spec("pip")
+    if pip is None or pip.origin is None:
+        raise ImageError(f"{sys.executable} has no pip to install the wheels into the image with")
+    shutil.copytree(Path(pip.origin).parent, work / "pip", ignore=shutil.ignore_patterns("__pycache__"))
+    # the hook reads them from inside mmdebstrap's user namespace, where this process's uid is nobody
+    for path in [work, *work.rglob("*")]:
+        path.chmod(path.stat().st_mode | 0o055 if path.is_dir() else path.stat().st_mode | 0o044)
+    env["TMPDIR"] = str(work)  # mmdebstrap's own temporary directory goes with ours
+    _run("mmdebstrap", ["mmdebstrap", *mmdebstrap_args(work), SUITE, str(out), *mirror()], env=env)
+
+
+def ensure_built(log: Callable[[str], None] = print) -> Path:
+    """The archive for the current inputs: from the cache, else built (and the older ones removed)."""
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gpushare-image.", dir="/var/tmp") as tmp:
+        work = Path(tmp)
+        start = time.monotonic()
+        inputs, commit = gather(work)
+        key = cache_key(inputs)
+        archive = cache / f"{key}.oci.tar"
+        resolved = f"{len(inputs.packages)} packages, {len(inputs.wheels)} wheels"
+        log(f"image: key {key} ({resolved}) in {time.monotonic() - start:.1f} s")
+        if archive.is_file():
+            log(f"image: cached {archive}")
+        else:
+            build_rootfs(work, commit, work / "rootfs.tar")
+            partial = cache / f"{key}.oci.tar.partial"
+            try:
+                pack(work / "rootfs.tar", partial)
+                partial.rename(archive)
+            finally:
+                partial.unlink(missing_ok=True)
+            log(f"image: built {archive} in {time.monotonic() - start:.0f} s")
+    link = cache / ARCHIVE_NAME
+    link.unlink(missing_ok=True)
+    link.symlink_to(archive.name)
+    for old in cache.glob("*.oci.tar"):
+        if old not in (archive, link):
+            old.unlink()
+    log(f"image: {IMAGE} is {archive.stat().st_size / 1e6:.0f} MB ({link})")
+    return archive
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)  # so the temporary directory and children go too
+    if os.geteuid() != 0:
+        print("image: mmdebstrap's chroot needs root", file=sys.stderr)
+        return 1
+    try:
+        if "--key" in argv:
+            with tempfile.TemporaryDirectory(prefix="gpushare-image.", dir="/var/tmp") as tmp:
+                print(cache_key(gather(Path(tmp))[0]))
+        else:
+            ensure_built()
+    except (ImageError, OSError) as e:
+        print(f"image: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
