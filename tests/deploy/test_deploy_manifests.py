@@ -15,6 +15,7 @@ from gpushare.cli import build_parser
 from gpushare.contract.names import ENV_NODE_NAME, ENV_VISIBLE_DEVICES, RESOURCE_MEM, RESOURCES
 from gpushare.contract.request import parse_pod_request
 from gpushare.gpus.simulated import simulated_cards
+from gpushare.sandbox.image import IMAGE
 from gpushare.sandbox.nodespec import DEFAULT_NODES, parse_node
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -274,12 +275,10 @@ def test_the_webhook_never_stands_between_the_control_plane_and_its_pods(namespa
     assert "oldObject.metadata.?annotations" in conditions["annotations-may-change"]
 
 
-def test_dockerfile_copies_only_what_exists() -> None:
-    lines = (DEPLOY / "Dockerfile").read_text().splitlines()
-    assert next(line for line in lines if line.startswith("FROM")) == "FROM python:3.11-slim"
-    sources = [part for line in lines if line.startswith("COPY ") for part in line.split()[1:-1]]
-    assert sources and all((DEPLOY.parent / s).exists() for s in sources), sources
-    assert any("pip install" in line and " ." in line for line in lines)
+def test_every_workload_runs_the_image_built_here() -> None:
+    workloads = [o for o in all_objects() if o["kind"] in {"Deployment", "DaemonSet"}]
+    images = {c["image"] for w in workloads for c in pod_spec(w)["containers"]}
+    assert workloads and images == {IMAGE}, images
 
 
 # --- examples ---------------------------------------------------------------------------------------
