@@ -1,6 +1,6 @@
-"""Where the real cluster's binaries are, and which versions they are.
+"""Where the real cluster's binaries (and helm) are, and which versions they are.
 
-``gpushare/sandbox/build_kube.sh`` builds Kubernetes, etcd and containerd from the Go module proxy into
+``gpushare/sandbox/build_kube.sh`` builds Kubernetes, etcd, containerd and helm from the Go module proxy into
 one cache directory (``install.sh`` runs it as root); the versions below are the ones it pins, and the
 ones the real-cluster tests and ``gpushare sandbox`` run. Tools that Debian packages (runc, the CNI
 plugins, busybox, openssl, unshare) are looked up on PATH.
@@ -29,8 +29,10 @@ def _pinned(name: str) -> str:
 KUBE_VERSION = _pinned("KUBE_VERSION")
 ETCD_VERSION = _pinned("ETCD_VERSION")
 CONTAINERD_VERSION = _pinned("CONTAINERD_VERSION")
+HELM_VERSION = _pinned("HELM_VERSION")
 KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl")
 CONTAINERD_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr")
+HELM = "helm"
 DEFAULT_BIN_DIR = Path(f"/var/cache/gpushare/kube-{KUBE_VERSION}")
 
 
@@ -70,16 +72,19 @@ def host_tool_missing(names: tuple[str, ...]) -> str | None:
 
 def main() -> int:
     """``python -m gpushare.sandbox.binaries --require``: exit 1 with the reason when the real cluster,
-    real containers or the gpushare image can't run here, so that CI fails instead of skipping those tests."""
+    real containers or the gpushare image can't run here, or helm isn't built, so that CI fails instead of
+    skipping those tests."""
     from gpushare.sandbox import image
     from gpushare.sandbox.realcluster import realcluster_available
 
-    reason = realcluster_available()
+    cluster = realcluster_available()
     versions = f"Kubernetes {KUBE_VERSION}, etcd {ETCD_VERSION}, containerd {CONTAINERD_VERSION}"
-    print(f"real cluster: {'unavailable: ' + reason if reason else versions}")
+    print(f"real cluster: {'unavailable: ' + cluster if cluster else versions}")
+    helm = missing((HELM,))
+    print(f"helm: {'unavailable: ' + helm if helm else HELM_VERSION}")
     image_missing = image.missing()
     print(f"image: {image_missing or f'{image.IMAGE} in {image.built()}'}")
-    return 1 if (reason or image_missing) and "--require" in sys.argv[1:] else 0
+    return 1 if (cluster or helm or image_missing) and "--require" in sys.argv[1:] else 0
 
 
 if __name__ == "__main__":

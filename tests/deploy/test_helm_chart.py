@@ -1,0 +1,237 @@
+"""The Helm chart in deploy/helm/gpushare: it lints, renders what deploy/*.yaml holds at its default values
+(plus the certificates it makes), its values change what they say, and what it renders validates."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from cryptography import x509
+
+from gpushare.cli import build_parser
+from gpushare.sandbox import binaries
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+CHART = DEPLOY / "helm" / "gpushare"
+NAMESPACE = "gpushare-system"
+#: the oldest Kubernetes the manifests support, as tests/deploy/test_deploy_manifests.py validates them
+KUBERNETES_VERSION = "1.30"
+#: the Secrets the chart makes when certificates.generate is on (deploy/ leaves them to the operator)
+GENERATED_SECRETS = {
+    "gpushare-ca",
+    "gpushare-client-ca",
+    "gpushare-extender-tls",
+    "gpushare-scheduler-client-ca",
+    "gpushare-scheduler-client",
+    "gpushare-webhook-tls",
+}
+#: where helm renders for: the namespace deploy/ uses, on the Kubernetes version under test
+TARGET = ("--namespace", NAMESPACE, "--kube-version", binaries.KUBE_VERSION)
+
+pytestmark = pytest.mark.skipif(
+    binaries.missing((binaries.HELM,)) is not None, reason=f"{binaries.missing((binaries.HELM,))}"
+)
+
+Key = tuple[str, str, str]
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(binaries.built(binaries.HELM)), *args], capture_output=True, text=True, check=False)
+
+
+def render(*settings: str) -> list[dict[str, Any]]:
+    """``helm template`` of the chart into gpushare's namespace, with ``--set`` for each of ``settings``."""
+    done = helm("template", "gpushare", str(CHART), *TARGET, *(f"--set={s}" for s in settings))
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def key(obj: dict[str, Any]) -> Key:
+    return obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+
+
+def by_key(objects: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
+    keyed = {key(o): o for o in objects}
+    assert len(keyed) == len(objects), "two objects with one name"
+    return keyed
+
+
+def from_deploy(*left_out: str) -> dict[Key, dict[str, Any]]:
+    """deploy/*.yaml as the chart renders it: the Namespace is helm's (``--create-namespace``), and
+    kube-scheduler's configuration is the ConfigMap gpushare-scheduler-config."""
+    objects = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        if path.name in {"namespace.yaml", *left_out}:
+            continue
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        if path.name == "scheduler-config.yaml":
+            (config,) = docs
+            docs = [scheduler_config_map(config)]
+        objects += docs
+    return by_key(objects)
+
+
+def scheduler_config_map(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "gpushare-scheduler-config",
+            "namespace": NAMESPACE,
+            "labels": {"app.kubernetes.io/part-of": "gpushare"},
+        },
+        "data": {"scheduler-config.yaml": config},
+    }
+
+
+def comparable(rendered: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
+    """The rendered objects without the generated Secrets and the webhook's caBundle (which deploy/ leaves
+    to the operator), with the scheduler configuration parsed."""
+    objects = by_key(
+        [o for o in rendered if not (o["kind"] == "Secret" and o["metadata"]["name"] in GENERATED_SECRETS)]
+    )
+    for (kind, _, _), obj in objects.items():
+        if kind == "ConfigMap":
+            obj["data"]["scheduler-config.yaml"] = yaml.safe_load(obj["data"]["scheduler-config.yaml"])
+        if kind == "ValidatingWebhookConfiguration":
+            for hook in obj["webhooks"]:
+                hook["clientConfig"]["caBundle"] = ""
+    return objects
+
+
+def one(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (found,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    return found
+
+
+def pod_templates(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {
+        o["metadata"]["name"]: o["spec"]["template"]["spec"]
+        for o in objects
+        if o["kind"] in ("DaemonSet", "Deployment")
+    }
+
+
+def args_of(objects: list[dict[str, Any]], kind: str, name: str) -> list[str]:
+    (container,) = one(objects, kind, name)["spec"]["template"]["spec"]["containers"]
+    return container["args"]
+
+
+def test_helm_is_the_pinned_version() -> None:
+    done = helm("version", "--short")
+    assert done.stdout.startswith(binaries.HELM_VERSION + "+") or done.stdout.strip() == binaries.HELM_VERSION
+
+
+def test_the_chart_lints() -> None:
+    done = helm("lint", "--strict", str(CHART), *TARGET)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("admission", "left_out"),
+    [("policy", "webhook.yaml"), ("webhook", "admission-policy.yaml"), ("both", "")],
+)
+def test_the_chart_renders_what_deploy_holds(admission: str, left_out: str) -> None:
+    """At default values (admission=policy) the chart is deploy/*.yaml without the webhook; each
+    admission value gives the deploy/ files it names."""
+    settings = () if admission == "policy" else (f"admission={admission}",)
+    rendered, expected = comparable(render(*settings)), from_deploy(left_out)
+    assert rendered.keys() == expected.keys()
+    for k, obj in expected.items():
+        assert rendered[k] == obj, k
+
+
+def test_generated_certificates_chain_to_their_cas() -> None:
+    objects = render("admission=webhook")
+    secrets = {o["metadata"]["name"]: o["data"] for o in objects if o["kind"] == "Secret"}
+    assert secrets.keys() == GENERATED_SECRETS
+
+    def pem(b64: str) -> x509.Certificate:
+        return x509.load_pem_x509_certificate(base64.b64decode(b64))
+
+    ca = pem(secrets["gpushare-ca"]["tls.crt"])
+    (hook,) = one(objects, "ValidatingWebhookConfiguration", "gpushare-pod-annotations")["webhooks"]
+    assert pem(hook["clientConfig"]["caBundle"]) == ca
+    assert pem(secrets["gpushare-scheduler-client"]["extender-ca.crt"]) == ca
+    for secret, host in (
+        ("gpushare-extender-tls", f"gpushare-extender.{NAMESPACE}.svc"),
+        ("gpushare-webhook-tls", f"gpushare-webhook.{NAMESPACE}.svc"),
+    ):
+        cert = pem(secrets[secret]["tls.crt"])
+        cert.verify_directly_issued_by(ca)
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert names.get_values_for_type(x509.DNSName) == [host]
+    # the extender lets through to /bind whatever its client CA signed: kube-scheduler's certificate alone
+    client_ca = pem(secrets["gpushare-client-ca"]["tls.crt"])
+    assert client_ca != ca and pem(secrets["gpushare-scheduler-client-ca"]["ca.crt"]) == client_ca
+    pem(secrets["gpushare-scheduler-client"]["scheduler-client.crt"]).verify_directly_issued_by(client_ca)
+    # what kube-scheduler's configuration checks the extender's certificate against
+    config = yaml.safe_load(one(objects, "ConfigMap", "gpushare-scheduler-config")["data"]["scheduler-config.yaml"])
+    assert config["extenders"][0]["tlsConfig"]["serverName"] == f"gpushare-extender.{NAMESPACE}.svc"
+
+
+def test_existing_secrets_are_used_as_named() -> None:
+    objects = render(
+        "admission=webhook",
+        "certificates.generate=false",
+        "certificates.extenderTLSSecret=ours-extender",
+        "certificates.webhookCABundle=Q0E=",
+    )
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    volumes = {v["name"]: v["secret"]["secretName"] for v in pod_templates(objects)["gpushare-extender"]["volumes"]}
+    assert volumes["tls"] == "ours-extender"
+    (hook,) = one(objects, "ValidatingWebhookConfiguration", "gpushare-pod-annotations")["webhooks"]
+    assert hook["clientConfig"]["caBundle"] == "Q0E="
+
+
+@pytest.mark.parametrize(
+    ("setting", "kind", "name", "arg"),
+    [
+        ("policy=spread", "Deployment", "gpushare-extender", "--policy=spread"),
+        ("memoryUnit=MiB", "DaemonSet", "gpushare-node-agent", "--memory-unit=MiB"),
+        ("gpuCountReplicas=4", "DaemonSet", "gpushare-node-agent", "--count-replicas=4"),
+    ],
+)
+def test_a_value_becomes_the_components_flag(setting: str, kind: str, name: str, arg: str) -> None:
+    default = args_of(render(), kind, name)
+    changed = args_of(render(setting), kind, name)
+    assert arg not in default and arg in changed
+    # the component takes the flag as rendered
+    (container,) = one(render(setting), kind, name)["spec"]["template"]["spec"]["containers"]
+    build_parser().parse_args([*container["command"][1:], *(a.replace("$(POD_IP)", "10.1.2.3") for a in changed)])
+
+
+def test_the_image_value_changes_every_pod() -> None:
+    templates = pod_templates(render("admission=both", "image.repository=registry.example/gpushare", "image.tag=9.9"))
+    assert templates.keys() == {"gpushare-node-agent", "gpushare-extender", "gpushare-webhook"}
+    for spec in templates.values():
+        assert {c["image"] for c in spec["containers"]} == {"registry.example/gpushare:9.9"}
+
+
+def test_node_selector_replicas_and_resources() -> None:
+    objects = render("nodeAgent.nodeSelector.gpu=yes", "extender.replicas=3", "extender.resources.limits.memory=2Gi")
+    assert pod_templates(objects)["gpushare-node-agent"]["nodeSelector"] == {"gpushare": "true", "gpu": "yes"}
+    extender = one(objects, "Deployment", "gpushare-extender")
+    assert extender["spec"]["replicas"] == 3
+    (container,) = extender["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == {"memory": "2Gi"}
+
+
+def test_an_unknown_admission_value_is_refused_by_name() -> None:
+    done = helm("template", "gpushare", str(CHART), *TARGET, "--set=admission=off")
+    assert done.returncode != 0 and 'admission: "off" is not one of policy, webhook, both' in done.stderr
+
+
+@pytest.mark.parametrize("admission", ["policy", "webhook"])
+def test_what_the_chart_renders_is_valid_for_kubernetes(admission: str) -> None:
+    for obj in render(f"admission={admission}"):
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
