@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 #: the signals that ask a command to stop: kill's default, a closed terminal and Ctrl-C
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def end_group(popen: subprocess.Popen[Any], timeout: float) -> None:
+    """End the process group ``popen`` leads (started with ``start_new_session``): SIGTERM, then SIGKILL
+    after ``timeout`` seconds; returns once ``popen`` has exited."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(popen.pid, signal.SIGTERM)
+    try:
+        popen.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGKILL)
+        popen.wait()
 
 
 def wait_for_termination() -> None:

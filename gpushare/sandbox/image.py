@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -35,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gpushare.process import Terminated, end_group, signals_raise
 from gpushare.sandbox import binaries
 from gpushare.sandbox.containerd import GO_ARCH
 
@@ -289,22 +289,11 @@ def _run(step: str, command: Sequence[str], **kwargs: object) -> str:
         output, _ = proc.communicate()
     finally:
         if proc.poll() is None:
-            _end_group(proc)
+            end_group(proc, 30)
     if proc.returncode != 0:
         tail = "\n".join(output.splitlines()[-20:])
         raise ImageError(f"{step} failed (exit {proc.returncode}):\n{tail}")
     return output
-
-
-def _end_group(proc: subprocess.Popen[str]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def _source_commit() -> str:
@@ -384,16 +373,18 @@ def ensure_built(log: Callable[[str], None] = print) -> Path:
     return archive
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] = ()) -> int:
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _exit_on_signal)  # so the temporary directory and children go too
     if os.geteuid() != 0:
         print("image: mmdebstrap's chroot needs root", file=sys.stderr)
         return 1
+    try:
+        with signals_raise():  # so that the temporary directory and the children go too
+            return _build(argv)
+    except Terminated as stop:
+        return 128 + stop.signum
+
+
+def _build(argv: Sequence[str]) -> int:
     try:
         if "--key" in argv:
             with tempfile.TemporaryDirectory(prefix="gpushare-image.", dir="/var/tmp") as tmp:

@@ -4,10 +4,8 @@ probes that tell when one is up."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import socket
 import ssl
 import subprocess
@@ -19,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpushare.process import end_group
 from gpushare.sandbox.containerd import log_tail
 
 log = logging.getLogger(__name__)
@@ -110,14 +109,7 @@ class Process:
     def stop(self, timeout: float = 10.0) -> None:
         if self.popen is None or self.popen.poll() is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
+        end_group(self.popen, timeout)
         log.info("stopped %s (pid %d)", self.name, self.popen.pid)
 
 
