@@ -2,10 +2,11 @@
 # Installs everything gpushare, its sandbox and its tests need on a Debian machine.
 # runc and busybox-static run real containers (sandbox, CRI shim tests); gcc builds the fake libnvidia-ml
 # that the NVML tests and `gpushare sandbox --nvml-fake` load; containernetworking-plugins give pods their
-# network. Kubernetes (kube-apiserver, kube-controller-manager, kube-scheduler, kubelet), etcd and
-# containerd are built from the Go module proxy with the Go on PATH by gpushare/sandbox/build_kube.sh
-# and cached; so is the gpushare image, which gpushare/sandbox/image.py builds with mmdebstrap. They are
-# installed when missing and we are root with apt-get; otherwise those parts are skipped with a note.
+# network, and nftables holds kube-proxy's rules. Kubernetes (kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubelet, kube-proxy), etcd, containerd, crictl and helm are built from the Go module
+# proxy with the Go on PATH by gpushare/sandbox/build_kube.sh and cached; so is the gpushare image, which
+# gpushare/sandbox/image.py builds with mmdebstrap. They are installed when missing and we are root with
+# apt-get; otherwise those parts are skipped with a note.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -18,6 +19,7 @@ command -v gcc >/dev/null 2>&1 || missing+=(gcc)  # builds the fake libnvidia-ml
 [ -x /usr/lib/cni/loopback ] || missing+=(containernetworking-plugins)
 command -v mmdebstrap >/dev/null 2>&1 || missing+=(mmdebstrap)  # the gpushare image's root filesystem
 command -v zstd >/dev/null 2>&1 || missing+=(zstd)              # and its compressed layer
+command -v nft >/dev/null 2>&1 || missing+=(nftables)           # kube-proxy's rules in the Helm install tests
 if [ ${#missing[@]} -gt 0 ]; then
   if as_root_with_apt; then
     echo "install.sh: installing ${missing[*]} with apt-get"

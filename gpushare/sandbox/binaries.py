@@ -1,9 +1,9 @@
-"""Where the real cluster's binaries (and helm) are, and which versions they are.
+"""Where the real cluster's binaries (and helm and crictl) are, and which versions they are.
 
-``gpushare/sandbox/build_kube.sh`` builds Kubernetes, etcd, containerd and helm from the Go module proxy into
-one cache directory (``install.sh`` runs it as root); the versions below are the ones it pins, and the
-ones the real-cluster tests and ``gpushare sandbox`` run. Tools that Debian packages (runc, the CNI
-plugins, busybox, openssl, unshare) are looked up on PATH.
+``gpushare/sandbox/build_kube.sh`` builds Kubernetes (kube-proxy and kubectl included), etcd, containerd,
+helm and crictl from the Go module proxy into one cache directory (``install.sh`` runs it as root); the
+versions below are the ones it pins, and the ones the real-cluster tests and ``gpushare sandbox`` run.
+Tools that Debian packages (runc, the CNI plugins, busybox, openssl, unshare) are looked up on PATH.
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ KUBE_VERSION = _pinned("KUBE_VERSION")
 ETCD_VERSION = _pinned("ETCD_VERSION")
 CONTAINERD_VERSION = _pinned("CONTAINERD_VERSION")
 HELM_VERSION = _pinned("HELM_VERSION")
-KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl")
+CRI_TOOLS_VERSION = _pinned("CRI_TOOLS_VERSION")
+KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy", "kubectl")
 CONTAINERD_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr")
 HELM = "helm"
+CRICTL = "crictl"
 DEFAULT_BIN_DIR = Path(f"/var/cache/gpushare/kube-{KUBE_VERSION}")
 
 
@@ -72,19 +74,21 @@ def host_tool_missing(names: tuple[str, ...]) -> str | None:
 
 def main() -> int:
     """``python -m gpushare.sandbox.binaries --require``: exit 1 with the reason when the real cluster,
-    real containers or the gpushare image can't run here, or helm isn't built, so that CI fails instead of
-    skipping those tests."""
+    real containers or the gpushare image can't run here, or helm or crictl isn't built, so that CI fails
+    instead of skipping those tests."""
     from gpushare.sandbox import image
     from gpushare.sandbox.realcluster import realcluster_available
 
     cluster = realcluster_available()
     versions = f"Kubernetes {KUBE_VERSION}, etcd {ETCD_VERSION}, containerd {CONTAINERD_VERSION}"
     print(f"real cluster: {'unavailable: ' + cluster if cluster else versions}")
-    helm = missing((HELM,))
-    print(f"helm: {'unavailable: ' + helm if helm else HELM_VERSION}")
+    tools = {HELM: HELM_VERSION, CRICTL: CRI_TOOLS_VERSION}
+    tools_missing = {name: missing((name,)) for name in tools}
+    for name, why in tools_missing.items():
+        print(f"{name}: {'unavailable: ' + why if why else tools[name]}")
     image_missing = image.missing()
     print(f"image: {image_missing or f'{image.IMAGE} in {image.built()}'}")
-    return 1 if (cluster or helm or image_missing) and "--require" in sys.argv[1:] else 0
+    return 1 if (cluster or any(tools_missing.values()) or image_missing) and "--require" in sys.argv[1:] else 0
 
 
 if __name__ == "__main__":

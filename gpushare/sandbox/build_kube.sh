@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Builds the real cluster's binaries from the Go module proxy with the Go on PATH (1.26) and caches them:
-#   kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kubectl  k8s.io/kubernetes  $KUBE_VERSION
+#   kube-apiserver, kube-controller-manager, kube-scheduler,           k8s.io/kubernetes  $KUBE_VERSION
+#     kubelet, kube-proxy, kubectl
 #   etcd                                                               go.etcd.io/etcd/server/v3  $ETCD_VERSION
 #   containerd, containerd-shim-runc-v2, ctr                           containerd/v2  $CONTAINERD_VERSION
 #   helm                                                               helm.sh/helm/v3  $HELM_VERSION
+#   crictl                                                             sigs.k8s.io/cri-tools  $CRI_TOOLS_VERSION
 # k8s.io/kubernetes and etcd can't be `go install`ed: their go.mod replaces their own sub-modules with
 # relative paths. Each is built from a small wrapper module that requires the release and replaces every
 # such sub-module with its published version at the same tag. The first run on a machine pays for the
 # downloads and the build (see README); later runs find the cache and return at once, and a cache that
-# lacks some binaries (one filled before helm was added, say) gets only those built.
+# lacks some binaries (one filled before kube-proxy and crictl were added, say) gets only those built.
 #
 #   build_kube.sh [CACHE_DIR]   (default: $GPUSHARE_KUBE_BIN or /var/cache/gpushare/kube-$KUBE_VERSION)
 set -euo pipefail
@@ -18,13 +20,17 @@ CONTAINERD_VERSION=v2.2.9
 # helm v3, not v4: v3 is what charts and platform teams run today, and the chart (apiVersion v2) installs
 # with either. v3.22.0 is the newest v3 release on the proxy; its client-go is the v0.37 line, as ours.
 HELM_VERSION=v3.22.0
+# crictl, the CRI client, at the release that goes with Kubernetes $KUBE_VERSION's minor version
+CRI_TOOLS_VERSION=v1.37.0
 cache=${1:-${GPUSHARE_KUBE_BIN:-/var/cache/gpushare/kube-$KUBE_VERSION}}
-kube_bins=(kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl)
+kube_bins=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl)
 containerd_bins=(containerd containerd-shim-runc-v2 ctr)
 
 # cached BINARY...: whether every one of them is already in the cache
 cached() { for b in "$@"; do [ -x "$cache/$b" ] || return 1; done; }
-if cached "${kube_bins[@]}" etcd "${containerd_bins[@]}" helm; then echo "build_kube: cached in $cache"; exit 0; fi
+# lacking BINARY...: those of them the cache lacks, one a line
+lacking() { for b in "$@"; do [ -x "$cache/$b" ] || echo "$b"; done; }
+if cached "${kube_bins[@]}" etcd "${containerd_bins[@]}" helm crictl; then echo "build_kube: cached in $cache"; exit 0; fi
 mkdir -p "$cache"
 work=$(mktemp -d /var/tmp/gpushare-kube-build.XXXXXX)
 trap 'rm -rf "$work"' EXIT
@@ -56,15 +62,16 @@ stamp="-X k8s.io/component-base/version.gitVersion=$KUBE_VERSION -X k8s.io/compo
   -X k8s.io/component-base/version.gitMinor=$(echo "$KUBE_VERSION" | cut -d. -f2)
   -X k8s.io/component-base/version.gitTreeState=clean
   -X k8s.io/component-base/version/verflag.programName=kubernetes"
-echo "build_kube: building what $cache lacks of Kubernetes $KUBE_VERSION, etcd $ETCD_VERSION, containerd $CONTAINERD_VERSION and helm $HELM_VERSION with $(go version | cut -d' ' -f3)"
+echo "build_kube: building what $cache lacks of Kubernetes $KUBE_VERSION, etcd $ETCD_VERSION, containerd $CONTAINERD_VERSION, helm $HELM_VERSION and crictl $CRI_TOOLS_VERSION with $(go version | cut -d' ' -f3)"
 start=$SECONDS
 command -v go >/dev/null 2>&1 || fail "no go on PATH (Go 1.26 builds these)" /dev/null
 
-cached "${kube_bins[@]}" || {
+mapfile -t kube_todo < <(lacking "${kube_bins[@]}")
+[ ${#kube_todo[@]} = 0 ] || {
   wrapper k8s.io/kubernetes "$KUBE_VERSION" "$work/kube" "v0.${KUBE_VERSION#v1.}"
   ( cd "$work/kube"
-    for b in "${kube_bins[@]}"; do
-      go build -trimpath -ldflags "-s -w $stamp" -o "$cache/$b.tmp" "k8s.io/kubernetes/cmd/$b" && mv "$cache/$b.tmp" "$cache/$b"
+    for b in "${kube_todo[@]}"; do
+      go build -trimpath -ldflags "-s -w $stamp" -o "$cache/$b.tmp" "k8s.io/kubernetes/cmd/$b" && mv "$cache/$b.tmp" "$cache/$b" || exit
     done ) >"$work/kube.log" 2>&1 || fail "building Kubernetes $KUBE_VERSION failed" "$work/kube.log"
 }
 
@@ -76,26 +83,35 @@ cached etcd || {
 }
 
 # containerd 2: kubelet from 1.36 on no longer supports containerd 1.x (Debian bookworm ships 1.6.20)
-cached "${containerd_bins[@]}" || {
+mapfile -t containerd_todo < <(lacking "${containerd_bins[@]}")
+[ ${#containerd_todo[@]} = 0 ] || {
   mkdir -p "$work/containerd"
   ( cd "$work/containerd" && printf 'module gpushare.local/build\ngo 1.26\nrequire github.com/containerd/containerd/v2 %s\n' "$CONTAINERD_VERSION" >go.mod
     ld="-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION"
-    for b in "${containerd_bins[@]}"; do
+    for b in "${containerd_todo[@]}"; do
       go build -trimpath -tags "no_btrfs no_zfs no_devmapper no_aufs" -ldflags "$ld" -o "$cache/$b.tmp" \
-        "github.com/containerd/containerd/v2/cmd/$b" && mv "$cache/$b.tmp" "$cache/$b"
+        "github.com/containerd/containerd/v2/cmd/$b" && mv "$cache/$b.tmp" "$cache/$b" || exit
     done ) >"$work/containerd.log" 2>&1 || fail "building containerd $CONTAINERD_VERSION failed" "$work/containerd.log"
 }
 
-# helm has no relative-path replaces, so `go install module@version` builds it as its own go.mod pins;
-# the version string is stamped as helm's Makefile does (`helm version` otherwise says only "v3.22")
-cached helm || {
-  mkdir -p "$work/helm"
-  ( cd "$work/helm"
-    GOBIN="$work/helm" go install -trimpath \
-      -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean" \
-      "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" && cp "$work/helm/helm" "$cache/helm.tmp" && mv "$cache/helm.tmp" "$cache/helm"
-  ) >"$work/helm.log" 2>&1 || fail "building helm $HELM_VERSION failed" "$work/helm.log"
+# go_install NAME PACKAGE VERSION LDFLAGS: NAME, when the cache lacks it, by `go install PACKAGE@VERSION`,
+# which builds it as its module's own go.mod pins (helm and cri-tools have no relative-path replaces)
+go_install() {
+  local name=$1 package=$2 version=$3 ldflags=$4
+  cached "$name" && return
+  mkdir -p "$work/$name"
+  ( cd "$work/$name"
+    GOBIN="$work/$name" go install -trimpath -ldflags "-s -w $ldflags" "$package@$version" \
+      && cp "$work/$name/$name" "$cache/$name.tmp" && mv "$cache/$name.tmp" "$cache/$name"
+  ) >"$work/$name.log" 2>&1 || fail "building $name $version failed" "$work/$name.log"
 }
+
+# each version string is stamped into the variable the project's Makefile sets (`helm version` otherwise
+# says only "v3.22", `crictl --version` "unknown")
+go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" \
+  "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+go_install crictl sigs.k8s.io/cri-tools/cmd/crictl "$CRI_TOOLS_VERSION" \
+  "-X sigs.k8s.io/cri-tools/pkg/version.Version=$CRI_TOOLS_VERSION"
 
 rm -f "$cache/BUILD-FAILED"
 echo "build_kube: built into $cache in $((SECONDS - start)) s"
