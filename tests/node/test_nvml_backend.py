@@ -3,7 +3,9 @@ each machine presents, what the advertiser and the device plugin make of it, and
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -40,6 +42,7 @@ from gpushare.gpus.nvml import NvmlBackend, _single_node
 from gpushare.kube.objects import get_node
 from gpushare.pb import deviceplugin_pb2 as pb
 from gpushare.pb import deviceplugin_pb2_grpc as pb_grpc
+from gpushare.sandbox import fakenvml
 from gpushare.sandbox.fakenvml import FakeNvml
 from gpushare.sandbox.kubeletemulator import KubeletEmulator
 from gpushare.settings import NodeSettings
@@ -144,6 +147,43 @@ def test_driver_not_loaded_is_one_error_naming_the_call(tmp_path, monkeypatch) -
     error = r"nvmlInit failed: Driver Not Loaded\. On a GPU node"
     with pytest.raises(InventoryError, match=error), nvml_backend("no-driver", tmp_path, monkeypatch):
         pass
+
+
+# --- a library with its machine built in ---------------------------------------------------------------------
+
+#: a fresh process's inventory through pynvml: the UUIDs of its cards, as JSON
+CHILD_INVENTORY = (
+    "import json; from gpushare.gpus.nvml import NvmlBackend; backend = NvmlBackend(); "
+    "print(json.dumps([card.uuid for card in backend.cards()])); backend.close()"
+)
+
+
+def uuids_in_a_child(library: Path, env: dict[str, str]) -> list[str]:
+    """The cards a process sees that finds ``library`` first and has no fake-NVML variable but ``env``'s."""
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_FAKE_NVML_")}
+    child_env.update(env, LD_LIBRARY_PATH=str(library.parent))
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD_INVENTORY], env=child_env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.fixture
+def dgx_built_in() -> Path:
+    if reason := fakenvml.gcc_missing():
+        pytest.skip(f"the fake libnvidia-ml can't be built: {reason}")
+    return fakenvml.build_with_machine("dgx-a100")
+
+
+def test_a_library_with_its_machine_built_in_needs_no_environment(dgx_built_in: Path) -> None:
+    """As in a pod that mounts only the library file: no machine file, no variable naming one."""
+    assert uuids_in_a_child(dgx_built_in, {}) == [card["uuid"] for card in described_cards("dgx-a100")]
+
+
+def test_the_environment_overrides_the_built_in_machine(dgx_built_in: Path) -> None:
+    env = {fakenvml.ENV_MACHINE: str(fakenvml.machine_file("mixed"))}
+    assert uuids_in_a_child(dgx_built_in, env) == [card["uuid"] for card in described_cards("mixed")]
 
 
 def test_memory_affinity_masks() -> None:

@@ -4,6 +4,9 @@ description from ``machines/`` and takes scripted faults (XIDs, a card falling o
 
 A process finds it first when ``LD_LIBRARY_PATH`` starts with :attr:`FakeNvml.library_dir`;
 :meth:`FakeNvml.env` gives that and the two variables the library reads at ``nvmlInit``.
+:func:`build_with_machine` gives a library with one machine's description compiled in, which it presents
+when ``GPUSHARE_FAKE_NVML_MACHINE`` is unset: for a process that has only the library file, as a pod that
+mounts the host's ``libnvidia-ml.so.1`` does. Faults still come only through the control file.
 """
 
 from __future__ import annotations
@@ -40,10 +43,28 @@ def _cache_root() -> Path:
     return Path(base) / "gpushare" / "fakenvml"
 
 
-def build(cache: Path | None = None) -> Path:
-    """The directory holding ``libnvidia-ml.so.1``, compiled once per source and flags (one gcc call)."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+def c_string(data: bytes) -> str:
+    """``data`` as C string literals, one a line of it, joined by line continuations so that a
+    ``#define`` can hold them. Every byte but printable ASCII (and ``?``, which could start a trigraph) is an
+    octal escape."""
+    plain = set(range(0x20, 0x7F)) - {ord('"'), ord("\\"), ord("?")}
+    lines = data.splitlines(keepends=True) or [b""]
+    return " \\\n".join('"' + "".join(chr(b) if b in plain else f"\\{b:03o}" for b in line) + '"' for line in lines)
+
+
+def machine_header(machine: Path) -> str:
+    """The header that builds ``machine``'s description into the library (see fakenvml.c)."""
+    return (
+        f"#define FAKE_NVML_MACHINE_NAME {c_string(machine.name.encode())}\n"
+        f"#define FAKE_NVML_MACHINE \\\n{c_string(machine.read_bytes())}\n"
+    )
+
+
+def build(cache: Path | None = None, machine: Path | None = None) -> Path:
+    """The directory holding ``libnvidia-ml.so.1``, with ``machine``'s description built in when one is given;
+    compiled once per source, flags and description (one gcc call)."""
+    header = machine_header(machine) if machine is not None else ""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + header.encode()).hexdigest()[:16]
     directory = (cache or _cache_root()) / digest
     library = directory / LIBRARY
     if library.is_file():
@@ -53,16 +74,25 @@ def build(cache: Path | None = None) -> Path:
         raise FakeNvmlError(f"can't build the fake {LIBRARY}: {reason}")
     directory.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: concurrent builders never see a half-written library
-    fd, partial = tempfile.mkstemp(prefix=f".{LIBRARY}.", dir=directory)
-    os.close(fd)
-    command = ["gcc", *_CFLAGS, f"-Wl,-soname,{LIBRARY}", "-o", partial, str(SOURCE), "-lpthread"]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        Path(partial).unlink(missing_ok=True)
-        raise FakeNvmlError(f"gcc failed to build the fake {LIBRARY}:\n{done.stderr.strip()}")
-    os.chmod(partial, 0o755)
-    os.replace(partial, library)
+    with tempfile.TemporaryDirectory(prefix=f".{LIBRARY}.", dir=directory) as work:
+        partial = Path(work) / LIBRARY
+        include: list[str] = []
+        if header:
+            (Path(work) / "machine.h").write_text(header)
+            include = ["-include", str(Path(work) / "machine.h")]
+        command = ["gcc", *_CFLAGS, *include, f"-Wl,-soname,{LIBRARY}", "-o", str(partial), str(SOURCE), "-lpthread"]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise FakeNvmlError(f"gcc failed to build the fake {LIBRARY}:\n{done.stderr.strip()}")
+        partial.chmod(0o755)
+        os.replace(partial, library)
     return directory
+
+
+def build_with_machine(machine: str, cache: Path | None = None) -> Path:
+    """The path of a ``libnvidia-ml.so.1`` with ``machine`` (a shipped machine's name or a description file)
+    built in, so that it needs no environment to present that machine."""
+    return build(cache, machine_file(machine)) / LIBRARY
 
 
 def machines() -> list[str]:

@@ -5,7 +5,9 @@
  * signatures, struct layouts and return codes, so the real Python binding runs end to end on a
  * machine without a GPU. Nothing here touches hardware.
  *
- * The machine is read at nvmlInit from the file named by $GPUSHARE_FAKE_NVML_MACHINE: one
+ * The machine is read at nvmlInit from the file named by $GPUSHARE_FAKE_NVML_MACHINE or, when that is
+ * unset, from the description built in: FAKE_NVML_MACHINE (its text as a C string) and
+ * FAKE_NVML_MACHINE_NAME, defined by a header given to gcc with -include. Either way it is one
  * "key value" per line, '#' starts a comment.
  *     driver loaded | not-loaded        not-loaded: nvmlInit answers NVML_ERROR_DRIVER_NOT_LOADED
  *     gpu                               starts the next card, in NVML index order; then its keys:
@@ -119,6 +121,10 @@ static struct fake_event_set *sets;
 static FILE *control;
 static char control_partial[256];
 
+#ifdef FAKE_NVML_MACHINE
+static const char builtin_machine[] = FAKE_NVML_MACHINE;
+#endif
+
 /* --- the machine description ---------------------------------------------------------------------- */
 
 static char *trim(char *s) {
@@ -132,13 +138,9 @@ static void copy_field(char *dst, size_t size, const char *src) {
     snprintf(dst, size, "%s", src);
 }
 
-/* Returns 0, or a line number where the description is wrong (reported on stderr). */
-static int load_machine(const char *path) {
-    FILE *f = fopen(path, "r");
-    if (!f) {
-        fprintf(stderr, "fake NVML: cannot open machine description %s\n", path);
-        return -1;
-    }
+/* Reads the description from f, which it closes; name says where it came from in errors.
+ * Returns 0, or a line number where the description is wrong (reported on stderr). */
+static int parse_machine(FILE *f, const char *name) {
     char line[512];
     int lineno = 0, bad = 0;
     struct fake_device *d = NULL;
@@ -205,8 +207,28 @@ static int load_machine(const char *path) {
         }
     }
     fclose(f);
-    if (bad) fprintf(stderr, "fake NVML: %s line %d is not understood\n", path, bad);
+    if (bad) fprintf(stderr, "fake NVML: %s line %d is not understood\n", name, bad);
     return bad;
+}
+
+/* The file named by $GPUSHARE_FAKE_NVML_MACHINE, else the description built in. Returns as parse_machine,
+ * or -1 when there is no description to read (reported on stderr). */
+static int load_machine(void) {
+    const char *path = getenv("GPUSHARE_FAKE_NVML_MACHINE");
+    if (path) {
+        FILE *f = fopen(path, "r");
+        if (f) return parse_machine(f, path);
+        fprintf(stderr, "fake NVML: cannot open machine description %s\n", path);
+        return -1;
+    }
+#ifdef FAKE_NVML_MACHINE
+    FILE *f = fmemopen((void *)builtin_machine, sizeof builtin_machine - 1, "r");
+    if (f) return parse_machine(f, "built-in machine description " FAKE_NVML_MACHINE_NAME);
+    fprintf(stderr, "fake NVML: cannot read the built-in machine description " FAKE_NVML_MACHINE_NAME "\n");
+#else
+    fprintf(stderr, "fake NVML: no machine: GPUSHARE_FAKE_NVML_MACHINE is unset and none is built in\n");
+#endif
+    return -1;
 }
 
 /* --- scripted health -------------------------------------------------------------------------------- */
@@ -269,8 +291,7 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     nvmlReturn_t ret = NVML_SUCCESS;
     pthread_mutex_lock(&lock);
     if (init_count == 0) {
-        const char *machine = getenv("GPUSHARE_FAKE_NVML_MACHINE");
-        if (!machine || load_machine(machine) != 0) {
+        if (load_machine() != 0) {
             ret = NVML_ERROR_UNKNOWN;
         } else if (init_error != NVML_SUCCESS) {
             ret = init_error;
