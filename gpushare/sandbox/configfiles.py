@@ -133,20 +133,28 @@ def _extender_entry(template: Mapping[str, Any], url: str, tls: SchedulerTls | N
     return entry
 
 
-def render_kubelet_config(port: int, healthz_port: int, runtime_socket: Path, taints: Sequence[str] = ()) -> str:
-    """Kubelet settings for a node that shares its machine with other simulated nodes: loopback only,
-    no QoS cgroups or node-allocatable enforcement (they would be shared), no evictions. The runtime is
-    ``runtime_socket`` (the CRI shim's); ``taints`` (``key=value:Effect``) are registered with the node.
-    These machines run cgroup v1, which kubelet refuses from 1.35 on unless told otherwise."""
+def render_kubelet_config(
+    port: int,
+    healthz_port: int,
+    runtime_socket: Path,
+    volume_plugin_dir: Path,
+    taints: Sequence[str] = (),
+    address: str = "127.0.0.1",
+) -> str:
+    """Kubelet settings for a node that shares its machine with other simulated nodes: its server on
+    ``address`` (loopback, or the node's own address), health on loopback, no QoS cgroups or
+    node-allocatable enforcement (they would be shared), no evictions. The runtime is ``runtime_socket``;
+    ``taints`` (``key=value:Effect``) are registered with the node. These machines run cgroup v1, which
+    kubelet refuses from 1.35 on unless told otherwise."""
     return yaml.safe_dump(
         {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
             "containerRuntimeEndpoint": f"unix://{runtime_socket}",
             "failCgroupV1": False,
-            "volumePluginDir": str(runtime_socket.parent / "flexvolume"),
+            "volumePluginDir": str(volume_plugin_dir),
             "registerWithTaints": [_taint(t) for t in taints],
-            "address": "127.0.0.1",
+            "address": address,
             "port": port,
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",

@@ -138,8 +138,10 @@ def build_busybox_image(path: Path, tags: Sequence[str] = (PAUSE_IMAGE, TEST_IMA
 # --- the daemon -------------------------------------------------------------------------------------------
 
 
-def render_config(base: Path, sandbox_image: str = PAUSE_IMAGE) -> str:
-    """containerd 2's TOML configuration (version 3), with every path under ``base``."""
+def render_config(base: Path, sandbox_image: str = PAUSE_IMAGE, snapshotter: str = "native") -> str:
+    """containerd 2's TOML configuration (version 3), with every path under ``base``. Images unpack for
+    ``snapshotter``: ``native`` (a copy of the image per container: nothing to mount, fine for busybox)
+    or ``overlayfs`` (for images the size of gpushare's, which a copy per container would slow down)."""
     images, runtime = "plugins.'io.containerd.cri.v1.images'", "plugins.'io.containerd.cri.v1.runtime'"
     return "\n".join(
         [
@@ -161,7 +163,7 @@ def render_config(base: Path, sandbox_image: str = PAUSE_IMAGE) -> str:
             "[plugins.'io.containerd.internal.v1.opt']",
             f"  path = '{base / 'opt'}'",
             f"[{images}]",
-            "  snapshotter = 'native'",
+            f"  snapshotter = '{snapshotter}'",
             f"[{images}.pinned_images]",
             f"  sandbox = '{sandbox_image}'",
             f"[{runtime}]",
@@ -185,9 +187,16 @@ def render_config(base: Path, sandbox_image: str = PAUSE_IMAGE) -> str:
 class Containerd:
     """One containerd process serving CRI on a private socket under ``base``."""
 
-    def __init__(self, base: Path, sandbox_image: str = PAUSE_IMAGE, command_prefix: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        base: Path,
+        sandbox_image: str = PAUSE_IMAGE,
+        command_prefix: Sequence[str] = (),
+        snapshotter: str = "native",
+    ) -> None:
         self.base = base
         self.sandbox_image = sandbox_image
+        self.snapshotter = snapshotter
         #: run containerd through this, e.g. ``nsenter --mount=...`` to start it in a node's mount namespace
         self.command_prefix = tuple(command_prefix)
         self.socket = base / "containerd.sock"
@@ -209,7 +218,7 @@ class Containerd:
         if self.running:
             return
         self.base.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(render_config(self.base, self.sandbox_image))
+        self.config.write_text(render_config(self.base, self.sandbox_image, self.snapshotter))
         with self.log_path.open("ab") as log_file:
             self._process = subprocess.Popen(
                 [*self.command_prefix, str(binaries.built("containerd")), "--config", str(self.config)],
@@ -263,7 +272,7 @@ class Containerd:
         self.start(timeout)
 
     def import_image(self, tarball: Path) -> None:
-        """Load a docker-archive tarball into the CRI namespace, unpacked for the native snapshotter."""
+        """Load an image archive (docker or OCI) into the CRI namespace, unpacked for the snapshotter."""
         result = subprocess.run(
             [
                 str(binaries.built("ctr")),
@@ -276,7 +285,7 @@ class Containerd:
                 # containerd 2's transfer service unpacks only for the snapshotters it is configured for
                 "--local",
                 "--snapshotter",
-                "native",
+                self.snapshotter,
                 str(tarball),
             ],
             capture_output=True,

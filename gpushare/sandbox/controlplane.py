@@ -4,6 +4,7 @@ gpushare extender replica (:class:`Schedulers`), each among the cluster's proces
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import subprocess
 import sys
@@ -32,6 +33,8 @@ from gpushare.sandbox.launch import Launcher, Process, free_port, http_status, w
 SYSTEM_NAMESPACE = "gpushare-system"
 #: the gpushare components' users; with RBAC their deploy/rbac.yaml service accounts
 NODE_AGENT_USER, EXTENDER_USER = "gpushare-node-agent", "gpushare-extender"
+#: the user Kubernetes' default RBAC binds to kube-proxy's role (system:node-proxier)
+KUBE_PROXY_USER = "system:kube-proxy"
 
 
 def _token() -> str:
@@ -43,12 +46,15 @@ class ControlPlane:
     """etcd, kube-apiserver and kube-controller-manager, started by :meth:`start` among ``launcher``'s
     processes; each user (``admin``, the control plane's own, each node's and the gpushare components')
     gets a static token and a kubeconfig (:attr:`kubeconfigs`). With ``rbac`` the API server authorizes
-    with RBAC and the gpushare components use deploy/rbac.yaml's service accounts; ``audited_users``'
-    requests go to :attr:`audit_log`."""
+    with RBAC and, with ``install_rbac`` too, the gpushare components use deploy/rbac.yaml's service
+    accounts (without it, whatever installs gpushare brings its RBAC); ``audited_users``' requests go to
+    :attr:`audit_log`. kube-apiserver listens on ``host``: loopback, or an address pods can reach."""
 
     launcher: Launcher
     rbac: bool = False
     audited_users: Sequence[str] = ()
+    install_rbac: bool = True
+    host: str = "127.0.0.1"
     port: int = field(default_factory=free_port)
     admin: Identity = field(default_factory=lambda: Identity("gpushare-admin", _token(), ("system:masters",)))
     #: the administrator's API client, once the API server answers
@@ -65,7 +71,7 @@ class ControlPlane:
 
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.port}"
+        return f"https://{self.host}:{self.port}"
 
     @property
     def audit_log(self) -> Path:
@@ -98,6 +104,7 @@ class ControlPlane:
             self.admin,
             Identity("system:kube-scheduler", _token()),
             Identity("system:kube-controller-manager", _token()),
+            Identity(KUBE_PROXY_USER, _token()),
             *(Identity(f"system:node:{n}", _token(), ("system:nodes", "system:masters")) for n in node_names),
         ]
         if not self.rbac:
@@ -109,7 +116,9 @@ class ControlPlane:
             [
                 str(binaries.built("kube-apiserver")),
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                "--bind-address=127.0.0.1",
+                f"--bind-address={self.host}",
+                # pods reach it through the Service kubernetes.default, whose endpoint this is
+                *([] if ipaddress.ip_address(self.host).is_loopback else [f"--advertise-address={self.host}"]),
                 f"--secure-port={self.port}",
                 f"--cert-dir={self._path('apiserver-certs')}",
                 f"--token-auth-file={self._path('tokens.csv')}",
@@ -133,7 +142,7 @@ class ControlPlane:
             self.kubeconfigs.write(who.user, who.token)
         self.api = load_api(str(self.kubeconfigs.path(self.admin.user)))
         self._start_controller_manager(sa_key, controllers)
-        if self.rbac:
+        if self.rbac and self.install_rbac:
             self._apply_rbac()
 
     def _audit_flags(self) -> list[str]:

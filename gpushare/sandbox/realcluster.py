@@ -13,9 +13,6 @@ share the host's network namespace; each node's pods get a bridge and a private 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
-import signal
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +27,9 @@ from gpushare.sandbox.certs import Certs
 from gpushare.sandbox.configfiles import Identity
 from gpushare.sandbox.containerd import PAUSE_IMAGE, TEST_IMAGE, build_busybox_image, containerd_available
 from gpushare.sandbox.controlplane import Control, ControlPlane, Schedulers
-from gpushare.sandbox.launch import ClusterError, Launcher, Process, processes_using, wait_for
-from gpushare.sandbox.podnetwork import bridge_name, cni_plugins_missing, pod_subnet, remove_bridge
-from gpushare.sandbox.realnode import NodeRunner, RealNode
-
-log = logging.getLogger(__name__)
+from gpushare.sandbox.launch import ClusterError, Launcher, Process, processes_using
+from gpushare.sandbox.podnetwork import bridge_name, cni_plugins_missing, pod_subnet
+from gpushare.sandbox.realnode import NodeRunner, RealNode, stop_nodes
 
 #: the image name the pods in deploy/examples use
 EXAMPLE_IMAGE = "docker.io/library/busybox:1.36"
@@ -178,7 +173,7 @@ class RealCluster:
             bridge = bridge_name(self.workdir, index)
             self.nodes[name] = node = RealNode(name, gpus, self.workdir / name, bridge, pod_subnet(index))
             node.start_namespace()
-            node.start_containerd(image)
+            node.start_containerd([image])
             self.node_runner.start_agent(node)
             self.node_runner.start_kubelet(node)
         for node in self.nodes.values():
@@ -250,30 +245,7 @@ class RealCluster:
         self._started = False
 
     def _stop(self) -> None:
-        processes = self.launcher.processes
-        order = [p for p in processes if p.name.startswith(("kube-scheduler", "extender", "kubelet"))]
-        order += [p for p in processes if p.name.startswith("node-agent")]
-        for proc in order:
-            with contextlib.suppress(Exception):
-                proc.stop()
-        for node in self.nodes.values():
-            if node.containerd is not None:
-                with contextlib.suppress(Exception):
-                    node.containerd.close()
-        for proc in reversed(processes):
-            with contextlib.suppress(Exception):
-                proc.stop()
-        for node in self.nodes.values():
-            node.end_namespace()
-        for pid in processes_using(self.workdir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        try:
-            wait_for(lambda: not processes_using(self.workdir), 10, f"the processes under {self.workdir} to end")
-        except ClusterError as exc:
-            log.warning("%s", exc)
-        for node in self.nodes.values():
-            remove_bridge(node.bridge)
+        stop_nodes(self.launcher, list(self.nodes.values()), ("kube-scheduler", "extender", "kubelet", "node-agent"))
         self.control_plane.close()
 
 

@@ -4,13 +4,20 @@ agent and a kubelet.
 Kubelet hard-wires its device-plugin directory to ``/var/lib/kubelet/device-plugins``, so each simulated
 node is a private mount namespace (held open by a sleeping process) with its own directories bound over
 that path, over ``/var/log/pods`` and over ``/var/lib/cni``; the node's containerd, node agent and kubelet
-all run inside it, as they would on a machine of their own. :class:`RealNode` is the node and its
-containerd; :class:`NodeRunner` starts its node agent and kubelet among the cluster's processes.
+all run inside it, as they would on a machine of their own. A node with ``host_paths`` goes further, for
+gpushare installed as pods whose hostPath volumes name a real host's paths: its own ``/var/lib/kubelet``
+(kubelet's configuration in ``config.yaml``, as kubeadm writes it), a private ``/run`` with containerd's
+directory at ``/run/containerd`` (and room for the CRI shim's ``/run/gpushare``), and the fake NVML
+driver library where the NVIDIA GPU operator puts the driver's. :class:`RealNode` is the node and its containerd;
+:class:`NodeRunner` starts its node agent and kubelet among the cluster's processes.
 """
 
 from __future__ import annotations
 
-import subprocess
+import contextlib
+import logging
+import os
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -32,12 +39,20 @@ from gpushare.sandbox.configfiles import Kubeconfigs, render_kubelet_config
 from gpushare.sandbox.containerd import PAUSE_IMAGE, Containerd
 from gpushare.sandbox.fakenvml import FakeNvml, FakeNvmlError
 from gpushare.sandbox.fakenvml import prepare as prepare_fake_nvml
-from gpushare.sandbox.launch import ClusterError, Launcher, Process, free_port, http_status, wait_for
-from gpushare.sandbox.podnetwork import install_pod_network
+from gpushare.sandbox.launch import ClusterError, Launcher, Process, free_port, http_status, processes_using, wait_for
+from gpushare.sandbox.mountns import Mount, MountNamespace
+from gpushare.sandbox.podnetwork import install_pod_network, remove_bridge
 
-DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+log = logging.getLogger(__name__)
+
+KUBELET_DIR = Path("/var/lib/kubelet")
+DEVICE_PLUGIN_DIR = KUBELET_DIR / "device-plugins"
 POD_LOG_DIR = Path("/var/log/pods")
 CNI_STATE_DIR = Path("/var/lib/cni")
+#: on a node with host paths: where its containerd's socket is, and the CRI shim's directory (the chart's)
+CONTAINERD_RUN_DIR, GPUSHARE_RUN_DIR = Path("/run/containerd"), Path("/run/gpushare")
+#: where the NVIDIA GPU operator's driver container puts libnvidia-ml.so.1 (docs/operations.md)
+OPERATOR_NVML = Path("/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 #: a node spec's GPUs starting with this run on the fake libnvidia-ml
 NVML_PREFIX = "nvml:"
@@ -57,8 +72,14 @@ class RealNode:
     #: its pods' bridge and subnet
     bridge: str = ""
     subnet: str = ""
+    #: the paths a real host's programs use, private to this node (see the module's docstring)
+    host_paths: bool = False
+    #: the node's IP: its kubelet's and its host-network pods' (loopback: the nodes can't tell each other apart)
+    address: str = "127.0.0.1"
+    #: with host paths: the fake libnvidia-ml.so.1 (its machine built in) bound at :data:`OPERATOR_NVML`
+    nvml_library: Path | None = None
     fake_nvml: FakeNvml | None = None
-    holder: subprocess.Popen[bytes] | None = None
+    namespace: MountNamespace | None = None
     containerd: Containerd | None = None
     agent: Process | None = None
     kubelet: Process | None = None
@@ -68,18 +89,40 @@ class RealNode:
     @property
     def in_namespace(self) -> list[str]:
         """The command prefix that runs a program inside this node's mount namespace."""
-        assert self.holder is not None
-        return ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", "--"]
+        assert self.namespace is not None
+        return self.namespace.prefix
 
     @property
     def cri_socket(self) -> Path:
-        """The CRI shim's socket, which kubelet talks to."""
+        """The CRI shim's socket, which kubelet talks to (on a node with host paths: once told to; it
+        lies in the node's private /run, the node agent's pod makes it there)."""
+        if self.host_paths:
+            assert self.namespace is not None
+            return self.namespace.root / GPUSHARE_RUN_DIR.relative_to("/") / "cri.sock"
         return self.base / "cri.sock"
+
+    @property
+    def kubelet_dir(self) -> Path:
+        """What this node's kubelet sees as /var/lib/kubelet (with host paths, its root directory)."""
+        return self.base / "kubelet"
 
     @property
     def device_plugin_dir(self) -> Path:
         """What this node's kubelet sees as /var/lib/kubelet/device-plugins."""
-        return self.base / "device-plugins"
+        return self.kubelet_dir / "device-plugins" if self.host_paths else self.base / "device-plugins"
+
+    def mounts(self) -> list[Mount]:
+        """What the node's namespace puts where, in order."""
+        shared = [(self.base / "pod-logs", POD_LOG_DIR), (self.base / "cni-state", CNI_STATE_DIR)]
+        if not self.host_paths:
+            return [(self.device_plugin_dir, DEVICE_PLUGIN_DIR), *shared]
+        mounts: list[Mount] = [
+            (self.kubelet_dir, KUBELET_DIR), *shared, (None, Path("/run")),
+            (self.base / "ctrd", CONTAINERD_RUN_DIR),
+        ]  # fmt: skip
+        if self.nvml_library is not None:
+            mounts.append((self.nvml_library, OPERATOR_NVML))
+        return mounts
 
     def agent_ready(self) -> bool:
         return http_status(f"http://127.0.0.1:{self.agent_metrics_port}/readyz") == 200
@@ -89,38 +132,25 @@ class RealNode:
         return self.gpus[len(NVML_PREFIX) :] if self.gpus.startswith(NVML_PREFIX) else None
 
     def start_namespace(self) -> None:
-        """A process holding a private mount namespace with the node's own kubelet directories, and its
-        own /var/lib/cni, where the CNI library caches each pod's network (nothing of it on the host)."""
-        binds = [(self.device_plugin_dir, DEVICE_PLUGIN_DIR), (self.base / "pod-logs", POD_LOG_DIR),
-                 (self.base / "cni-state", CNI_STATE_DIR)]  # fmt: skip
-        for own, target in binds:
-            own.mkdir(parents=True, exist_ok=True)
-            target.mkdir(parents=True, exist_ok=True)
-        script = " && ".join(f'mount --bind "${2 * i + 1}" "${2 * i + 2}"' for i in range(len(binds)))
-        self.holder = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-             f"{script} && echo ready && exec sleep 2147483647", "sh", *(str(p) for bind in binds for p in bind)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
-            cwd=self.base,
-        )  # fmt: skip
-        assert self.holder.stdout is not None
-        if self.holder.stdout.readline().strip() != b"ready":
-            self.holder.wait()
-            err = self.holder.stderr.read().decode(errors="replace") if self.holder.stderr else ""
-            raise ClusterError(f"node {self.name}: could not make its mount namespace: {err.strip()}")
+        """The node's mount namespace (:meth:`mounts`), where its containerd, node agent and kubelet run."""
+        self.namespace = MountNamespace(f"node {self.name}", self.base, self.mounts())
+        self.namespace.start()
 
     def end_namespace(self) -> None:
-        """End the process holding the mount namespace (its mounts go with it)."""
-        if self.holder is not None and self.holder.poll() is None:
-            self.holder.kill()
-            self.holder.wait()
+        """End the node's mount namespace (its mounts go with it)."""
+        if self.namespace is not None:
+            self.namespace.end()
 
-    def start_containerd(self, image: Path) -> None:
-        """The node's containerd in its namespace, on its pod network, with ``image`` (a docker archive) imported."""
-        self.containerd = Containerd(self.base / "ctrd", PAUSE_IMAGE, self.in_namespace)
-        install_pod_network(self.containerd.base, self.bridge, self.subnet, self.base / "cni-ipam")
+    def start_containerd(self, images: Sequence[Path], routes: Sequence[str] = ()) -> None:
+        """The node's containerd in its namespace, on its pod network (routed to ``routes``: see
+        :func:`~gpushare.sandbox.podnetwork.render_pod_network`), with ``images`` (archives) imported.
+        A node with host paths runs images the size of gpushare's, unpacked for overlayfs."""
+        snapshotter = "overlayfs" if self.host_paths else "native"
+        self.containerd = Containerd(self.base / "ctrd", PAUSE_IMAGE, self.in_namespace, snapshotter)
+        install_pod_network(self.containerd.base, self.bridge, self.subnet, self.base / "cni-ipam", routes)
         self.containerd.start()
-        self.containerd.import_image(image)
+        for image in images:
+            self.containerd.import_image(image)
 
     def container_env(self, namespace: str, pod: str, container: str) -> dict[str, str]:
         """The environment of a running container's process, read with CRI ExecSync from the node's containerd."""
@@ -198,22 +228,36 @@ class NodeRunner:
         self.start_agent(node)
 
     def start_kubelet(self, node: RealNode) -> None:
-        port, node.kubelet_healthz_port = free_port(), free_port()
-        config = node.base / "kubelet.yaml"
-        config.write_text(
-            render_kubelet_config(port, node.kubelet_healthz_port, node.cri_socket, self.taints.get(node.name, ()))
-        )
+        """The node's kubelet, at the node's address. Without host paths it talks to the CRI
+        shim; with them its configuration is /var/lib/kubelet/config.yaml, written here the first time
+        only (an operator edits it later) with containerd's socket as the runtime, as kubeadm sets a
+        node up, and it keeps its state in /var/lib/kubelet."""
+        flexvolume, taints = node.base / "flexvolume", self.taints.get(node.name, ())
+        if node.host_paths:
+            config = node.kubelet_dir / "config.yaml"
+            if not config.exists():
+                node.kubelet_healthz_port = free_port()
+                runtime = CONTAINERD_RUN_DIR / "containerd.sock"
+                rendered = render_kubelet_config(
+                    free_port(), node.kubelet_healthz_port, runtime, flexvolume, taints, node.address
+                )
+                config.write_text(rendered)
+            dirs = [f"--config={KUBELET_DIR / 'config.yaml'}"]
+        else:
+            port, node.kubelet_healthz_port = free_port(), free_port()
+            config = node.base / "kubelet.yaml"
+            rendered = render_kubelet_config(port, node.kubelet_healthz_port, node.cri_socket, flexvolume, taints)
+            config.write_text(rendered)
+            dirs = [f"--config={config}", f"--root-dir={node.kubelet_dir}", f"--cert-dir={node.base / 'kubelet-pki'}"]
         node.kubelet = self.launcher.spawn(
             f"kubelet-{node.name}",
             [
                 *node.in_namespace,
                 str(binaries.built("kubelet")),
-                f"--config={config}",
+                *dirs,
                 f"--kubeconfig={self.kubeconfigs.path(f'system:node:{node.name}')}",
-                f"--root-dir={node.base / 'kubelet'}",
-                f"--cert-dir={node.base / 'kubelet-pki'}",
                 f"--hostname-override={node.name}",
-                "--node-ip=127.0.0.1",
+                f"--node-ip={node.address}",
                 "--v=2",
             ],
         )
@@ -272,3 +316,33 @@ class NodeRunner:
 
         what = f"node {node.name} to be Ready and untainted with {RESOURCE_MEM} (logs in {self.launcher.workdir})"
         wait_for(ready, timeout, what, 0.2)
+
+
+def stop_nodes(launcher: Launcher, nodes: Sequence[RealNode], first: Sequence[str]) -> None:
+    """Stop every process of a cluster: those whose names start with ``first``'s prefixes, in that order
+    (kubelets before node agents, so nothing restarts pods), then each node's containerd with its pods
+    and shims, then the rest in reverse start order; then end the nodes' namespaces, kill whatever still
+    runs under the cluster's directory and delete the nodes' bridges."""
+    processes = launcher.processes
+    for prefix in first:
+        for proc in [p for p in processes if p.name.startswith(prefix)]:
+            with contextlib.suppress(Exception):
+                proc.stop()
+    for node in nodes:
+        if node.containerd is not None:
+            with contextlib.suppress(Exception):
+                node.containerd.close()
+    for proc in reversed(processes):
+        with contextlib.suppress(Exception):
+            proc.stop()
+    for node in nodes:
+        node.end_namespace()
+    for pid in processes_using(launcher.workdir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        wait_for(lambda: not processes_using(launcher.workdir), 10, f"the processes under {launcher.workdir} to end")
+    except ClusterError as exc:
+        log.warning("%s", exc)
+    for node in nodes:
+        remove_bridge(node.bridge)

@@ -1,4 +1,5 @@
-"""The real cluster's pod network, and what a failed run keeps, without starting anything."""
+"""The real cluster's pod network, kube-proxy's settings, and what a failed run keeps, without starting
+anything."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import ipaddress
 import json
 from pathlib import Path
 
-from gpushare.sandbox.podnetwork import bridge_name, pod_subnet, render_pod_network
+import yaml
+
+from gpushare.sandbox import kubeproxy
+from gpushare.sandbox.podnetwork import RoutedNetwork, bridge_name, pod_subnet, render_pod_network
 from gpushare.sandbox.printout import keep_only_logs
 
 
@@ -34,6 +38,45 @@ def test_the_pod_network_reaches_nothing_beyond_the_node() -> None:
         "type": "host-local",
         "ranges": [[{"subnet": "10.244.0.0/24"}]],
         "dataDir": "/tmp/run/node-a/cni-ipam",
+    }
+
+
+def test_a_routed_pod_network_reaches_the_clusters_ranges_and_nothing_else() -> None:
+    network = RoutedNetwork("gsabcdefcp")
+    config = json.loads(render_pod_network("gsabcdefn1", network.pod_subnet(1), Path("/x"), network.routes))
+    (plugin,) = config["plugins"]
+    # the bridge is never made a gateway by the plugin: that would turn on the host's IP forwarding
+    assert plugin["isGateway"] is False and plugin["ipMasq"] is False
+    ipam = plugin["ipam"]
+    assert ipam["ranges"] == [[{"subnet": "10.246.1.0/24", "gateway": "10.246.1.1"}]]
+    routed = {ipaddress.ip_network(r["dst"]) for r in ipam["routes"]}
+    assert all(r["gw"] == "10.246.1.1" for r in ipam["routes"])
+    assert not any(net.prefixlen == 0 for net in routed)  # no default route: nothing beyond the cluster
+    for address in (network.control_plane, network.node_address(0), network.node_address(1), "10.96.0.1"):
+        assert any(ipaddress.ip_address(address) in net for net in routed), address
+    assert all(net.is_private for net in routed)
+
+
+def test_a_routed_clusters_addresses_are_private_and_distinct() -> None:
+    network = RoutedNetwork("gsabcdefcp")
+    nodes = [network.node_address(i) for i in range(100)]
+    assert len(set(nodes)) == 100 and network.control_plane not in nodes
+    assert all(ipaddress.ip_address(a).is_private for a in nodes)
+    subnets = [ipaddress.ip_network(network.pod_subnet(i)) for i in range(100)]
+    assert not any(a.overlaps(b) for i, a in enumerate(subnets) for b in subnets[i + 1 :])
+    assert not ipaddress.ip_network(network.service_range).overlaps(ipaddress.ip_network(network.pod_ranges))
+
+
+def test_kube_proxy_uses_nftables_and_leaves_the_machines_conntrack_settings_alone() -> None:
+    config = yaml.safe_load(kubeproxy.render_config(Path("/k"), "node-a", "10.246.0.0/16", 1, 2))
+    assert config["mode"] == "nftables" and config["clusterCIDR"] == "10.246.0.0/16"
+    assert config["healthzBindAddress"].startswith("127.0.0.1:") and config["metricsBindAddress"].startswith("127.")
+    # 0 means "don't set": kube-proxy would otherwise write the machine's conntrack sysctls
+    assert config["conntrack"] == {
+        "maxPerCore": 0,
+        "min": 0,
+        "tcpEstablishedTimeout": "0s",
+        "tcpCloseWaitTimeout": "0s",
     }
 
 
