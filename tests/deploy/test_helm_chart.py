@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from cryptography import x509
+from support.docfiles import OPERATIONS, blocks
 
 from gpushare.cli import build_parser
 from gpushare.sandbox import binaries
@@ -223,6 +224,16 @@ def test_node_selector_replicas_and_resources() -> None:
     assert container["resources"]["limits"] == {"memory": "2Gi"}
 
 
+def test_the_nvml_library_value_moves_only_the_host_path() -> None:
+    """On RHEL the driver's library is under /usr/lib64; inside the pod it stays where the image looks."""
+    spec = pod_templates(render("nodeAgent.nvmlLibrary=/usr/lib64/libnvidia-ml.so.1"))["gpushare-node-agent"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "nvml"]
+    assert volume["hostPath"] == {"path": "/usr/lib64/libnvidia-ml.so.1", "type": "File"}
+    (container,) = spec["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "nvml"]
+    assert mount["mountPath"] == "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"
+
+
 def test_an_unknown_admission_value_is_refused_by_name() -> None:
     done = helm("template", "gpushare", str(CHART), *TARGET, "--set=admission=off")
     assert done.returncode != 0 and 'admission: "off" is not one of policy, webhook, both' in done.stderr
@@ -235,3 +246,15 @@ def test_what_the_chart_renders_is_valid_for_kubernetes(admission: str) -> None:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
+
+
+def test_the_guides_values_file_sets_the_image(tmp_path: Path) -> None:
+    (example,) = [b for b in blocks(OPERATIONS) if b.language == "yaml" and b.text.startswith("# my-values.yaml")]
+    values = tmp_path / "my-values.yaml"
+    values.write_text(example.text.replace("<registry>", "registry.example"))
+    done = helm("template", "gpushare", str(CHART), *TARGET, "-f", str(values))
+    assert done.returncode == 0, done.stderr
+    templates = pod_templates([d for d in yaml.safe_load_all(done.stdout) if d])
+    assert {c["image"] for spec in templates.values() for c in spec["containers"]} == {
+        "registry.example/gpushare:0.1.0"
+    }

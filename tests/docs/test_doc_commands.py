@@ -1,5 +1,6 @@
 """Every fenced shell block of the docs says whether it runs offline, and every one that says so runs,
-as written, in a few seconds (the convention is in CONTRIBUTING.md, "Commands in the docs")."""
+as written, in a few seconds; every command of docs/operations.md is run by a test or the doc says why
+not (the convention is in CONTRIBUTING.md, "Commands in the docs")."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from docfiles import ROOT, SHELL_LANGUAGES, Block, blocks, doc_files
+from support.docfiles import OPERATIONS, ROOT, SHELL_LANGUAGES, Block, blocks, doc_files, e2e_step, prose_lines
 
-#: what a shell block may be labelled with; only ``offline`` blocks are run
-LABELS = frozenset({"offline", "cluster", "node", "root", "sandbox", "long"})
+#: what a shell block may be labelled with; ``offline`` blocks are run here, ``e2e:STEP`` ones by
+#: tests/install on a real cluster (on a node, the control-plane machine or as the administrator)
+LABELS = frozenset({"offline", "cluster", "node", "control-plane", "root", "sandbox", "long"})
+#: lines of prose around a block that isn't run in which the doc says why not
+WHY_NOT_REACH = 6
 #: seconds an offline block may take
 TIMEOUT = 30
 
@@ -31,7 +35,7 @@ def offline_blocks() -> list[Block]:
 def test_every_shell_block_says_whether_a_test_can_run_it() -> None:
     wrong = []
     for block in shell_blocks():
-        labels = set(block.labels)
+        labels = {label for label in block.labels if e2e_step(label) is None}
         if not labels:
             wrong.append(f"{block}: no label (one of {', '.join(sorted(LABELS))})")
         elif unknown := labels - LABELS:
@@ -87,3 +91,21 @@ def test_an_offline_command_runs_as_written(block: Block, scratch: Path) -> None
         except subprocess.TimeoutExpired:
             pytest.fail(f"{block}: still running after {TIMEOUT} s:\n{block.text}")
     assert proc.returncode == 0, f"{block}: exit code {proc.returncode}:\n{block.text}\n--- output ---\n{output}"
+
+
+def test_every_command_of_the_operations_guide_is_run_by_a_test_or_the_guide_says_why_not() -> None:
+    prose = dict(prose_lines(OPERATIONS))
+    unexplained, steps = [], []
+    for block in shell_blocks():
+        if block.path != OPERATIONS or "offline" in block.labels:
+            continue
+        if step := next(filter(None, map(e2e_step, block.labels)), None):
+            steps.append(step)
+            continue
+        end = block.line + block.text.count("\n") + 1
+        around = [prose.get(n, "") for n in range(block.line - WHY_NOT_REACH, end + WHY_NOT_REACH + 1)]
+        if not any("tests" in line for line in around):
+            unexplained.append(str(block))
+    assert not unexplained, f"blocks no test runs, with no word on why: {unexplained}"
+    assert len(steps) == len(set(steps)), f"e2e steps named twice: {sorted(steps)}"
+    assert len(steps) >= 10, steps

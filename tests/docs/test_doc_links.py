@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from urllib.parse import unquote
 
-from docfiles import READER_DOCS, ROOT, anchors, doc_files, links, where
+from support.docfiles import READER_DOCS, ROOT, anchors, doc_files, links, where
 
 
 def test_each_reader_has_a_guide_and_the_readme_links_to_each() -> None:

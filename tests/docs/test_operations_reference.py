@@ -9,8 +9,8 @@ import re
 import tomllib
 
 import pytest
-from docfiles import OPERATIONS, ROOT, section
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, REGISTRY
+from support.docfiles import OPERATIONS, ROOT, section
 
 #: the commands whose flags docs/operations.md lists, each under the heading "`gpushare COMMAND`"
 TABLED = ("node", "device-plugin", "cri-shim", "advertiser", "extender", "webhook", "inspect")

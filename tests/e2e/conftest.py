@@ -1,7 +1,8 @@
-"""One real Kubernetes v1.37.2 cluster for the whole e2e session: kube-apiserver with RBAC, the
-ServiceAccount admission plugin and the manifests' service accounts, kube-controller-manager, two
-kube-scheduler/extender pairs, and three simulated nodes, each a mount namespace with containerd 2, the
-gpushare node agent and a kubelet.
+"""One real Kubernetes v1.37.2 cluster for the e2e tests, stopped once they are done (before
+tests/install starts a cluster of its own): kube-apiserver with RBAC, the ServiceAccount admission
+plugin and the manifests' service accounts, kube-controller-manager, two kube-scheduler/extender pairs,
+and three simulated nodes, each a mount namespace with containerd 2, the gpushare node agent and a
+kubelet.
 
 Without root, the built binaries or the packages, every test here is skipped and the session header
 says why in one line.
@@ -19,12 +20,11 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from support.cards import assert_sees_assigned_cards as assert_container_env
 from support.waiting import wait_until
 
 from gpushare.contract.allocation import CardSlice
-from gpushare.contract.env import assigned_env
 from gpushare.contract.names import ANN_MEM_IDX, RESOURCE_MEM
-from gpushare.contract.request import parse_pod_request
 from gpushare.kube.objects import get_pod
 from gpushare.kube.transport import load_api
 from gpushare.sandbox.realcluster import RealCluster, as_sandbox_pod, realcluster_available
@@ -65,7 +65,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster() -> Iterator[RealCluster]:
     workdir = Path(tempfile.mkdtemp(prefix="gs-e2e-", dir="/tmp"))
     real = RealCluster(
@@ -84,7 +84,7 @@ def cluster() -> Iterator[RealCluster]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def core(cluster: RealCluster) -> client.CoreV1Api:
     return client.CoreV1Api(cluster.api)
 
@@ -198,18 +198,10 @@ def pods(cluster: RealCluster, core: client.CoreV1Api) -> Iterator[Pods]:
 
 
 def assert_sees_assigned_cards(pods: Pods, name: str) -> None:
-    """Every GPU container of the pod sees exactly the cards the scheduler wrote for it, with the matching
-    ALIYUN_COM_GPU_MEM_* values."""
+    """Every GPU container of the pod sees exactly the cards the scheduler wrote for it."""
     pod = pods.get(name)
-    allocation = pods.allocation(name)
     inventory = pods.cluster.node_inventory(pod["spec"]["nodeName"])
-    units = {card.uuid: inventory.units_of(card) for card in inventory.cards}
-    pod_mem = parse_pod_request(pod).effective_mem
-    for container, slices in allocation.items():
-        env = pods.env(name, container)
-        expected = assigned_env(slices, pod_mem, units)
-        seen = {k: env.get(k) for k in expected}
-        assert seen == expected, f"pod {name} container {container}: env {seen} != assigned {expected}"
+    assert_container_env(pod, inventory, lambda container: pods.env(name, container))
 
 
 #: what a tenant may do with pods in its namespace

@@ -68,6 +68,12 @@ def blocks(path: Path) -> list[Block]:
     return found
 
 
+def e2e_step(label: str) -> str | None:
+    """The step of a block labelled ``e2e:STEP`` (run by tests/install), or None for another label."""
+    kind, _, step = label.partition(":")
+    return step if kind == "e2e" and step else None
+
+
 def prose_lines(path: Path) -> list[tuple[int, str]]:
     """(line number, line) outside fenced blocks."""
     inside = {n for b in blocks(path) for n in range(b.line, b.line + b.text.count("\n") + 2)}
