@@ -17,6 +17,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -245,9 +246,12 @@ def test_helm_upgrade_rolls_the_extender_with_no_pod_bound_wrongly(installed: In
     creator.start()
     try:
         installed.guide.run("upgrade")
+        rolled = datetime.now(UTC)
     finally:
         stop.set()
         creator.join()
+    # scheduling went on while the replicas were replaced
+    assert any(scheduled_at(installed.pod(name)) <= rolled for name in made), "no GPU pod was placed during the upgrade"
     extenders = [p for p in core.list_namespaced_pod(NAMESPACE).items if "extender" in p.metadata.name]
     assert not {p.metadata.name for p in extenders} & old, "the upgrade left an old extender replica"
     for pod in extenders:
@@ -261,6 +265,14 @@ def test_helm_upgrade_rolls_the_extender_with_no_pod_bound_wrongly(installed: In
         installed.wait_running(name)
         installed.assert_sees_its_cards(name)
     assert_no_card_over_committed(installed)
+
+
+def scheduled_at(pod: dict[str, Any]) -> datetime:
+    """When the pod was bound (the end of time while it isn't)."""
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "True":
+            return datetime.fromisoformat(condition["lastTransitionTime"])
+    return datetime.max.replace(tzinfo=UTC)
 
 
 def assert_no_card_over_committed(installed: Installed) -> None:
