@@ -37,10 +37,13 @@ def load_in_process(fake: fakenvml.FakeNvml, monkeypatch: pytest.MonkeyPatch) ->
     library = fake.library_dir / fakenvml.LIBRARY
     if pynvml.nvmlLib is not None and Path(pynvml.nvmlLib._name).name != fakenvml.LIBRARY:
         pytest.skip(f"this process already loaded another NVML library ({pynvml.nvmlLib._name})")
+    if _loaded and _loaded[0]._name != str(library):
+        pytest.skip(f"this process already loaded another variant of the fake library ({_loaded[0]._name})")
     if not _loaded:
         _loaded.append(ctypes.CDLL(str(library)))
     monkeypatch.setenv(fakenvml.ENV_MACHINE, str(fake.machine))
     monkeypatch.setenv(fakenvml.ENV_CONTROL, str(fake.control))
+    monkeypatch.setenv(fakenvml.ENV_LIMITS, str(fake.limits_record))
 
 
 @contextmanager

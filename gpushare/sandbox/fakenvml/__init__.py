@@ -2,11 +2,17 @@
 machine without NVIDIA hardware: built from ``fakenvml.c`` with gcc, it presents the cards of a machine
 description from ``machines/`` and takes scripted faults (XIDs, a card falling off the bus).
 
+It keeps the per-container memory limits of NVML's ``nvmlDeviceSetMemoryLimits_v1`` (driver 615+) per card
+and cgroup directory, dropping those whose directory is gone, and records the live ones in a file that
+:meth:`FakeNvml.limits` reads. A machine whose description says ``memory-limits absent`` gets a variant of
+the library without those calls, as an older driver has, so that pynvml raises NVMLError_FunctionNotFound.
+
 A process finds it first when ``LD_LIBRARY_PATH`` starts with :attr:`FakeNvml.library_dir`;
-:meth:`FakeNvml.env` gives that and the two variables the library reads at ``nvmlInit``.
+:meth:`FakeNvml.env` gives that and the three variables the library reads at ``nvmlInit``.
 :func:`build_with_machine` gives a library with one machine's description compiled in, which it presents
 when ``GPUSHARE_FAKE_NVML_MACHINE`` is unset: for a process that has only the library file, as a pod that
-mounts the host's ``libnvidia-ml.so.1`` does. Faults still come only through the control file.
+mounts the host's ``libnvidia-ml.so.1`` does. Faults still come only through the control file, and limits
+are recorded only where ``GPUSHARE_FAKE_NVML_LIMITS`` says.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ LIBRARY = "libnvidia-ml.so.1"
 ENV_MACHINE = "GPUSHARE_FAKE_NVML_MACHINE"
 #: the file whose appended lines script faults (see fakenvml.c)
 ENV_CONTROL = "GPUSHARE_FAKE_NVML_CONTROL"
+#: the file the library rewrites with the live memory limits, one ``<uuid> <soft> <hard> <cgroup path>`` a line
+ENV_LIMITS = "GPUSHARE_FAKE_NVML_LIMITS"
+#: defined for a library without the memory-limit calls (a driver older than 615)
+NO_MEMORY_LIMITS = "-DFAKE_NVML_NO_MEMORY_LIMITS"
 _CFLAGS = ("-shared", "-fPIC", "-O2", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror")
 
 
@@ -60,11 +70,19 @@ def machine_header(machine: Path) -> str:
     )
 
 
-def build(cache: Path | None = None, machine: Path | None = None) -> Path:
-    """The directory holding ``libnvidia-ml.so.1``, with ``machine``'s description built in when one is given;
-    compiled once per source, flags and description (one gcc call)."""
+def has_memory_limits(machine: Path) -> bool:
+    """False when the description says ``memory-limits absent`` (a driver without the memory-limit calls)."""
+    lines = (raw.split("#", 1)[0].split() for raw in machine.read_text().splitlines())
+    return ["memory-limits", "absent"] not in lines
+
+
+def build(cache: Path | None = None, machine: Path | None = None, *, memory_limits: bool = True) -> Path:
+    """The directory holding ``libnvidia-ml.so.1``, with ``machine``'s description built in when one is given,
+    and without the memory-limit calls unless ``memory_limits``; compiled once per source, flags and description
+    (one gcc call)."""
     header = machine_header(machine) if machine is not None else ""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + header.encode()).hexdigest()[:16]
+    flags = (*_CFLAGS, *(() if memory_limits else (NO_MEMORY_LIMITS,)))
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + header.encode()).hexdigest()[:16]
     directory = (cache or _cache_root()) / digest
     library = directory / LIBRARY
     if library.is_file():
@@ -80,7 +98,7 @@ def build(cache: Path | None = None, machine: Path | None = None) -> Path:
         if header:
             (Path(work) / "machine.h").write_text(header)
             include = ["-include", str(Path(work) / "machine.h")]
-        command = ["gcc", *_CFLAGS, *include, f"-Wl,-soname,{LIBRARY}", "-o", str(partial), str(SOURCE), "-lpthread"]
+        command = ["gcc", *flags, *include, f"-Wl,-soname,{LIBRARY}", "-o", str(partial), str(SOURCE), "-lpthread"]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise FakeNvmlError(f"gcc failed to build the fake {LIBRARY}:\n{done.stderr.strip()}")
@@ -92,7 +110,8 @@ def build(cache: Path | None = None, machine: Path | None = None) -> Path:
 def build_with_machine(machine: str, cache: Path | None = None) -> Path:
     """The path of a ``libnvidia-ml.so.1`` with ``machine`` (a shipped machine's name or a description file)
     built in, so that it needs no environment to present that machine."""
-    return build(cache, machine_file(machine)) / LIBRARY
+    description = machine_file(machine)
+    return build(cache, description, memory_limits=has_memory_limits(description)) / LIBRARY
 
 
 def machines() -> list[str]:
@@ -112,11 +131,13 @@ def machine_file(name: str) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class FakeNvml:
-    """One fake machine: the library, its description and the control file that scripts its faults."""
+    """One fake machine: the library, its description, the control file that scripts its faults and the file
+    that records its memory limits."""
 
     library_dir: Path
     machine: Path
     control: Path
+    limits_record: Path
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """``base`` (default: this process's environment) plus what a process needs to load this machine."""
@@ -125,7 +146,16 @@ class FakeNvml:
         env["LD_LIBRARY_PATH"] = ":".join(search)
         env[ENV_MACHINE] = str(self.machine)
         env[ENV_CONTROL] = str(self.control)
+        env[ENV_LIMITS] = str(self.limits_record)
         return env
+
+    def limits(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """The live memory limits as last recorded: (card UUID, cgroup path) -> (soft, hard) in bytes."""
+        table: dict[tuple[str, str], tuple[int, int]] = {}
+        for line in self.limits_record.read_text().splitlines():
+            uuid, soft, hard, path = line.split(" ", 3)
+            table[uuid, path] = int(soft), int(hard)
+        return table
 
     def xid(self, uuid: str, xid: int) -> None:
         """Raise XID ``xid`` on the card, as the driver would report it."""
@@ -144,8 +174,12 @@ class FakeNvml:
 
 
 def prepare(machine: str, workdir: Path, cache: Path | None = None) -> FakeNvml:
-    """Build the library if needed and give ``machine`` an empty control file in ``workdir``."""
+    """Build the library ``machine`` needs if needed, and give it an empty control file and an empty record of
+    memory limits in ``workdir``."""
     description = machine_file(machine)
     control = Path(workdir) / f"{description.stem}.nvml-control"
     control.write_text("")
-    return FakeNvml(build(cache), description, control)
+    limits_record = Path(workdir) / f"{description.stem}.nvml-limits"
+    limits_record.write_text("")
+    library_dir = build(cache, memory_limits=has_memory_limits(description))
+    return FakeNvml(library_dir, description, control, limits_record)

@@ -10,6 +10,11 @@
  * FAKE_NVML_MACHINE_NAME, defined by a header given to gcc with -include. Either way it is one
  * "key value" per line, '#' starts a comment.
  *     driver loaded | not-loaded        not-loaded: nvmlInit answers NVML_ERROR_DRIVER_NOT_LOADED
+ *     driver-version X.Y.Z              what nvmlSystemGetDriverVersion answers; absent: 550.54.15
+ *     memory-limits present | absent    absent: a driver older than 615, without nvmlDeviceSetMemoryLimits_v1
+ *                                       and nvmlDeviceGetMemoryLimits_v1. The library exports them unless
+ *                                       compiled with -DFAKE_NVML_NO_MEMORY_LIMITS, and nvmlInit refuses
+ *                                       (NVML_ERROR_UNKNOWN, said on stderr) a description that disagrees.
  *     gpu                               starts the next card, in NVML index order; then its keys:
  *       uuid, name, bus (NVML's 8-digit-domain PCI bus ID), memory-mib, minor
  *       numa N                          absent: the memory-affinity query answers NOT_SUPPORTED
@@ -24,6 +29,18 @@
  *     xid <uuid> <n>     raise XID <n> on the card (an nvmlEventTypeXidCriticalError event)
  *     lose <uuid>        the card falls off the bus: its queries answer NVML_ERROR_GPU_IS_LOST
  *     restore <uuid>     the card answers again
+ *
+ * Per-container memory limits (nvmlDeviceSetMemoryLimits_v1 / nvmlDeviceGetMemoryLimits_v1, driver 615+)
+ * are kept per card and cgroup directory (the nameSpace path as given, not resolved; no newline in it). As
+ * the driver drops a cgroup's limits when the cgroup is removed, every call about a card (and every event
+ * wait) first drops the limits whose directory no longer exists. Setting soft 0 / hard NVML_DEVICE_MEMORY_LIMIT_MAX clears a limit;
+ * getting a cgroup without one answers exactly that, with currentUsed 0 (nothing runs on a fake card).
+ * When $GPUSHARE_FAKE_NVML_LIMITS names a file, the live limits are recorded there after every change:
+ * the file is rewritten (a temporary file renamed over it) with one line per limit, in the order the
+ * limits were first set:
+ *     <uuid> <softLimit> <hardLimit> <path>
+ * nvmlInit (when it loads the machine) reads that file back, so, as with the driver, limits outlive the
+ * process that set them; only one process at a time should change them.
  */
 #include <pthread.h>
 #include <stddef.h>
@@ -31,7 +48,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 typedef int nvmlReturn_t;
 typedef struct fake_device *nvmlDevice_t;
@@ -47,6 +66,7 @@ enum {
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
     NVML_ERROR_TIMEOUT = 10,
     NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_INSUFFICIENT_RESOURCES = 23,
     NVML_ERROR_UNKNOWN = 999,
 };
 
@@ -57,6 +77,7 @@ enum {
 #define NVML_DEVICE_MIG_DISABLE 0
 #define NVML_DEVICE_MIG_ENABLE 1
 #define NVML_EVENT_TYPE_XID_CRITICAL 0x8ULL
+#define NVML_DEVICE_MEMORY_LIMIT_MAX 0xFFFFFFFFFFFFFFFFULL
 
 typedef struct {
     char busIdLegacy[16];
@@ -81,6 +102,19 @@ typedef struct {
     unsigned int gpuInstanceId;
     unsigned int computeInstanceId;
 } nvmlEventData_t;
+
+typedef struct {
+    const char *nameSpace; /* the cgroup directory */
+    unsigned long long softLimit;
+    unsigned long long hardLimit;
+} nvmlSetMemoryLimits_v1_t;
+
+typedef struct {
+    const char *nameSpace;
+    unsigned long long softLimit;
+    unsigned long long hardLimit;
+    unsigned long long currentUsed;
+} nvmlGetMemoryLimits_v1_t;
 
 #define MAX_DEVICES 32
 #define MAX_LINKS 18
@@ -117,6 +151,8 @@ static struct fake_device devices[MAX_DEVICES];
 static int device_count;
 static int init_count;
 static nvmlReturn_t init_error;
+static char driver_version[80];
+static int memory_limits; /* the description's memory-limits: 1 present, 0 absent */
 static struct fake_event_set *sets;
 static FILE *control;
 static char control_partial[256];
@@ -146,6 +182,8 @@ static int parse_machine(FILE *f, const char *name) {
     struct fake_device *d = NULL;
     device_count = 0;
     init_error = NVML_SUCCESS;
+    copy_field(driver_version, sizeof driver_version, "550.54.15");
+    memory_limits = 1;
     while (!bad && fgets(line, sizeof line, f)) {
         lineno++;
         char *s = trim(line);
@@ -156,6 +194,14 @@ static int parse_machine(FILE *f, const char *name) {
         if (!strcmp(s, "driver")) {
             if (!strcmp(value, "not-loaded")) init_error = NVML_ERROR_DRIVER_NOT_LOADED;
             else if (strcmp(value, "loaded")) bad = lineno;
+        } else if (!strcmp(s, "driver-version")) {
+            if (!*value || strlen(value) >= sizeof driver_version || strspn(value, "0123456789.") != strlen(value))
+                bad = lineno;
+            else copy_field(driver_version, sizeof driver_version, value);
+        } else if (!strcmp(s, "memory-limits")) {
+            if (!strcmp(value, "absent")) memory_limits = 0;
+            else if (!strcmp(value, "present")) memory_limits = 1;
+            else bad = lineno;
         } else if (!strcmp(s, "gpu")) {
             if (device_count == MAX_DEVICES) { bad = lineno; break; }
             d = &devices[device_count++];
@@ -284,6 +330,117 @@ static void poll_control(void) {
     }
 }
 
+/* --- memory limits ---------------------------------------------------------------------------------- */
+
+#ifdef FAKE_NVML_NO_MEMORY_LIMITS
+#define HAS_MEMORY_LIMITS 0
+#else
+#define HAS_MEMORY_LIMITS 1
+#define MAX_LIMITS 256
+
+struct limit {
+    int device; /* index into devices */
+    unsigned long long soft, hard;
+    char path[1024];
+};
+
+/* The live limits, in the order first set, and a scratch table that a change is made in before it is
+ * recorded: a change that can't be recorded is not made. */
+static struct limit limits[MAX_LIMITS], next_limits[MAX_LIMITS];
+static int limit_count;
+static char record_path[1024];
+
+static int is_directory(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* Rewrite the record file with the table, atomically. Returns 0, or -1 (reported on stderr). */
+static int write_record(const struct limit *table, int count) {
+    if (!record_path[0]) return 0;
+    char partial[sizeof record_path + 8];
+    snprintf(partial, sizeof partial, "%s.XXXXXX", record_path);
+    int fd = mkstemp(partial);
+    FILE *f = fd < 0 ? NULL : fdopen(fd, "w");
+    int ok = f != NULL && fchmod(fd, 0644) == 0;
+    for (int i = 0; ok && i < count; i++)
+        ok = fprintf(f, "%s %llu %llu %s\n", devices[table[i].device].uuid, table[i].soft, table[i].hard,
+                     table[i].path) > 0;
+    if (f && fclose(f) != 0) ok = 0;
+    else if (!f && fd >= 0) close(fd);
+    if (ok && rename(partial, record_path) == 0) return 0;
+    fprintf(stderr, "fake NVML: cannot record the memory limits in %s\n", record_path);
+    if (fd >= 0) unlink(partial);
+    return -1;
+}
+
+/* Make next_limits (count entries) the live table, once it is recorded. */
+static int commit_limits(int count) {
+    if (write_record(next_limits, count) != 0) return -1;
+    memcpy(limits, next_limits, (size_t)count * sizeof *limits);
+    limit_count = count;
+    return 0;
+}
+
+/* Drop the limits of cgroups that are gone, as the driver does. Called with the lock held. */
+static void prune_limits(void) {
+    int kept = 0;
+    for (int i = 0; i < limit_count; i++)
+        if (is_directory(limits[i].path)) next_limits[kept++] = limits[i];
+    if (kept == limit_count) return;
+    if (commit_limits(kept) != 0) { /* the cgroups are gone all the same */
+        memcpy(limits, next_limits, (size_t)kept * sizeof *limits);
+        limit_count = kept;
+    }
+}
+
+/* At the first nvmlInit: the limits recorded by an earlier process, as the driver would still hold them.
+ * Returns 0, or -1 when the record file's name is too long (reported on stderr). */
+static int load_limits(void) {
+    const char *path = getenv("GPUSHARE_FAKE_NVML_LIMITS");
+    limit_count = 0;
+    if (path && strlen(path) >= sizeof record_path) {
+        fprintf(stderr, "fake NVML: the memory-limit record file's name is too long: %s\n", path);
+        return -1;
+    }
+    copy_field(record_path, sizeof record_path, path ? path : "");
+    FILE *f = record_path[0] ? fopen(record_path, "r") : NULL;
+    if (!f) return 0;
+    char line[sizeof limits[0].path + 256], uuid[96];
+    int offset;
+    while (fgets(line, sizeof line, f)) {
+        struct limit *l = &limits[limit_count];
+        struct fake_device *d;
+        char *s = trim(line);
+        if (!*s) continue;
+        if (limit_count == MAX_LIMITS || sscanf(s, "%95s %llu %llu %n", uuid, &l->soft, &l->hard, &offset) != 3 ||
+            !(d = by_uuid(uuid)) || !s[offset] || strlen(s + offset) >= sizeof l->path) {
+            fprintf(stderr, "fake NVML: %s: memory limit ignored: %s\n", record_path, s);
+            continue;
+        }
+        l->device = (int)(d - devices);
+        copy_field(l->path, sizeof l->path, s + offset);
+        limit_count++;
+    }
+    fclose(f);
+    return 0;
+}
+
+static int find_limit(nvmlDevice_t device, const char *path) {
+    for (int i = 0; i < limit_count; i++)
+        if (limits[i].device == device - devices && !strcmp(limits[i].path, path)) return i;
+    return -1;
+}
+#endif
+
+/* Every NVML call that takes the lock starts here: apply the scripted health, drop stale limits. */
+static void poll_state(void) {
+    poll_control();
+#if HAS_MEMORY_LIMITS
+    prune_limits();
+#endif
+}
+
 /* --- init ------------------------------------------------------------------------------------------ */
 
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
@@ -293,8 +450,17 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     if (init_count == 0) {
         if (load_machine() != 0) {
             ret = NVML_ERROR_UNKNOWN;
+        } else if (memory_limits != HAS_MEMORY_LIMITS) {
+            fprintf(stderr, "fake NVML: %s\n",
+                    HAS_MEMORY_LIMITS ? "the machine says memory-limits absent but this library exports them"
+                                      : "the machine has memory limits but this library was built without them");
+            ret = NVML_ERROR_UNKNOWN;
         } else if (init_error != NVML_SUCCESS) {
             ret = init_error;
+#if HAS_MEMORY_LIMITS
+        } else if (load_limits() != 0) {
+            ret = NVML_ERROR_UNKNOWN;
+#endif
         } else {
             const char *path = getenv("GPUSHARE_FAKE_NVML_CONTROL");
             control = path ? fopen(path, "r") : NULL;
@@ -341,13 +507,6 @@ const char *nvmlErrorString(nvmlReturn_t result) {
     }
 }
 
-nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
-    if (!version) return NVML_ERROR_INVALID_ARGUMENT;
-    if (length < 10) return NVML_ERROR_INSUFFICIENT_SIZE;
-    snprintf(version, length, "550.54.15");
-    return NVML_SUCCESS;
-}
-
 /* --- devices --------------------------------------------------------------------------------------- */
 
 /* Every device query starts here: initialised, a known handle, the card still on the bus, and the
@@ -355,7 +514,7 @@ nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
 static nvmlReturn_t enter_call(nvmlDevice_t device, const char *call) {
     pthread_mutex_lock(&lock);
     if (!init_count) return NVML_ERROR_UNINITIALIZED;
-    poll_control();
+    poll_state();
     if (device < devices || device >= devices + device_count) return NVML_ERROR_INVALID_ARGUMENT;
     if (device->lost) return NVML_ERROR_GPU_IS_LOST;
     for (int i = 0; i < device->fails; i++)
@@ -383,7 +542,7 @@ nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
     pthread_mutex_lock(&lock);
     if (!init_count) return leave(NVML_ERROR_UNINITIALIZED);
-    poll_control();
+    poll_state();
     if (!device || index >= (unsigned int)device_count) return leave(NVML_ERROR_INVALID_ARGUMENT);
     if (devices[index].lost) return leave(NVML_ERROR_GPU_IS_LOST);
     *device = &devices[index];
@@ -397,7 +556,7 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device
 nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
     pthread_mutex_lock(&lock);
     if (!init_count) return leave(NVML_ERROR_UNINITIALIZED);
-    poll_control();
+    poll_state();
     if (!uuid || !device) return leave(NVML_ERROR_INVALID_ARGUMENT);
     struct fake_device *d = by_uuid(uuid);
     if (!d) return leave(NVML_ERROR_NOT_FOUND);
@@ -411,6 +570,12 @@ static nvmlReturn_t copy_out(const char *value, char *out, unsigned int length) 
     if (strlen(value) + 1 > length) return NVML_ERROR_INSUFFICIENT_SIZE;
     memcpy(out, value, strlen(value) + 1);
     return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    pthread_mutex_lock(&lock);
+    if (!init_count) return leave(NVML_ERROR_UNINITIALIZED);
+    return leave(copy_out(driver_version, version, length));
 }
 
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
@@ -499,6 +664,53 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode
     return leave(NVML_SUCCESS);
 }
 
+#if HAS_MEMORY_LIMITS
+/* What both memory-limit calls check of the card and the cgroup they name. Called inside enter/leave. */
+static nvmlReturn_t check_limit_target(nvmlDevice_t device, const void *request, const char *path) {
+    if (!request || !path || strlen(path) >= sizeof next_limits[0].path || strchr(path, '\n'))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->mig == NVML_DEVICE_MIG_ENABLE) return NVML_ERROR_NOT_SUPPORTED;
+    return is_directory(path) ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
+}
+
+nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, nvmlSetMemoryLimits_v1_t *limit) {
+    nvmlReturn_t ret = enter(device);
+    if (ret == NVML_SUCCESS) ret = check_limit_target(device, limit, limit ? limit->nameSpace : NULL);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    unsigned long long memory = device->memory_mib * 1024ULL * 1024ULL;
+    int too_large = limit->hardLimit > memory && limit->hardLimit != NVML_DEVICE_MEMORY_LIMIT_MAX;
+    if (limit->softLimit > limit->hardLimit || too_large) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    int clear = limit->softLimit == 0 && limit->hardLimit == NVML_DEVICE_MEMORY_LIMIT_MAX;
+    int at = find_limit(device, limit->nameSpace), count = limit_count;
+    if (at < 0 && clear) return leave(NVML_SUCCESS);
+    if (at < 0 && count == MAX_LIMITS) return leave(NVML_ERROR_INSUFFICIENT_RESOURCES);
+    memcpy(next_limits, limits, (size_t)count * sizeof *limits);
+    if (clear) {
+        memmove(&next_limits[at], &next_limits[at + 1], (size_t)(--count - at) * sizeof *limits);
+    } else {
+        if (at < 0) {
+            at = count++;
+            next_limits[at].device = (int)(device - devices);
+            copy_field(next_limits[at].path, sizeof next_limits[at].path, limit->nameSpace);
+        }
+        next_limits[at].soft = limit->softLimit;
+        next_limits[at].hard = limit->hardLimit;
+    }
+    return leave(commit_limits(count) == 0 ? NVML_SUCCESS : NVML_ERROR_UNKNOWN);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimits_v1_t *limit) {
+    nvmlReturn_t ret = enter(device);
+    if (ret == NVML_SUCCESS) ret = check_limit_target(device, limit, limit ? limit->nameSpace : NULL);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    int at = find_limit(device, limit->nameSpace);
+    limit->softLimit = at < 0 ? 0 : limits[at].soft;
+    limit->hardLimit = at < 0 ? NVML_DEVICE_MEMORY_LIMIT_MAX : limits[at].hard;
+    limit->currentUsed = 0;
+    return leave(NVML_SUCCESS);
+}
+#endif
+
 static int on_switch(const struct fake_device *d) {
     for (int i = 0; i < d->links; i++)
         if (!strcmp(d->link_peer[i], "switch")) return 1;
@@ -570,7 +782,7 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
         pthread_mutex_lock(&lock);
         if (!init_count) return leave(NVML_ERROR_UNINITIALIZED);
         if (!set || !data) return leave(NVML_ERROR_INVALID_ARGUMENT);
-        poll_control();
+        poll_state();
         for (int i = 0; i < device_count; i++) {
             if (set->mask[i] && devices[i].lost && !set->lost_seen[i]) {
                 set->lost_seen[i] = 1;

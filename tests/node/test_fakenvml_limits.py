@@ -1,0 +1,275 @@
+"""Per-container GPU memory limits on the fake libnvidia-ml (NVML's nvmlDeviceSetMemoryLimits_v1 and
+nvmlDeviceGetMemoryLimits_v1, driver 615+), driven through the real pynvml binding in a child process as a
+node agent would drive the driver: what is set reads back and is recorded, bad requests get NVML's codes,
+a removed cgroup loses its limit, and a driver older than 615 has no such calls."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.nvml import described_cards, fake_machine
+
+from gpushare.sandbox import fakenvml
+
+MAX = 0xFFFFFFFFFFFFFFFF  # NVML_DEVICE_MEMORY_LIMIT_MAX: no hard limit
+GIB = 1 << 30
+
+#: runs the operations in argv[1] (JSON) between nvmlInit and nvmlShutdown and prints one result each (JSON):
+#: an NVML error's class name, [soft, hard, currentUsed] for a get, the record file's text, else "ok"
+CHILD = r"""
+import json, os, sys
+import pynvml as nvml
+
+def run(op, *args):
+    if op == "rmdir":
+        os.rmdir(args[0])
+    elif op == "mkdir":
+        os.mkdir(args[0])
+    elif op == "lose":
+        with open(os.environ["GPUSHARE_FAKE_NVML_CONTROL"], "a") as control:
+            control.write(f"lose {args[0]}\n")
+    elif op == "record":
+        with open(os.environ["GPUSHARE_FAKE_NVML_LIMITS"]) as record:
+            return record.read()
+    elif op == "cards":
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        return [nvml.nvmlSystemGetDriverVersion(), *(nvml.nvmlDeviceGetUUID(h) for h in handles)]
+    else:
+        handle = nvml.nvmlDeviceGetHandleByUUID(args[0].encode())
+        path = None if args[1] is None else args[1].encode()
+        if op == "set":
+            nvml.nvmlDeviceSetMemoryLimits_v1(handle, nvml.c_nvmlSetMemoryLimits_v1_t(path, args[2], args[3]))
+        else:
+            limits = nvml.c_nvmlGetMemoryLimits_v1_t(path)
+            nvml.nvmlDeviceGetMemoryLimits_v1(handle, limits)
+            return [limits.softLimit, limits.hardLimit, limits.currentUsed]
+    return "ok"
+
+def answer(op):
+    try:
+        return run(*op)
+    except nvml.NVMLError as error:
+        return type(error).__name__
+
+nvml.nvmlInit()
+print(json.dumps([answer(op) for op in json.loads(sys.argv[1])]))
+nvml.nvmlShutdown()
+"""
+
+#: the two calls' answers, through ctypes, before nvmlInit and then with a NULL device and a NULL struct
+CHILD_RAW = r"""
+import ctypes, json
+lib = ctypes.CDLL("libnvidia-ml.so.1")
+calls = (lib.nvmlDeviceSetMemoryLimits_v1, lib.nvmlDeviceGetMemoryLimits_v1)
+before = [call(None, None) for call in calls]
+assert lib.nvmlInit_v2() == 0
+handle = ctypes.c_void_p()
+assert lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)) == 0
+print(json.dumps([before, [call(None, None) for call in calls], [call(handle, None) for call in calls]]))
+"""
+
+
+def run_child(env: dict[str, str], code: str, *args: str) -> Any:
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def nvml_calls(fake: fakenvml.FakeNvml, *ops: list[Any]) -> list[Any]:
+    """The answers to ``ops`` (see CHILD) in a fresh process on ``fake``'s machine."""
+    return run_child(fake.env(), CHILD, json.dumps(ops))
+
+
+def uuids(machine: str) -> list[str]:
+    return [card["uuid"] for card in described_cards(machine)]
+
+
+@pytest.fixture
+def mixed(tmp_path: Path) -> fakenvml.FakeNvml:
+    return fake_machine("mixed", tmp_path)
+
+
+def cgroups(tmp_path: Path, *names: str) -> list[str]:
+    """Directories standing in for containers' cgroups."""
+    for name in names:
+        (tmp_path / name).mkdir()
+    return [str(tmp_path / name) for name in names]
+
+
+def test_a_limit_set_reads_back_and_is_recorded(mixed: fakenvml.FakeNvml, tmp_path: Path) -> None:
+    a0, a1, *_ = uuids("mixed")
+    first, second, unlimited = cgroups(tmp_path, "first", "second", "unlimited")
+    answers = nvml_calls(
+        mixed,
+        ["set", a0, first, 2 * GIB, 4 * GIB],
+        ["set", a1, second, 0, 40 * GIB],  # the whole card: a hard limit may equal its memory
+        ["set", a0, first, 1 * GIB, 3 * GIB],  # changed, not added
+        ["get", a0, first],
+        ["get", a1, second],
+        ["get", a0, unlimited],
+        ["get", a1, first],  # limits are per card
+    )
+    assert answers == [
+        "ok",
+        "ok",
+        "ok",
+        [1 * GIB, 3 * GIB, 0],
+        [0, 40 * GIB, 0],
+        [0, MAX, 0],
+        [0, MAX, 0],
+    ]
+    assert mixed.limits() == {(a0, first): (1 * GIB, 3 * GIB), (a1, second): (0, 40 * GIB)}
+    assert mixed.limits_record.read_text().splitlines() == [
+        f"{a0} {1 * GIB} {3 * GIB} {first}",  # in the order first set
+        f"{a1} 0 {40 * GIB} {second}",
+    ]
+
+
+def test_limits_outlive_the_process_that_set_them(mixed: fakenvml.FakeNvml, tmp_path: Path) -> None:
+    a0 = uuids("mixed")[0]
+    [cgroup] = cgroups(tmp_path, "cgroup")
+    assert nvml_calls(mixed, ["set", a0, cgroup, GIB, 2 * GIB]) == ["ok"]
+    assert nvml_calls(mixed, ["get", a0, cgroup]) == [[GIB, 2 * GIB, 0]]
+
+
+def test_soft_zero_and_hard_max_clears_the_limit(mixed: fakenvml.FakeNvml, tmp_path: Path) -> None:
+    a0 = uuids("mixed")[0]
+    kept, cleared = cgroups(tmp_path, "kept", "cleared")
+    answers = nvml_calls(
+        mixed,
+        ["set", a0, kept, GIB, GIB],
+        ["set", a0, cleared, GIB, 2 * GIB],
+        ["set", a0, cleared, 0, MAX],
+        ["get", a0, cleared],
+        ["set", a0, cleared, 0, MAX],  # clearing what is not set is no error
+    )
+    assert answers == ["ok", "ok", "ok", [0, MAX, 0], "ok"]
+    assert mixed.limits() == {(a0, kept): (GIB, GIB)}
+
+
+def test_bad_limits_are_invalid_arguments_and_change_nothing(mixed: fakenvml.FakeNvml, tmp_path: Path) -> None:
+    a0, _, t4, _ = uuids("mixed")
+    [cgroup] = cgroups(tmp_path, "cgroup")
+    answers = nvml_calls(
+        mixed,
+        ["set", a0, cgroup, GIB, 2 * GIB],
+        ["set", a0, cgroup, 3 * GIB, 2 * GIB],  # soft above hard
+        ["set", t4, cgroup, 0, 15 * GIB + 1],  # hard above the T4's 15 GiB
+        ["set", a0, None, 0, GIB],  # no cgroup named
+        ["get", a0, None],
+        ["get", a0, cgroup],
+    )
+    invalid = "NVMLError_InvalidArgument"
+    assert answers == ["ok", invalid, invalid, invalid, invalid, [GIB, 2 * GIB, 0]]
+    assert mixed.limits() == {(a0, cgroup): (GIB, 2 * GIB)}
+
+
+def test_null_device_or_struct_and_calls_before_init(mixed: fakenvml.FakeNvml) -> None:
+    uninitialized, invalid = 1, 2
+    assert run_child(mixed.env(), CHILD_RAW) == [[uninitialized] * 2, [invalid] * 2, [invalid] * 2]
+
+
+def test_a_path_that_is_not_a_directory_is_not_found(mixed: fakenvml.FakeNvml, tmp_path: Path) -> None:
+    a0 = uuids("mixed")[0]
+    (tmp_path / "file").write_text("")
+    missing, file = str(tmp_path / "missing"), str(tmp_path / "file")
+    answers = nvml_calls(mixed, ["set", a0, missing, 0, GIB], ["get", a0, missing], ["set", a0, file, 0, GIB])
+    assert answers == ["NVMLError_NotFound"] * 3
+    assert mixed.limits() == {}
+
+
+def test_removing_the_cgroup_drops_its_limit(mixed: fakenvml.FakeNvml, tmp_path: Path) -> None:
+    a0, a1, *_ = uuids("mixed")
+    removed, kept = cgroups(tmp_path, "removed", "kept")
+    answers = nvml_calls(
+        mixed,
+        ["set", a0, removed, GIB, 2 * GIB],
+        ["set", a1, removed, GIB, 2 * GIB],
+        ["set", a0, kept, GIB, 2 * GIB],
+        ["rmdir", removed],
+        ["cards"],  # any call drops it, and the record follows
+        ["record"],
+        ["get", a0, removed],
+        ["mkdir", removed],
+        ["get", a0, removed],
+        ["get", a1, removed],
+    )
+    assert answers[4] == ["550.54.15", *uuids("mixed")]  # the default driver version
+    assert answers[5] == f"{a0} {GIB} {2 * GIB} {kept}\n"
+    assert answers[6:] == ["NVMLError_NotFound", "ok", [0, MAX, 0], [0, MAX, 0]]
+    assert mixed.limits() == {(a0, kept): (GIB, 2 * GIB)}
+
+
+def test_a_card_in_mig_mode_does_not_support_limits(tmp_path: Path) -> None:
+    whole, mig = uuids("mig")
+    fake = fake_machine("mig", tmp_path)
+    [cgroup] = cgroups(tmp_path, "cgroup")
+    answers = nvml_calls(fake, ["set", mig, cgroup, 0, GIB], ["get", mig, cgroup], ["set", whole, cgroup, 0, GIB])
+    assert answers == ["NVMLError_NotSupported", "NVMLError_NotSupported", "ok"]
+    assert fake.limits() == {(whole, cgroup): (0, GIB)}
+
+
+def test_a_lost_card_answers_gpu_is_lost(mixed: fakenvml.FakeNvml, tmp_path: Path) -> None:
+    a0 = uuids("mixed")[0]
+    [cgroup] = cgroups(tmp_path, "cgroup")
+    answers = nvml_calls(mixed, ["set", a0, cgroup, 0, GIB], ["lose", a0], ["set", a0, cgroup, 0, MAX])
+    assert answers == ["ok", "ok", "NVMLError_GpuIsLost"]
+    assert mixed.limits() == {(a0, cgroup): (0, GIB)}
+
+
+def test_the_description_can_make_either_call_fail(tmp_path: Path) -> None:
+    card = described_cards("mixed")[0]
+    machine = tmp_path / "failing.txt"
+    lines = [f"{key} {value}" for key, value in card.items()]
+    lines += ["fail nvmlDeviceSetMemoryLimits_v1 not-supported", "fail nvmlDeviceGetMemoryLimits_v1 unknown"]
+    machine.write_text("driver loaded\ngpu\n" + "\n".join(lines) + "\n")
+    fake = fake_machine(str(machine), tmp_path)
+    [cgroup] = cgroups(tmp_path, "cgroup")
+    answers = nvml_calls(fake, ["set", card["uuid"], cgroup, 0, GIB], ["get", card["uuid"], cgroup])
+    assert answers == ["NVMLError_NotSupported", "NVMLError_Unknown"]
+
+
+def test_an_old_driver_has_no_memory_limit_calls(tmp_path: Path) -> None:
+    first, second = uuids("old-driver")
+    fake = fake_machine("old-driver", tmp_path)
+    [cgroup] = cgroups(tmp_path, "cgroup")
+    answers = nvml_calls(fake, ["cards"], ["set", first, cgroup, 0, GIB], ["get", second, cgroup])
+    assert answers == [["580.95.05", first, second], "NVMLError_FunctionNotFound", "NVMLError_FunctionNotFound"]
+
+
+def test_an_old_driver_built_in_has_no_memory_limit_calls(tmp_path: Path) -> None:
+    """As in a pod that mounts only the library of an old-driver host."""
+    if reason := fakenvml.gcc_missing():
+        pytest.skip(f"the fake libnvidia-ml can't be built: {reason}")
+    library = fakenvml.build_with_machine("old-driver")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_FAKE_NVML_")}
+    env["LD_LIBRARY_PATH"] = str(library.parent)
+    [cgroup] = cgroups(tmp_path, "cgroup")
+    first = uuids("old-driver")[0]
+    answers = run_child(env, CHILD, json.dumps([["cards"], ["get", first, cgroup]]))
+    assert answers == [["580.95.05", *uuids("old-driver")], "NVMLError_FunctionNotFound"]
+
+
+def test_a_library_with_the_calls_refuses_an_old_driver_machine(mixed: fakenvml.FakeNvml) -> None:
+    """A description and a library that disagree about the calls fail at nvmlInit, saying why."""
+    env = mixed.env()
+    env[fakenvml.ENV_MACHINE] = str(fakenvml.machine_file("old-driver"))
+    done = subprocess.run(
+        [sys.executable, "-c", "import pynvml; pynvml.nvmlInit()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "the machine says memory-limits absent but this library exports them" in done.stderr
+    assert "NVMLError_Unknown" in done.stderr
