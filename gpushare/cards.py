@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+#: :attr:`Card.memory_limits` of a card whose driver holds each container to its share
+ENFORCED = "enforced"
+#: :attr:`Card.memory_limits` of a card whose node agent didn't say (one older than memory limits)
+NOT_REPORTED = "not reported by the node agent"
+
 
 @dataclass(frozen=True, slots=True)
 class Card:
@@ -21,6 +26,13 @@ class Card:
     numa_node: int | None = None
     nvlink_peers: tuple[str, ...] = field(default_factory=tuple)
     healthy: bool = True
+    #: :data:`ENFORCED` when the NVIDIA driver caps each container at its share of this card
+    #: (per-cgroup memory limits, driver 615+ on cgroup v2), else why it doesn't
+    memory_limits: str = NOT_REPORTED
+
+    @property
+    def limits_enforced(self) -> bool:
+        return self.memory_limits == ENFORCED
 
     def with_health(self, healthy: bool) -> Card:
         return replace(self, healthy=healthy)

@@ -8,6 +8,7 @@ shared watch is supervised too, started first and stopped last, so a component's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING
 
 from gpushare.settings import add_device_plugin_flags, add_metrics_flags, add_node_flags, add_shim_flags
@@ -59,6 +60,10 @@ def components(
     return found
 
 
+#: a card's memory limits when the node agent runs without its CRI shim
+NO_SHIM_LIMITS = "the node agent runs without its CRI shim (--no-cri-shim), which is what sets the limits"
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -72,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     metrics = metrics_endpoint(args)
     settings = device_plugin_settings(args)
     shim = None if args.no_cri_shim else shim_settings(args)
+    if shim is None:  # the CRI shim is what sets the limits: without it the cards must not claim them
+        settings = dataclasses.replace(settings, limits_off=NO_SHIM_LIMITS)
 
     def start(backend: GpuBackend) -> Supervisor:
         shared = NodeApi(load_api(settings.kubeconfig), settings.node_name)

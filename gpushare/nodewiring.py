@@ -10,6 +10,7 @@ from typing import Protocol
 
 from gpushare.gpus import open_backend
 from gpushare.gpus.backend import GpuBackend
+from gpushare.memlimits.cgroups import UNKNOWN_V1
 from gpushare.observability import serve_http
 from gpushare.process import wait_for_termination
 from gpushare.settings import MetricsEndpoint, NodeSettings
@@ -25,7 +26,8 @@ class Running(Protocol):
 
 def open_cards(settings: NodeSettings) -> GpuBackend:
     """The cards ``--gpus`` names, read through NVML or simulated."""
-    return open_backend(settings.gpus, settings.node_name, settings.ignored_xids, settings.nvml_recovery)
+    layout = settings.cgroup_layout() if settings.gpus == "nvml" else UNKNOWN_V1
+    return open_backend(settings.gpus, settings.node_name, settings.ignored_xids, settings.nvml_recovery, layout)
 
 
 def run_on_node(

@@ -17,6 +17,7 @@ from gpushare.contract.errors import ContractError
 from gpushare.contract.names import ENV_NODE_NAME
 from gpushare.contract.units import MemoryUnit, parse_unit
 from gpushare.gpus.backend import DEFAULT_IGNORED_XIDS, DEFAULT_NVML_RECOVERY, InventoryError, parse_ignored_xids
+from gpushare.memlimits.cgroups import V1, CgroupLayout, detect_layout, given_root
 
 DEFAULT_DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 #: where /metrics, /healthz and /readyz listen unless told: they are plain HTTP, unauthenticated
@@ -76,6 +77,20 @@ class NodeSettings:
     count_replicas: int = 0
     #: seconds without a fault after which an NVML card that failed is trusted again
     nvml_recovery: float = DEFAULT_NVML_RECOVERY
+    #: the cgroup v2 hierarchy the driver's memory limits partition; None: read from the mount table
+    cgroup_root: Path | None = None
+    #: why nothing on this node sets memory limits whatever the driver can do ("" when the CRI shim does)
+    limits_off: str = ""
+
+    def cgroup_layout(self) -> CgroupLayout:
+        """The node's cgroup layout: ``--cgroup-root`` when given, else what this process's mounts show;
+        with :attr:`limits_off`, none at all."""
+        if self.limits_off:
+            return CgroupLayout(V1, None, self.limits_off)
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+        if self.cgroup_root is not None:
+            return given_root(self.cgroup_root, mountinfo)
+        return detect_layout(mountinfo)
 
 
 def add_kubeconfig_flag(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +119,14 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_NVML_RECOVERY,
         help="with --gpus nvml: seconds without a fault (and NVML answering again) before a card that hit a "
         f"critical XID or fell off the bus is advertised Healthy again (default {DEFAULT_NVML_RECOVERY:g})",
+    )
+    parser.add_argument(
+        "--cgroup-root",
+        default=None,
+        metavar="DIR",
+        help="the cgroup v2 hierarchy whose pod cgroups the driver's GPU memory limits apply to (default: "
+        "/sys/fs/cgroup when this process's mount table shows cgroup v2 alone; on cgroup v1 or hybrid nodes "
+        "limits are not enforced unless a cgroup2 mount is named here)",
     )
 
 
@@ -152,6 +175,7 @@ def node_settings(args: argparse.Namespace) -> NodeSettings:
         memory_unit=unit,
         ignored_xids=ignored,
         nvml_recovery=args.nvml_recovery_seconds,
+        cgroup_root=Path(args.cgroup_root) if args.cgroup_root else None,
     )
 
 

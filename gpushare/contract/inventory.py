@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.cards import Card
+from gpushare.cards import NOT_REPORTED, Card
 from gpushare.contract.errors import AnnotationError, ContractError, json_object, quoted
 from gpushare.contract.names import NODE_ANN_INVENTORY
 from gpushare.contract.units import MemoryUnit, format_unit, parse_unit
@@ -46,6 +46,7 @@ def format_inventory(cards: Iterable[Card], unit: MemoryUnit) -> str:
                     "numa": c.numa_node,
                     "nvlinkPeers": list(c.nvlink_peers),
                     "healthy": c.healthy,
+                    "memoryLimits": c.memory_limits,
                 }
                 for c in sorted(cards, key=lambda c: c.index)
             ],
@@ -68,9 +69,12 @@ def _inventory_card(node: str, raw: Any) -> Card:
             numa_node=None if raw.get("numa") is None else int(raw["numa"]),
             nvlink_peers=tuple(str(p) for p in raw.get("nvlinkPeers") or ()),
             healthy=bool(raw.get("healthy", True)),
+            memory_limits=str(raw.get("memoryLimits", NOT_REPORTED)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise AnnotationError(f"{where}: card entry {quoted(raw)} is missing or has a bad field ({exc})") from None
+    if not card.memory_limits.strip():
+        raise AnnotationError(f"{where}: card entry {quoted(raw)} has an empty memoryLimits")
     if not card.uuid.startswith("GPU-") or card.index < 0 or card.memory_mib <= 0:
         raise AnnotationError(f"{where}: card entry {quoted(raw)} has an invalid uuid, index or memory")
     return card

@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from gpushare.cards import Card
@@ -28,6 +29,10 @@ class InventoryError(RuntimeError):
     """The card inventory can't be read. The message is one sentence meant for the operator."""
 
 
+class MemoryLimitError(RuntimeError):
+    """The driver did not set a cgroup's memory limit on a card; the message is its answer."""
+
+
 @dataclass(frozen=True, slots=True)
 class HealthEvent:
     uuid: str
@@ -40,6 +45,12 @@ HealthCallback = Callable[[HealthEvent], None]
 
 class GpuBackend(Protocol):
     def cards(self) -> list[Card]: ...
+
+    def set_memory_limit(self, uuid: str, cgroup: Path, soft_bytes: int, hard_bytes: int) -> None:
+        """Cap what processes in ``cgroup`` (a cgroup v2 directory) may allocate on the card; raises
+        :class:`MemoryLimitError` with the driver's answer. Only for cards whose
+        :attr:`~gpushare.cards.Card.memory_limits` is enforced."""
+        ...
 
     def subscribe(self, callback: HealthCallback) -> None: ...
 

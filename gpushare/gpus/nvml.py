@@ -12,8 +12,16 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
-from gpushare.cards import Card
-from gpushare.gpus.backend import DEFAULT_IGNORED_XIDS, DEFAULT_NVML_RECOVERY, CardBook, InventoryError, is_critical_xid
+from gpushare.cards import ENFORCED, Card
+from gpushare.gpus.backend import (
+    DEFAULT_IGNORED_XIDS,
+    DEFAULT_NVML_RECOVERY,
+    CardBook,
+    InventoryError,
+    MemoryLimitError,
+    is_critical_xid,
+)
+from gpushare.memlimits.cgroups import UNKNOWN_V1, CgroupLayout
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +74,12 @@ class NvmlBackend(CardBook):
     card whose XID events can't be registered stays Unhealthy until the agent restarts, since nothing
     would report its faults.
 
+    Memory limits: each card's :attr:`~gpushare.cards.Card.memory_limits` says whether the driver caps
+    a cgroup's allocations on it (``nvmlDeviceSetMemoryLimits_v1``, driver 615+), probed at start with
+    ``nvmlDeviceGetMemoryLimits_v1`` on the root of ``layout``'s cgroup v2 hierarchy: not on cgroup v1
+    or hybrid nodes, nor with a driver (or binding) that lacks the call, nor where the driver answers
+    with an error.
+
     Left out of the inventory, with one log line each: cards in MIG mode (their memory belongs to their
     MIG instances, which gpushare doesn't serve; leave MIG cards to NVIDIA's device plugin or turn MIG
     off), and cards NVML can't read at start-up (lost already). Indices stay NVML's.
@@ -76,6 +90,7 @@ class NvmlBackend(CardBook):
         ignored_xids: frozenset[int] = DEFAULT_IGNORED_XIDS,
         recovery_after: float = DEFAULT_NVML_RECOVERY,
         poll_interval: float = 1.0,
+        layout: CgroupLayout = UNKNOWN_V1,
     ) -> None:
         try:
             import pynvml
@@ -92,7 +107,9 @@ class NvmlBackend(CardBook):
                 "driver (nvidia-smi); elsewhere use --gpus sim:SPEC to simulate cards"
             ) from None
         try:
-            found = self._read_cards()
+            found = [
+                _Found(replace(f.card, memory_limits=self._limits_of(f, layout)), f.handle) for f in self._read_cards()
+            ]
             super().__init__(f.card for f in found)
             self._handles = {f.card.uuid: f.handle for f in found}
             self._uuid_at = {_address(f.handle): f.card.uuid for f in found}
@@ -197,6 +214,34 @@ class NvmlBackend(CardBook):
                 peers[b.card.uuid].add(a.card.uuid)
         return peers
 
+    # --- memory limits ----------------------------------------------------------------------------------
+
+    def _limits_of(self, found: _Found, layout: CgroupLayout) -> str:
+        """Whether the driver enforces per-cgroup memory limits on the card (see the class docstring)."""
+        nv, card = self._nvml, found.card
+        why = layout.why_not or (None if hasattr(nv, "nvmlDeviceGetMemoryLimits_v1") else _OLD_BINDING)
+        if why is None:
+            limits = nv.c_nvmlGetMemoryLimits_v1_t()
+            root = str(layout.unified).encode()
+            limits.nameSpace = root
+            try:
+                self._ask(nv.nvmlDeviceGetMemoryLimits_v1, found.handle, limits)
+            except NvmlCallFailed as exc:
+                why = _OLD_DRIVER if isinstance(exc.error, nv.NVMLError_FunctionNotFound) else str(exc)
+        status = ENFORCED if why is None else why
+        log.info("card %s (NVML index %d): memory limits %s", card.uuid, card.index, status)
+        return status
+
+    def set_memory_limit(self, uuid: str, cgroup: Path, soft_bytes: int, hard_bytes: int) -> None:
+        nv = self._nvml
+        limits = nv.c_nvmlSetMemoryLimits_v1_t()
+        name = str(cgroup).encode()
+        limits.nameSpace, limits.softLimit, limits.hardLimit = name, soft_bytes, hard_bytes
+        try:
+            self._ask(nv.nvmlDeviceSetMemoryLimits_v1, self._handles[uuid], limits)
+        except NvmlCallFailed as exc:
+            raise MemoryLimitError(str(exc)) from None
+
     # --- health -----------------------------------------------------------------------------------------
 
     def _register_events(self) -> object:
@@ -273,6 +318,10 @@ class NvmlBackend(CardBook):
             if not card.healthy:
                 del self._faults[card.uuid]
                 self._set(card.uuid, True, f"no fault for {self._recovery_after:g}s and NVML answers again")
+
+
+_OLD_DRIVER = "the driver has no per-cgroup memory limits (nvmlDeviceSetMemoryLimits_v1 needs release 615 or later)"
+_OLD_BINDING = "the NVML binding predates per-cgroup memory limits (nvidia-ml-py 13.615 or later has them)"
 
 
 def _address(handle: object) -> int | None:

@@ -7,14 +7,17 @@ import logging
 import re
 import uuid as uuidlib
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpushare.cards import Card
-from gpushare.gpus.backend import DEFAULT_IGNORED_XIDS, CardBook, InventoryError, is_critical_xid
+from gpushare.gpus.backend import DEFAULT_IGNORED_XIDS, CardBook, InventoryError, MemoryLimitError, is_critical_xid
 
 log = logging.getLogger(__name__)
 
 _SIM_NAMESPACE = uuidlib.UUID("6d0c9b0e-2f4a-4a53-9f5e-8f8f3b1f1a10")
 _SIM_PART = re.compile(r"^([1-9][0-9]*)x([A-Za-z0-9._-]+):([1-9][0-9]*)$")
+#: why a simulated card's memory is never limited
+SIMULATED_LIMITS = "simulated card: no NVIDIA driver to enforce memory limits"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,7 @@ def simulated_cards(node_name: str, spec: str) -> list[Card]:
                 minor=total - 1 - i,
                 numa_node=numa[i],
                 nvlink_peers=peers,
+                memory_limits=SIMULATED_LIMITS,
             )
         )
     return cards
@@ -74,6 +78,9 @@ class SimulatedBackend(CardBook):
 
     def close(self) -> None:
         """Nothing to release."""
+
+    def set_memory_limit(self, uuid: str, cgroup: Path, soft_bytes: int, hard_bytes: int) -> None:
+        raise MemoryLimitError(f"card {uuid}: {SIMULATED_LIMITS}")
 
     def inject_xid(self, uuid: str, xid: int) -> bool:
         """Report XID ``xid`` on a card. Returns whether it changed the card's health."""

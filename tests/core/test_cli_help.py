@@ -12,7 +12,15 @@ import pytest
 
 from gpushare.cli import main
 
-NODE = {"--node-name", "--kubeconfig", "--gpus", "--memory-unit", "--ignore-xids", "--nvml-recovery-seconds"}
+NODE = {
+    "--node-name",
+    "--kubeconfig",
+    "--gpus",
+    "--memory-unit",
+    "--ignore-xids",
+    "--nvml-recovery-seconds",
+    "--cgroup-root",
+}
 DEVICE_PLUGIN = {"--device-plugin-dir", "--count-replicas", "--allocate-rereads", "--allocate-reread-wait"}
 SHIM = {
     "--listen",

@@ -1,0 +1,98 @@
+"""Where a container's cgroup is, read from plain text: the mount table says which cgroup layout the
+node has and where its cgroup v2 hierarchy is; the container's runtime spec names its cgroup (in
+cgroupfs or systemd form). Pure: strings in, paths out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+#: the layouts of a node's cgroups
+V2, HYBRID, V1 = "v2", "hybrid", "v1"
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupLayout:
+    """The node's cgroup layout: ``v2`` (the unified hierarchy alone), ``hybrid`` (v1 controllers with a
+    cgroup2 mount beside them) or ``v1``; ``unified`` is where cgroup2 is mounted, if anywhere (for
+    ``v2``, the hierarchy the driver's limits apply to). ``problem`` overrides the reason limits
+    can't apply (a ``--cgroup-root`` that is no cgroup2 mount)."""
+
+    version: str
+    unified: Path | None = None
+    problem: str = ""
+
+    @property
+    def why_not(self) -> str | None:
+        """Why the driver can't partition memory by cgroup on this layout, or None when it can."""
+        if self.problem:
+            return self.problem
+        if self.version == V2:
+            return None
+        return f"cgroup {self.version} (the driver's memory limits need cgroup v2)"
+
+
+#: a node whose layout nobody looked at: no limits
+UNKNOWN_V1 = CgroupLayout(V1)
+
+
+def detect_layout(mountinfo: str) -> CgroupLayout:
+    """The layout that ``/proc/self/mountinfo`` shows: cgroup2 mounted where the v1 hierarchies would
+    be (``/sys/fs/cgroup``) with no v1 hierarchy is ``v2``."""
+    unified: Path | None = None
+    v1 = False
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        fstype = line.split(" - ", 1)[1].split()[0]
+        if fstype == "cgroup2" and unified is None:
+            unified = Path(fields[4])
+        elif fstype == "cgroup":
+            v1 = True
+    if unified is None:
+        return CgroupLayout(V1)
+    return CgroupLayout(HYBRID if v1 else V2, unified)
+
+
+def given_root(root: Path, mountinfo: str) -> CgroupLayout:
+    """The layout an operator names with ``--cgroup-root``: that cgroup2 mount (as ``mountinfo``
+    shows it) is the hierarchy the driver partitions, whatever else is mounted; a path that is no
+    cgroup2 mount point leaves limits off, saying so."""
+    for line in mountinfo.splitlines():
+        if " - " in line and line.split(" - ", 1)[1].split()[0] == "cgroup2" and Path(line.split()[4]) == root:
+            return CgroupLayout(V2, root)
+    return CgroupLayout(V1, None, f"--cgroup-root {root} is not a cgroup2 mount point")
+
+
+def cgroup_dir(root: Path, cgroups_path: str) -> Path:
+    """The directory of the cgroup a runtime spec's ``linux.cgroupsPath`` names, under the cgroup v2
+    mount ``root``. cgroupfs form: an absolute path (``/kubepods/burstable/pod<uid>/<id>``); systemd
+    form: ``slice:prefix:name`` (``kubepods-burstable-pod<uid>.slice:cri-containerd:<id>``), whose
+    slice nests as systemd nests it (``a-b.slice`` in ``a.slice``) and whose unit is
+    ``prefix-name.scope``."""
+    if cgroups_path.count(":") == 2 and not cgroups_path.startswith("/"):
+        slice_, prefix, name = cgroups_path.split(":")
+        return root.joinpath(*_slice_dirs(slice_), f"{prefix}-{name}.scope" if prefix else f"{name}.scope")
+    relative = PurePosixPath(cgroups_path)
+    if not relative.is_absolute() or ".." in relative.parts:
+        raise ValueError(f"cgroupsPath {cgroups_path!r} is neither an absolute cgroupfs path nor slice:prefix:name")
+    return root.joinpath(*relative.parts[1:])
+
+
+def _slice_dirs(slice_: str) -> list[str]:
+    """``a-b-c.slice`` -> ``a.slice/a-b.slice/a-b-c.slice``; ``-.slice`` or empty is the root."""
+    if slice_ in ("", "-.slice"):
+        return []
+    if not slice_.endswith(".slice"):
+        raise ValueError(f"systemd slice {slice_!r} doesn't end in .slice")
+    parts = slice_.removesuffix(".slice").split("-")
+    return ["-".join(parts[: i + 1]) + ".slice" for i in range(len(parts))]
+
+
+def unified_path(proc_cgroup: str) -> str | None:
+    """A process's cgroup in the v2 hierarchy, from its ``/proc/PID/cgroup`` (the ``0::`` line)."""
+    for line in proc_cgroup.splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    return None
