@@ -21,6 +21,9 @@ CARD_LABELS = ["node", "card", "uuid", "model"]
 CARD_ALLOCATED = Gauge("gpushare_card_allocated_units", "Units of the card held by live pods", CARD_LABELS)
 CARD_TOTAL = Gauge("gpushare_card_total_units", "Units of the card", CARD_LABELS)
 CARD_HEALTHY = Gauge("gpushare_card_healthy", "1 when the card is healthy", CARD_LABELS)
+MEMORY_LIMITS = Gauge(
+    "gpushare_memory_limits_enforced", "1 when the driver enforces each container's GPU memory share", CARD_LABELS
+)
 
 
 def publish_card_usage(node: str, cards: Sequence[Card], used: Mapping[str, int], unit: MemoryUnit) -> None:
@@ -29,3 +32,4 @@ def publish_card_usage(node: str, cards: Sequence[Card], used: Mapping[str, int]
         CARD_ALLOCATED.labels(**labels).set(used.get(card.uuid, 0))
         CARD_TOTAL.labels(**labels).set(unit.units_of(card.memory_mib))
         CARD_HEALTHY.labels(**labels).set(1 if card.healthy else 0)
+        MEMORY_LIMITS.labels(**labels).set(1 if card.limits_enforced else 0)

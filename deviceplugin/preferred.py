@@ -20,6 +20,11 @@ from gpushare.contract.names import RESOURCE_MEM
 BINPACK = placement.POLICIES["binpack"]
 
 
+def _unknown(uuid: str) -> placement.CardCapacity:
+    """A card the node's inventory doesn't list: no model, and memory limits not reported."""
+    return placement.CardCapacity(-1, uuid, 0, 0)
+
+
 def _topology_order(
     available: Sequence[str], cards: Sequence[Card], size: int, rule: placement.CardRule, joined: Sequence[str]
 ) -> list[str]:
@@ -27,17 +32,7 @@ def _topology_order(
     within what the pod's ``rule`` allows beside the cards ``joined`` already offered; [] when none do."""
     free = set(available)
     pool = [
-        placement.CardCapacity(
-            c.index,
-            c.uuid,
-            capacity=1,
-            used=0 if c.uuid in free else 1,
-            numa=c.numa_node,
-            nvlink=frozenset(c.nvlink_peers),
-            model=c.model,
-        )
-        for c in cards
-        if c.uuid in free or c.uuid in joined
+        placement.CardCapacity.of(c, 1, 0 if c.uuid in free else 1) for c in cards if c.uuid in free or c.uuid in joined
     ]
     demand = placement.Demand("preferred", 0, size, exclusive=True)
     try:
@@ -58,15 +53,16 @@ def preferred_ids(
 ) -> list[str]:
     """``size`` device IDs from ``available`` (``must_include`` kept), as close to ``chosen`` as possible.
 
-    Where the plugin picks cards itself, ``rule`` (the matched pod's card rule) is kept: no card of a
-    refused model, and with NVLink or one NUMA node required no set that breaks it. Then it may offer
-    fewer than ``size`` IDs, and kubelet completes the set on its own.
+    Where the plugin picks cards itself, ``rule`` (the matched pod's card rule) is kept: no card it
+    doesn't admit (a refused model, no memory limits where required), and with NVLink or one NUMA node
+    required no set that breaks it. Then it may offer fewer than ``size`` IDs, and kubelet completes the
+    set on its own.
     """
     picked = list(dict.fromkeys(must_include))[:size]
     rest = [d for d in available if d not in picked]
-    models = {c.uuid: c.model for c in cards}
-    if rule.picks_models:
-        rest = [d for d in rest if rule.accepts(models.get(card_of_device(d), ""))]
+    if rule.picks_cards:
+        known = {c.uuid: placement.CardCapacity.of(c) for c in cards}
+        rest = [d for d in rest if rule.admits(known.get(card_of_device(d)) or _unknown(card_of_device(d)))]
     if resource == RESOURCE_MEM:
         rank = {uuid: i for i, uuid in enumerate(chosen)}
         rest.sort(key=lambda d: (rank.get(card_of_device(d), len(rank)), d))

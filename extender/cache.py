@@ -104,15 +104,11 @@ def placement_cards(
         for uuid, units in held.items():
             used[uuid] = used.get(uuid, 0) + units
     return tuple(
-        placement.CardCapacity(
-            index=card.index,
-            uuid=card.uuid,
-            capacity=inventory.units_of(card),
-            used=used.get(card.uuid, 0),
+        placement.CardCapacity.of(
+            card,
+            inventory.units_of(card),
+            used.get(card.uuid, 0),
             healthy=card.healthy and card.minor not in fenced,
-            numa=card.numa_node,
-            nvlink=frozenset(card.nvlink_peers),
-            model=card.model,
         )
         for card in inventory.cards
     )

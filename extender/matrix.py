@@ -3,7 +3,8 @@
 Each known node owns one row: its cards' capacity and free units (0 for unhealthy or absent cards,
 and for every card of a node the extender can't place on), their models (as numbers into a list of
 the models seen, so a pod's :class:`~gpushare.placement.CardRule` becomes a per-card mask by one
-lookup), its free CPU and memory, a fixed rank for ties, and the generation they were read at.
+lookup) and whether each enforces memory limits, its free CPU and memory, a fixed rank for ties, and
+the generation they were read at.
 Rows are refreshed lazily: the cache reports which nodes changed, and the next query re-reads only
 those. A query works on every row at once, then picks the rows of the nodes it was asked about; the
 row numbers of the last few lists of names asked about are kept, since kube-scheduler asks about the
@@ -38,6 +39,7 @@ class NodeMatrix:
         self._capacity = np.zeros((0, _INITIAL_WIDTH), dtype=np.int64)
         self._free = np.zeros((0, _INITIAL_WIDTH), dtype=np.int64)
         self._model = np.zeros((0, _INITIAL_WIDTH), dtype=np.intp)
+        self._enforced = np.zeros((0, _INITIAL_WIDTH), dtype=bool)
         #: the card models seen, numbered by first sight ("" for absent cards)
         self._models: dict[str, int] = {"": 0}
         self._cpu = np.zeros(0, dtype=np.int64)
@@ -62,7 +64,7 @@ class NodeMatrix:
     def fits(
         self, names: NodeNames, shape: placement.Shape, rule: placement.CardRule = placement.ANY_CARD
     ) -> np.ndarray:
-        """Per name: whether one demand of ``shape`` fits on the node's cards that ``rule`` accepts (False
+        """Per name: whether one demand of ``shape`` fits on the node's cards that ``rule`` admits (False
         for a node the extender doesn't know or can't place on)."""
         with self._lock:
             self._refresh()
@@ -71,11 +73,11 @@ class NodeMatrix:
             return _pick(fit, self._lookup(names), False)
 
     def _allowed(self, rule: placement.CardRule, rows: int) -> np.ndarray | None:
-        """Per (row, card): whether ``rule`` accepts the card's model; None when it accepts every model.
-        Under the lock."""
-        if not rule.picks_models:
+        """Per (row, card): whether ``rule`` admits the card; None when it admits every card. Under the
+        lock."""
+        if not rule.picks_cards:
             return None
-        return rule.card_mask(self._model[:rows], tuple(self._models))
+        return rule.card_mask(self._model[:rows], tuple(self._models), self._enforced[:rows])
 
     def costs(
         self,
@@ -87,7 +89,7 @@ class NodeMatrix:
         rule: placement.CardRule = placement.ANY_CARD,
     ) -> np.ndarray:
         """Per name: the policy's cost of one demand of ``shape`` on the node's cards that ``rule``
-        accepts, for a pod requesting ``request`` (CPU milli, memory bytes), kept in ``memo`` (``inf``
+        admits, for a pod requesting ``request`` (CPU milli, memory bytes), kept in ``memo`` (``inf``
         where it doesn't fit, or the node is unknown or unusable). A memo serves one rule."""
         with self._lock:
             self._refresh()
@@ -156,6 +158,7 @@ class NodeMatrix:
             self._capacity[row] = 0
             self._free[row] = 0
             self._model[row] = 0
+            self._enforced[row] = False
             self._cpu[row], self._memory[row] = self._cache.host_free(name)
             if view is None:
                 self._generation[row] = _UNUSABLE
@@ -166,6 +169,7 @@ class NodeMatrix:
                 self._capacity[row, pos] = card.capacity if card.healthy else 0
                 self._free[row, pos] = card.free
                 self._model[row, pos] = self._models.setdefault(card.model, len(self._models))
+                self._enforced[row, pos] = card.limits_enforced
             self._generation[row] = view.generation
 
     def _add_row(self, name: str) -> int:
@@ -180,6 +184,7 @@ class NodeMatrix:
             self._capacity = np.concatenate([self._capacity, pad])
             self._free = np.concatenate([self._free, pad])
             self._model = np.concatenate([self._model, pad.astype(np.intp)])
+            self._enforced = np.concatenate([self._enforced, pad.astype(bool)])
         self._order[row] = placement.node_order([name])[0]
         self._row[name] = row
         self._lookups.clear()  # a remembered lookup may have missed this name
@@ -190,6 +195,7 @@ class NodeMatrix:
         self._capacity = np.pad(self._capacity, extra)
         self._free = np.pad(self._free, extra)
         self._model = np.pad(self._model, extra)
+        self._enforced = np.pad(self._enforced, extra)
 
 
 def _pick(per_row: np.ndarray, index: np.ndarray, missing: bool | float) -> np.ndarray:

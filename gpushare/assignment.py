@@ -58,7 +58,7 @@ class Claim:
     slices: tuple[CardSlice, ...]
     #: the container asked for whole cards (gpu-count alone), so each slice must be a whole card
     exclusive: bool = False
-    #: what the pod's annotations ask of its cards (model, NVLink, NUMA)
+    #: what the pod's annotations ask of its cards (model, NVLink, NUMA, memory limits)
     rule: CardRule = ANY_CARD
 
     def __str__(self) -> str:
@@ -93,8 +93,8 @@ def check_assignment(
     require_healthy: bool = True,
 ) -> Refusal | None:
     """Why ``claim`` can't be honoured on a node with ``cards``, or None when it can. Besides the cards
-    existing (healthy, and whole where asked whole), their models and topology must meet the claim's
-    card rule (among the container's own cards: other containers' cards are checked with theirs).
+    existing (healthy, and whole where asked whole), their models, topology and memory limits must meet
+    the claim's card rule (among the container's own cards: other containers' cards are checked with theirs).
 
     ``holdings``: what the node's live pods hold; when the claim's pod isn't among them yet, its
     slices are added on top. None skips the over-commit check (the caller has no view of the node's
@@ -122,12 +122,7 @@ def check_assignment(
                 invalid_input=True,
             )
     assigned = [by_uuid[s.uuid] for s in claim.slices]
-    violation = claim.rule.violation(
-        [
-            CardCapacity(c.index, c.uuid, 0, 0, numa=c.numa_node, nvlink=frozenset(c.nvlink_peers), model=c.model)
-            for c in assigned
-        ]
-    )
+    violation = claim.rule.violation([CardCapacity.of(c) for c in assigned])
     if violation is not None:
         return Refusal("card-rule", f"{claim}: {violation}")
     if holdings is None:

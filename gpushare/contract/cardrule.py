@@ -1,10 +1,11 @@
-"""What a pod asks of its cards beyond memory: the card models it accepts or avoids, and whether its
-cards must be NVLink peers or share a NUMA node. The pod's owner writes these annotations; placement
-(:class:`gpushare.placement.CardRule`) decides what they allow.
+"""What a pod asks of its cards beyond memory: the card models it accepts or avoids, whether its
+cards must be NVLink peers or share a NUMA node, and whether the driver must enforce its memory share.
+The pod's owner writes these annotations; placement (:class:`gpushare.placement.CardRule`) decides
+what they allow.
 
 ``gpushare.io/gpu-model: "A100-80GB|A100-40GB"`` and ``gpushare.io/gpu-model-avoid: "T4"`` hold
-``|``-separated model patterns; ``gpushare.io/require-nvlink`` and ``gpushare.io/require-same-numa``
-hold ``"true"`` or ``"false"``.
+``|``-separated model patterns; ``gpushare.io/require-nvlink``, ``gpushare.io/require-same-numa`` and
+``gpushare.io/require-memory-limit`` hold ``"true"`` or ``"false"``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from gpushare.contract.errors import AnnotationError, quoted
 from gpushare.contract.names import (
     ANN_GPU_MODEL,
     ANN_GPU_MODEL_AVOID,
+    ANN_REQUIRE_MEMORY_LIMIT,
     ANN_REQUIRE_NVLINK,
     ANN_REQUIRE_SAME_NUMA,
     CARD_RULE_ANNOTATIONS,
@@ -82,6 +84,7 @@ def card_rule_of(annotations: Mapping[str, str], key: str) -> CardRule:
         avoid=read(ANN_GPU_MODEL_AVOID, parse_models, frozenset()),
         nvlink=read(ANN_REQUIRE_NVLINK, parse_requirement, False),
         same_numa=read(ANN_REQUIRE_SAME_NUMA, parse_requirement, False),
+        memory_limits=read(ANN_REQUIRE_MEMORY_LIMIT, parse_requirement, False),
     )
 
 
@@ -96,4 +99,6 @@ def card_rule_annotations(rule: CardRule) -> dict[str, str]:
         annotations[ANN_REQUIRE_NVLINK] = format_requirement(True)
     if rule.same_numa:
         annotations[ANN_REQUIRE_SAME_NUMA] = format_requirement(True)
+    if rule.memory_limits:
+        annotations[ANN_REQUIRE_MEMORY_LIMIT] = format_requirement(True)
     return annotations

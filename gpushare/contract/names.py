@@ -56,8 +56,16 @@ ANN_GPU_MODEL_AVOID = "gpushare.io/gpu-model-avoid"
 ANN_REQUIRE_NVLINK = "gpushare.io/require-nvlink"
 #: "true": all the pod's cards must sit on one NUMA node
 ANN_REQUIRE_SAME_NUMA = "gpushare.io/require-same-numa"
+#: "true": every card of the pod must have the NVIDIA driver enforce its GPU memory share
+ANN_REQUIRE_MEMORY_LIMIT = "gpushare.io/require-memory-limit"
 #: what a pod asks of its cards, in the order messages name them
-CARD_RULE_ANNOTATIONS = (ANN_GPU_MODEL, ANN_GPU_MODEL_AVOID, ANN_REQUIRE_NVLINK, ANN_REQUIRE_SAME_NUMA)
+CARD_RULE_ANNOTATIONS = (
+    ANN_GPU_MODEL,
+    ANN_GPU_MODEL_AVOID,
+    ANN_REQUIRE_NVLINK,
+    ANN_REQUIRE_SAME_NUMA,
+    ANN_REQUIRE_MEMORY_LIMIT,
+)
 #: pod annotations only gpushare's extender and node agent may write (admission webhook and policy)
 PROTECTED_ANNOTATION_PREFIXES = ("gpushare.io/", "ALIYUN_COM_GPU_MEM_")
 #: protected by prefix, but the pod's owner chooses them

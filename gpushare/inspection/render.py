@@ -1,13 +1,16 @@
-"""The ``inspect`` tables: ours (each node in its own unit, with its cards' models, health,
-over-commitment and notes) and the original ``kubectl-inspect-gpushare``'s columns and totals lines,
+"""The ``inspect`` tables: ours (each node in its own unit, with its cards' models, memory limits,
+health, over-commitment and notes) and the original ``kubectl-inspect-gpushare``'s columns and totals lines,
 for scripts that parse them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from gpushare.contract.units import MemoryUnit
 from gpushare.inspection.views import CardView, ClusterView, NodeView
+
+K = TypeVar("K")
 
 
 def render_table(rows: list[list[str]], gap: int = 2) -> str:
@@ -31,17 +34,41 @@ def _card_cell(card: CardView) -> str:
     return f"{cell} ({', '.join(flags)})" if flags else cell
 
 
+def _indexes_by(cards: Iterable[CardView], key: Callable[[CardView], K]) -> dict[K, str]:
+    """The cards' ``key``s, each with its cards in index order (``GPU0, GPU1``)."""
+    indexes: dict[K, list[int]] = {}
+    for card in sorted(cards, key=lambda c: c.index):
+        indexes.setdefault(key(card), []).append(card.index)
+    return {k: ", ".join(f"GPU{i}" for i in held) for k, held in indexes.items()}
+
+
 def models(cards: Iterable[CardView]) -> str:
     """The cards' models: the one model when all share it, else each model with its cards in index
     order (``A100-80GB (GPU0, GPU1), T4 (GPU2)``); ``-`` when none is known."""
-    by_model: dict[str, list[int]] = {}
-    for card in sorted(cards, key=lambda c: c.index):
-        by_model.setdefault(card.model or "unknown", []).append(card.index)
+    by_model = _indexes_by(cards, lambda c: c.model or "unknown")
     if not by_model or set(by_model) == {"unknown"}:
         return "-"
     if len(by_model) == 1:
         return next(iter(by_model))
-    return ", ".join(f"{model} ({', '.join(f'GPU{i}' for i in indexes)})" for model, indexes in by_model.items())
+    return ", ".join(f"{model} ({gpus})" for model, gpus in by_model.items())
+
+
+def limits(cards: Iterable[CardView], detailed: bool = False) -> str:
+    """Whether the driver enforces GPU memory limits on the cards: ``enforced`` or ``off`` when all
+    agree, else each with its cards (``enforced (GPU0), off (GPU1)``); ``detailed`` adds why they are
+    off (``off: cgroup hybrid (...)``, ``enforced (GPU0); off (GPU1): ...``). ``-`` without cards."""
+
+    def state(card: CardView) -> tuple[str, str]:
+        if card.limits_enforced:
+            return "enforced", ""
+        return "off", card.memory_limits if detailed else ""
+
+    by_state = _indexes_by(cards, state)
+    if len(by_state) == 1:
+        ((word, cause),) = by_state
+        return f"{word}: {cause}" if cause else word
+    parts = [f"{word} ({gpus})" + (f": {cause}" if cause else "") for (word, cause), gpus in by_state.items()]
+    return ("; " if detailed else ", ").join(parts) or "-"
 
 
 def _pending_cell(node: NodeView) -> str:
@@ -76,14 +103,14 @@ def render_summary(cluster: ClusterView) -> str:
     with_pending = any(n.pending_pods for n in cluster.nodes)
     header = ["NAME", "IPADDRESS", "UNIT", *(f"GPU{i}(Allocated/Total)" for i in range(width))]
     header += ["PENDING(Allocated)"] if with_pending else []
-    rows = [[*header, "GPU Memory(Allocated/Total)", "MODEL"]]
+    rows = [[*header, "GPU Memory(Allocated/Total)", "MODEL", "LIMITS"]]
     for node in cluster.nodes:
         by_index = sorted(node.cards, key=lambda c: c.index)
         cells = [_card_cell(c) for c in by_index] + ["-"] * (width - len(by_index))
         row = [node.name, node.address, node.unit.name, *cells]
         row += [_pending_cell(node)] if with_pending else []
         total = f"{node.allocated}/{node.total} ({percent(node.allocated, node.total)})"
-        rows.append([*row, total, models(node.cards)])
+        rows.append([*row, total, models(node.cards), limits(node.cards)])
     table = render_table(rows)
     rule = "-" * max(len(line) for line in table.splitlines())
     return "\n".join([table, rule, _cluster_total(cluster), *_footer(cluster)])
@@ -104,6 +131,7 @@ def _node_details(node: NodeView) -> str:
         f"IPADDRESS:  {node.address}",
         f"UNIT:       {node.unit.name}",
         f"MODEL:      {models(node.cards)}",
+        f"LIMITS:     {limits(node.cards, detailed=True)}",
         "",
         render_table(rows),
         "",

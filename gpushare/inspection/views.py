@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpushare.cards import ENFORCED, NOT_REPORTED
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_MEM
 from gpushare.contract.request import annotations_of, parse_pod_request, pod_key, requests_gpu
@@ -29,6 +30,12 @@ class CardView:
     healthy: bool = True
     #: as the node's inventory names it ("" when the cards were inferred from its capacity)
     model: str = ""
+    #: :data:`~gpushare.cards.ENFORCED` when the driver enforces memory limits on the card, else why not
+    memory_limits: str = NOT_REPORTED
+
+    @property
+    def limits_enforced(self) -> bool:
+        return self.memory_limits == ENFORCED
 
     @property
     def overcommitted(self) -> bool:
@@ -138,7 +145,8 @@ def build_node(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> No
         if holds_resources(p) and pod_key(p) not in seen
     ]
     card_views = tuple(
-        CardView(c.index, inventory.units_of(c), used[c.uuid], c.healthy, c.model) for c in inventory.cards
+        CardView(c.index, inventory.units_of(c), used[c.uuid], c.healthy, c.model, c.memory_limits)
+        for c in inventory.cards
     )
     return NodeView(
         name=name,

@@ -50,7 +50,7 @@ def batch_place(
 ) -> BatchChoice:
     """Where ``shape`` would go on each node and at what cost. ``shape.cards == 0`` asks for no GPU
     (the cost then only reflects what ``host`` says changes). ``allowed``: per (node, card), whether
-    the pod's :class:`~gpushare.placement.demand.CardRule` accepts the card's model (None: every card)."""
+    the pod's :class:`~gpushare.placement.demand.CardRule` admits the card (None: every card)."""
     nodes = free.shape[0]
     able = able_cards(capacity, free, shape, allowed)
     rows = np.flatnonzero(able.sum(axis=1) >= shape.cards)

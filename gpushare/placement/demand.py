@@ -10,6 +10,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from gpushare.cards import ENFORCED, NOT_REPORTED, Card
+
 
 @dataclass(frozen=True, slots=True)
 class CardCapacity:
@@ -24,6 +26,27 @@ class CardCapacity:
     numa: int | None = None
     nvlink: frozenset[str] = frozenset()
     model: str = ""
+    #: :data:`~gpushare.cards.ENFORCED` when the driver caps each container at its share, else why not
+    memory_limits: str = NOT_REPORTED
+
+    @classmethod
+    def of(cls, card: Card, capacity: int = 0, used: int = 0, *, healthy: bool = True) -> CardCapacity:
+        """``card`` as placement sees it, holding ``used`` of ``capacity`` units."""
+        return cls(
+            card.index,
+            card.uuid,
+            capacity,
+            used,
+            healthy=healthy,
+            numa=card.numa_node,
+            nvlink=frozenset(card.nvlink_peers),
+            model=card.model,
+            memory_limits=card.memory_limits,
+        )
+
+    @property
+    def limits_enforced(self) -> bool:
+        return self.memory_limits == ENFORCED
 
     @property
     def free(self) -> int:
@@ -116,33 +139,65 @@ class CardRule:
 
     ``models``: patterns of acceptable card models (empty: any model); ``avoid``: patterns of models
     it must not get (see :func:`model_matches`). ``nvlink``/``same_numa``: every two distinct cards
-    the pod gets must be NVLink peers / on one (known) NUMA node.
+    the pod gets must be NVLink peers / on one (known) NUMA node. ``memory_limits``: every card the
+    pod gets must have the driver enforce its GPU memory share.
     """
 
     models: frozenset[str] = frozenset()
     avoid: frozenset[str] = frozenset()
     nvlink: bool = False
     same_numa: bool = False
+    memory_limits: bool = False
 
     def accepts(self, model: str) -> bool:
         """Whether a card of ``model`` may be given to the pod."""
         return _accepts(self.models, self.avoid, model)
 
-    def card_mask(self, card_models: np.ndarray, models: Sequence[str]) -> np.ndarray:
-        """Per card of ``card_models`` (any array of numbers into ``models``): whether its model may be
-        given to the pod."""
+    def admits(self, card: CardCapacity) -> bool:
+        """Whether ``card`` may be given to the pod: the one decision of a card's eligibility (its
+        model, and its memory limits where the pod requires them); :meth:`refusal` says why not."""
+        return self.accepts(card.model) and (card.limits_enforced or not self.memory_limits)
+
+    def refusal(self, card: CardCapacity) -> str | None:
+        """Why ``card`` may not be given to the pod, or None when :meth:`admits` lets it."""
+        if self.admits(card):
+            return None
+        if not self.accepts(card.model):
+            model = card.model or "unknown-model"
+            return f"card {card.index} ({card.uuid}) is a {model} card; the pod takes only {self.label()} cards"
+        return unenforced([card])
+
+    def card_mask(
+        self, card_models: np.ndarray, models: Sequence[str], enforced: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Per card of ``card_models`` (any array of numbers into ``models``): whether :meth:`admits`
+        lets the pod have it; ``enforced`` (the same shape) says which cards enforce memory limits, and
+        is required when the rule requires them."""
         accepted = np.fromiter((self.accepts(m) for m in models), dtype=bool, count=len(models))
-        return accepted[card_models]
+        mask = accepted[card_models]
+        if not self.memory_limits:
+            return mask
+        if enforced is None:
+            raise ValueError("a rule requiring memory limits needs to know which cards enforce them")
+        return mask & enforced
 
     @property
     def picks_models(self) -> bool:
         return bool(self.models or self.avoid)
 
     @property
+    def picks_cards(self) -> bool:
+        """Whether the rule passes over some cards (by model or memory limits), not only some groups."""
+        return self.picks_models or self.memory_limits
+
+    @property
     def topology(self) -> bool:
         return self.nvlink or self.same_numa
 
     def without_topology(self) -> CardRule:
+        return CardRule(self.models, self.avoid, memory_limits=self.memory_limits)
+
+    def models_only(self) -> CardRule:
         return CardRule(self.models, self.avoid)
 
     def joinable(self, a: CardCapacity, b: CardCapacity) -> bool:
@@ -154,17 +209,18 @@ class CardRule:
         return not self.same_numa or (a.numa is not None and a.numa == b.numa)
 
     def label(self) -> str:
-        """How messages name the acceptable cards: ``A100-80GB or A100-40GB``, ``non-T4``; empty for any."""
+        """How messages name the acceptable cards: ``A100-80GB or A100-40GB``, ``non-T4``,
+        ``limit-enforcing``; empty for any."""
         words = [" or ".join(sorted(self.models))] if self.models else []
         words += [f"non-{m}" for m in sorted(self.avoid)]
+        words += ["limit-enforcing"] if self.memory_limits else []
         return " ".join(words)
 
     def violation(self, cards: Sequence[CardCapacity]) -> str | None:
         """Why one pod holding ``cards`` breaks this rule, or None when it doesn't."""
         for card in cards:
-            if not self.accepts(card.model):
-                model = card.model or "unknown-model"
-                return f"card {card.index} ({card.uuid}) is a {model} card; the pod takes only {self.label()} cards"
+            if (refusal := self.refusal(card)) is not None:
+                return refusal
         for i, a in enumerate(cards):
             for b in cards[i + 1 :]:
                 if not self.joinable(a, b):
@@ -177,7 +233,21 @@ class CardRule:
         return ", ".join([*parts, "on one NUMA node"] if self.same_numa else parts)
 
 
-#: the rule of a pod that asks nothing of its cards' model or topology
+def unenforced(cards: Sequence[CardCapacity]) -> str:
+    """``card 0 (GPU-a) doesn't enforce GPU memory limits: <why>``: how messages name cards without
+    memory limits, one clause per cause (``cards 0 (GPU-a), 1 (GPU-b) don't ...``)."""
+    causes: dict[str, list[CardCapacity]] = {}
+    for card in cards:
+        causes.setdefault(card.memory_limits, []).append(card)
+    clauses = []
+    for cause, group in causes.items():
+        named = ", ".join(f"{c.index} ({c.uuid})" for c in group)
+        verb = "doesn't" if len(group) == 1 else "don't"
+        clauses.append(f"card{'s' if len(group) > 1 else ''} {named} {verb} enforce GPU memory limits: {cause}")
+    return "; ".join(clauses)
+
+
+#: the rule of a pod that asks nothing of its cards' model, topology or memory limits
 ANY_CARD = CardRule()
 
 

@@ -10,9 +10,10 @@ policy's preferred option; if a later demand then doesn't fit, earlier choices a
 that leave the same free space behind are tried once), so a pod is refused only if no combination
 of cards fits it.
 
-A :class:`CardRule` narrows the cards: a card whose model the pod refuses is passed over as if it were
-full, and with NVLink or same-NUMA required every two distinct cards of the pod (across its
-containers) must be NVLink peers or share a NUMA node; a group that breaks the rule is never offered.
+A :class:`CardRule` narrows the cards: a card it doesn't admit (a model the pod refuses, or no memory
+limits where the pod requires them) is passed over as if it were full, and with NVLink or same-NUMA
+required every two distinct cards of the pod (across its containers) must be NVLink peers or share a
+NUMA node; a group that breaks the rule is never offered.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from itertools import combinations
 
 import numpy as np
 
-from gpushare.placement.demand import ANY_CARD, Assignment, CardCapacity, CardRule, Demand, NoFit, Shape
+from gpushare.placement.demand import ANY_CARD, Assignment, CardCapacity, CardRule, Demand, NoFit, Shape, unenforced
 from gpushare.placement.policies import POLICIES, Policy
 
 #: at most this many options are tried per pod before giving up as "don't fit together"
@@ -56,9 +57,9 @@ def check_fit(
     if len(demands) == 1 and demands[0].cards == 1:
         demand = demands[0]
         if demand.exclusive:
-            if any(c.healthy and c.used == 0 and c.capacity > 0 and rule.accepts(c.model) for c in cards):
+            if any(c.healthy and c.used == 0 and c.capacity > 0 and rule.admits(c) for c in cards):
                 return None
-        elif any(c.free >= demand.units and rule.accepts(c.model) for c in cards):
+        elif any(c.free >= demand.units and rule.admits(c) for c in cards):
             return None
         return _explain(_Node(cards, rule), demands, unit)
     node = _Node(cards, rule)
@@ -96,7 +97,7 @@ class _Node:
         self.capacity = [c.capacity if c.healthy else 0 for c in self.cards]
         self.free = [c.free for c in self.cards]
         self.rule = rule
-        self.allowed = [rule.accepts(c.model) for c in self.cards]
+        self.allowed = [rule.admits(c) for c in self.cards]
         self.row = np.array([self.capacity], dtype=np.int64).reshape(1, len(self.cards))
 
     def can_take(self, demand: Demand, pos: int, free: Sequence[int]) -> bool:
@@ -116,9 +117,14 @@ class _Node:
         return [p for p, c in enumerate(self.cards) if c.uuid in wanted]
 
     def ignored(self) -> str:
-        """``; Tesla T4 cards ignored``: the models of the cards the rule refuses, for messages."""
-        models = sorted({c.model or "unknown" for c, ok in zip(self.cards, self.allowed, strict=True) if not ok})
-        return f"; {', '.join(models)} cards ignored" if models else ""
+        """``; Tesla T4 cards ignored; card 2 (GPU-c) doesn't enforce GPU memory limits: <why>``: the
+        cards the rule refuses, by model or by cause, for messages."""
+        refused = [c for c, ok in zip(self.cards, self.allowed, strict=True) if not ok]
+        models = sorted({c.model or "unknown" for c in refused if not self.rule.accepts(c.model)})
+        unlimited = [c for c in refused if self.rule.accepts(c.model)]
+        parts = [f"{', '.join(models)} cards ignored"] if models else []
+        parts += [unenforced(unlimited)] if unlimited else []
+        return "".join(f"; {part}" for part in parts)
 
 
 def _take(node: _Node, demand: Demand, pos: int) -> int:

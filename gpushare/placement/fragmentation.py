@@ -77,7 +77,7 @@ class Workload:
         def key(pod: tuple[Shape, int, int, CardRule]) -> tuple[Shape, int, int, tuple[tuple[str, ...], ...]]:
             shape, cpu, memory, rule = pod
             named = (tuple(sorted(rule.models)), tuple(sorted(rule.avoid)))
-            rules.setdefault(named, rule.without_topology())
+            rules.setdefault(named, rule.models_only())
             return shape, cpu, memory, named
 
         kept = most_common(map(key, observed), coverage)

@@ -53,7 +53,7 @@ class CostMemo(RowMemo):
         allowed: np.ndarray | None = None,
     ) -> np.ndarray:
         """Per row: the policy's cost of the demand (``inf`` where it doesn't fit); ``host`` says per row
-        what lies beside the GPUs; ``allowed`` the cards the pod's rule accepts (None:
+        what lies beside the GPUs; ``allowed`` the cards the pod's rule admits (None:
         all). The result is the memo's own array: read it before the memo is asked again."""
         return self.values(
             generation,

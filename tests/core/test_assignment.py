@@ -1,9 +1,13 @@
 """The one assignment check the device plugin and the CRI shim share: what it refuses, and how it says so."""
 
+from dataclasses import replace
+
 from gpushare.assignment import Claim, Holdings, check_assignment
+from gpushare.cards import ENFORCED
 from gpushare.contract.allocation import CardSlice
 from gpushare.contract.units import GIB
-from gpushare.gpus.simulated import simulated_cards
+from gpushare.gpus.simulated import SIMULATED_LIMITS, simulated_cards
+from gpushare.placement import CardRule
 from gpushare.usage import PodCards
 
 CARDS = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
@@ -61,3 +65,16 @@ def test_a_whole_card_request_given_part_of_a_card_is_bad_input() -> None:
     assert refused is not None and refused.invalid_input and refused.reason == "bad-annotation"
     assert "whole but is assigned 10 of its 15 unit(s)" in refused.message
     assert check_assignment(claim(CardSlice(2, T4.uuid, 15), exclusive=True), CARDS, GIB, None) is None
+
+
+def test_a_pod_requiring_memory_limits_is_refused_a_card_that_doesnt_enforce_them() -> None:
+    required = CardRule(memory_limits=True)
+    slices = (CardSlice(0, A0.uuid, 4),)
+    refused = check_assignment(Claim("ns/train", "uid-train", "main", slices, rule=required), CARDS, GIB, None)
+    assert refused is not None and refused.reason == "card-rule"
+    assert refused.message == (
+        f"pod ns/train container main: card 0 ({A0.uuid}) doesn't enforce GPU memory limits: {SIMULATED_LIMITS}"
+    )
+    enforcing = [replace(A0, memory_limits=ENFORCED), A1, T4]
+    assert check_assignment(Claim("ns/train", "uid-train", "main", slices, rule=required), enforcing, GIB, None) is None
+    assert check_assignment(claim(*slices), CARDS, GIB, None) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -9,18 +10,20 @@ import pytest
 from kubernetes import client
 from podfactory import gpu_pod
 
+from gpushare.cards import ENFORCED
 from gpushare.cli import main
 from gpushare.contract import names
 from gpushare.contract.allocation import CardSlice, format_allocation
 from gpushare.contract.inventory import format_inventory
 from gpushare.contract.names import ANN_ALLOCATION, ANN_MEM_IDX, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB, MemoryUnit
-from gpushare.gpus.simulated import simulated_cards
+from gpushare.gpus.simulated import SIMULATED_LIMITS, simulated_cards
 from gpushare.inspection.render import render_details, render_summary
 from gpushare.inspection.views import build_cluster
 
-# node "big": an 80 GiB card and an unhealthy 15 GiB card, in GiB
+# node "big": an 80 GiB card whose driver enforces memory limits and an unhealthy 15 GiB card, in GiB
 BIG = list(simulated_cards("big", "1xA100-80GB:81920,1xT4:15360"))
+BIG[0] = replace(BIG[0], memory_limits=ENFORCED)
 BIG[1] = BIG[1].with_health(False)
 # node "small": two 16 GiB cards counted in 512 MiB units (32 each)
 SMALL = simulated_cards("small", "2xV100-16GB:16384")
@@ -111,6 +114,7 @@ def test_summary_shows_each_card_in_its_nodes_unit() -> None:
         "PENDING(Allocated)",
         "GPU Memory(Allocated/Total)",
         "MODEL",
+        "LIMITS",
     ]
     assert table["big"] == [
         "big",
@@ -121,8 +125,9 @@ def test_summary_shows_each_card_in_its_nodes_unit() -> None:
         "5 (1 pod)",
         "20/95 (21%)",
         "A100-80GB (GPU0), T4 (GPU1)",
+        "enforced (GPU0), off (GPU1)",
     ]
-    assert table["small"] == ["small", "10.0.0.2", "512MiB", "10/32", "10/32", "20/64 (31%)", "V100-16GB"]
+    assert table["small"] == ["small", "10.0.0.2", "512MiB", "10/32", "10/32", "20/64 (31%)", "V100-16GB", "off"]
     assert "cpu-only" not in table
     # the units differ between nodes, so the cluster total is converted to MiB: 20 GiB + 20 x 512 MiB
     assert "Allocated/Total GPU memory in cluster: 30720/130048 MiB (23%)" in text
@@ -143,6 +148,8 @@ def test_details_list_each_pod_per_card() -> None:
     assert "done" not in big_rows
     assert "Allocated:  20 GiB (21%)" in big and "Total:      95 GiB" in big
     assert "MODEL:      A100-80GB (GPU0), T4 (GPU1)" in big and "MODEL:      V100-16GB" in small
+    assert f"LIMITS:     enforced (GPU0); off (GPU1): {SIMULATED_LIMITS}" in big
+    assert f"LIMITS:     off: {SIMULATED_LIMITS}" in small
     small_rows = rows(small)
     assert small_rows["two-cards"] == ["two-cards", "team", "10", "10"]
     assert "Allocated:  20 x 512MiB (31%)" in small and "Total:      64 x 512MiB" in small
@@ -152,7 +159,7 @@ def test_same_unit_everywhere_keeps_the_cluster_total_in_that_unit() -> None:
     nodes = [node("a", "10.0.0.1", BIG), node("b", "10.0.0.2", SMALL)]
     pods = [pod("p", "b", {"main": mem(16)}, placed(main=[(SMALL[1], 16)]))]
     text = render_summary(build_cluster(nodes, pods))
-    assert rows(text)["b"] == ["b", "10.0.0.2", "GiB", "0/16", "16/16", "16/32 (50%)", "V100-16GB"]
+    assert rows(text)["b"] == ["b", "10.0.0.2", "GiB", "0/16", "16/16", "16/32 (50%)", "V100-16GB", "off"]
     assert rows(text)["a"][3:5] == ["0/80", "0/15 (unhealthy)"]
     assert "Allocated/Total GPU memory in cluster: 16/127 GiB (12%)" in text
 
@@ -161,8 +168,8 @@ def test_node_without_inventory_falls_back_to_capacity_and_says_so() -> None:
     legacy = node("legacy", "10.0.0.9", capacity={RESOURCE_MEM: "30", RESOURCE_COUNT: "2"})
     pods = [pod("old", "legacy", {"main": mem(12)}, {ANN_MEM_IDX: "1"})]
     text = render_summary(build_cluster([legacy], pods))
-    # the capacity says nothing of the cards' model
-    assert rows(text)["legacy"] == ["legacy", "10.0.0.9", "GiB", "0/15", "12/15", "12/30 (40%)", "-"]
+    # the capacity says nothing of the cards' model, and the original plugin enforces no memory limits
+    assert rows(text)["legacy"] == ["legacy", "10.0.0.9", "GiB", "0/15", "12/15", "12/30 (40%)", "-", "off"]
     assert "note: node legacy: no gpushare.io/inventory annotation: 2 equal card(s) of 15 GiB inferred from" in text
 
 
@@ -170,7 +177,7 @@ def test_gpu_count_replicas_are_not_taken_for_cards() -> None:
     # our plugin lists one gpu-count replica per unit: without the inventory, cards can't be counted
     ours = node("ours", "10.0.0.8", capacity={RESOURCE_MEM: "30", RESOURCE_COUNT: "30"})
     text = render_summary(build_cluster([ours], []))
-    assert rows(text)["ours"] == ["ours", "10.0.0.8", "GiB", "0/0 (0%)", "-"]
+    assert rows(text)["ours"] == ["ours", "10.0.0.8", "GiB", "0/0 (0%)", "-", "-"]
     assert "warning: node ours: node ours has no gpushare.io/inventory annotation; its aliyun.com/gpu-count=30" in text
 
 

@@ -484,6 +484,7 @@ def test_metrics_show_card_usage_and_refusals_and_probes_follow_readiness(node: 
         assert t4.model and f"gpushare_card_allocated_units{{{labels}}} 6.0" in body
         assert f"gpushare_card_total_units{{{labels}}} 15.0" in body
         assert f"gpushare_card_healthy{{{labels}}} 1.0" in body
+        assert f"gpushare_memory_limits_enforced{{{labels}}} 0.0" in body  # a simulated card
         assert 'gpushare_allocate_failures_total{reason="overcommit",resource="aliyun.com/gpu-mem"}' in body
         assert 'gpushare_allocate_seconds_count{resource="aliyun.com/gpu-mem"}' in body
     finally:

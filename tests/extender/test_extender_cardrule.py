@@ -1,14 +1,28 @@
 """The extender's filter, prioritize and bind over HTTP for pods that choose their card model or
-require NVLink / one NUMA node (n1: two NVLinked A100-80GB on NUMA 0 and a T4 on NUMA 1; n2: an A10)."""
+require NVLink / one NUMA node / memory limits (n1: two NVLinked A100-80GB on NUMA 0 and a T4 on NUMA 1;
+n2: an A10; no simulated card enforces memory limits)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+from gpushare.advertiser.agent import Advertiser
 from podfactory import container, gpu_pod
 from support.extender import Cluster, host_scores
 from support.waiting import wait_until
 
-from gpushare.contract.names import ANN_GPU_MODEL, ANN_GPU_MODEL_AVOID, ANN_REQUIRE_NVLINK, ANN_REQUIRE_SAME_NUMA
+from gpushare.cards import ENFORCED
+from gpushare.contract.names import (
+    ANN_GPU_MODEL,
+    ANN_GPU_MODEL_AVOID,
+    ANN_REQUIRE_MEMORY_LIMIT,
+    ANN_REQUIRE_NVLINK,
+    ANN_REQUIRE_SAME_NUMA,
+)
+from gpushare.contract.units import GIB
+from gpushare.gpus.backend import CardBook
+from gpushare.gpus.simulated import SIMULATED_LIMITS
 
 
 def ruled(name: str, containers: list[dict], **annotations: str) -> dict:
@@ -84,3 +98,31 @@ def test_a_bad_card_annotation_fails_every_node_naming_pod_and_annotation(cluste
         ["n1", "n2"], f"pod default/bad annotation {ANN_REQUIRE_NVLINK}: 'always' is neither 'true' nor 'false'"
     )
     assert f"annotation {ANN_REQUIRE_NVLINK}" in cluster.bind(pod, "n1")["Error"]
+
+
+def test_a_pod_requiring_memory_limits_is_refused_nodes_whose_cards_dont_enforce_them(cluster: Cluster) -> None:
+    pod = cluster.pod(ruled("capped", [container("main", 10)], **{ANN_REQUIRE_MEMORY_LIMIT: "true"}))
+    a0, a1, t4 = cluster.backends["n1"].cards()
+    (a10,) = cluster.backends["n2"].cards()
+    result = cluster.filter(pod)
+    assert result["NodeNames"] == []
+    assert result["FailedNodes"] == {
+        "n1": f"no limit-enforcing card on the node (cards 0 ({a0.uuid}), 1 ({a1.uuid}), 2 ({t4.uuid}) "
+        f"don't enforce GPU memory limits: {SIMULATED_LIMITS})",
+        "n2": f"no limit-enforcing card on the node (card 0 ({a10.uuid}) doesn't enforce GPU memory limits: "
+        f"{SIMULATED_LIMITS})",
+    }
+    assert f"card 0 ({a10.uuid}) doesn't enforce GPU memory limits" in cluster.bind(pod, "n2")["Error"]
+    # once n1's agent reports the second A100 enforcing limits, the pod goes there and nowhere else
+    Advertiser(cluster.api, "n1", CardBook([a0, replace(a1, memory_limits=ENFORCED), t4]), GIB).publish_once()
+    wait_until(lambda: cluster.filter(pod)["NodeNames"] == ["n1"], what="the enforcing card in the cache")
+    assert cluster.bind(pod, "n1")["Error"] == ""
+    assert cluster.allocation("capped")["main"][0].uuid == a1.uuid
+
+
+def test_a_bad_memory_limit_annotation_fails_every_node_naming_pod_and_annotation(cluster: Cluster) -> None:
+    pod = cluster.pod(ruled("unsure", [container("main", 1)], **{ANN_REQUIRE_MEMORY_LIMIT: "yes"}))
+    assert cluster.filter(pod)["FailedAndUnresolvableNodes"] == dict.fromkeys(
+        ["n1", "n2"],
+        f"pod default/unsure annotation {ANN_REQUIRE_MEMORY_LIMIT}: 'yes' is neither 'true' nor 'false'",
+    )

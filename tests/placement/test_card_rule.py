@@ -1,12 +1,19 @@
-"""Card rules: the models a pod accepts or avoids and the NVLink / NUMA topology it requires, as
-placement applies them and as the contract reads them from pod annotations."""
+"""Card rules: the models a pod accepts or avoids, the NVLink / NUMA topology and the memory limits it
+requires, as placement applies them and as the contract reads them from pod annotations."""
 
 import numpy as np
 import pytest
 
+from gpushare.cards import ENFORCED, NOT_REPORTED
 from gpushare.contract.cardrule import card_rule_annotations, parse_card_rule
 from gpushare.contract.errors import AnnotationError
-from gpushare.contract.names import ANN_GPU_MODEL, ANN_GPU_MODEL_AVOID, ANN_REQUIRE_NVLINK, ANN_REQUIRE_SAME_NUMA
+from gpushare.contract.names import (
+    ANN_GPU_MODEL,
+    ANN_GPU_MODEL_AVOID,
+    ANN_REQUIRE_MEMORY_LIMIT,
+    ANN_REQUIRE_NVLINK,
+    ANN_REQUIRE_SAME_NUMA,
+)
 from gpushare.placement import (
     ANY_CARD,
     POLICIES,
@@ -178,3 +185,77 @@ def test_bad_annotations_are_refused_naming_pod_and_annotation(key: str, value: 
         parse_card_rule(pod({key: value}))
     assert str(refused.value).startswith(f"pod ml/train annotation {key}: ")
     assert message in str(refused.value)
+
+
+NO_DRIVER = "the driver has no per-cgroup memory limits (nvmlDeviceSetMemoryLimits_v1 needs release 615 or later)"
+HYBRID = "cgroup hybrid (the driver's memory limits need cgroup v2)"
+LIMITED = CardRule(memory_limits=True)
+
+
+def limits_node(*causes: str, free: int = 80) -> list[CardCapacity]:
+    """One 80-unit A100 per cause, ``free`` units free on each; ENFORCED cards enforce memory limits."""
+    return [
+        CardCapacity(i, f"GPU-{i}", 80, 80 - free, model="NVIDIA A100-SXM4-80GB", memory_limits=cause)
+        for i, cause in enumerate(causes)
+    ]
+
+
+def test_a_pod_requiring_memory_limits_is_placed_only_on_cards_that_enforce_them() -> None:
+    node = limits_node(NO_DRIVER, ENFORCED, HYBRID)
+    (assignment,) = place(node, [Demand("main", 10)], BINPACK, rule=LIMITED)
+    assert assignment.cards == ((1, "GPU-1", 10),)
+    assert LIMITED.admits(node[1]) and not LIMITED.admits(node[0]) and ANY_CARD.admits(node[0])
+    # without the requirement, binpack takes the first card
+    assert place(node, [Demand("main", 10)], BINPACK)[0].cards[0][0] == 0
+    assert check_fit(node, [Demand("main", 0, 2, exclusive=True)], rule=LIMITED) is not None
+
+
+def test_a_node_without_enforcing_cards_is_refused_naming_each_card_and_its_cause() -> None:
+    node = limits_node(NO_DRIVER, NO_DRIVER, HYBRID)
+    refused = check_fit(node, [Demand("main", 10)], rule=LIMITED)
+    assert refused is not None
+    assert refused.reason == (
+        "no limit-enforcing card on the node (cards 0 (GPU-0), 1 (GPU-1) don't enforce GPU memory limits: "
+        f"{NO_DRIVER}; card 2 (GPU-2) doesn't enforce GPU memory limits: {HYBRID})"
+    )
+    # an enforcing card too full: the cards passed over are named with their cause
+    full = check_fit(limits_node(ENFORCED, HYBRID, free=5), [Demand("main", 10)], rule=LIMITED)
+    assert full is not None and full.reason == (
+        "no limit-enforcing card has 10 GiB free (largest free: 5 GiB on card 0; "
+        f"card 1 (GPU-1) doesn't enforce GPU memory limits: {HYBRID})"
+    )
+
+
+def test_the_vectorised_mask_takes_memory_limits_in_as_the_per_card_rule_does() -> None:
+    enforced = np.array([[True, False], [False, False]])
+    card_models = np.array([[0, 1], [1, 1]])
+    models = ("NVIDIA A100-SXM4-80GB", "Tesla T4")
+    assert LIMITED.card_mask(card_models, models, enforced).tolist() == [[True, False], [False, False]]
+    both = CardRule(models=frozenset({"T4"}), memory_limits=True)
+    assert both.card_mask(card_models, models, enforced).tolist() == [[False, False], [False, False]]
+    assert A100.card_mask(card_models, models).tolist() == [[True, False], [False, False]]
+    with pytest.raises(ValueError, match="which cards enforce them"):
+        LIMITED.card_mask(card_models, models)
+
+
+def test_violation_names_a_card_without_memory_limits_and_why() -> None:
+    node = limits_node(ENFORCED, NOT_REPORTED)
+    assert LIMITED.violation(node[:1]) is None
+    assert LIMITED.violation(node) == f"card 1 (GPU-1) doesn't enforce GPU memory limits: {NOT_REPORTED}"
+    assert ANY_CARD.violation(node) is None
+
+
+@pytest.mark.parametrize(("value", "required"), [("true", True), ("False", False)])
+def test_the_memory_limit_annotation_parses_into_the_rule_and_back(value: str, required: bool) -> None:
+    rule = parse_card_rule(pod({ANN_REQUIRE_MEMORY_LIMIT: value}))
+    assert rule.memory_limits is required
+    assert parse_card_rule(pod(card_rule_annotations(rule))) == rule
+    assert (ANN_REQUIRE_MEMORY_LIMIT in card_rule_annotations(rule)) is required
+
+
+def test_a_bad_memory_limit_annotation_is_refused_naming_pod_and_annotation() -> None:
+    with pytest.raises(AnnotationError) as refused:
+        parse_card_rule(pod({ANN_REQUIRE_MEMORY_LIMIT: "yes"}))
+    assert (
+        str(refused.value) == f"pod ml/train annotation {ANN_REQUIRE_MEMORY_LIMIT}: 'yes' is neither 'true' nor 'false'"
+    )

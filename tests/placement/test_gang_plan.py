@@ -9,6 +9,7 @@ import yaml
 from gpushare.extender.asks import read_ask
 
 from gpushare import placement
+from gpushare.cards import ENFORCED
 from gpushare.contract.gang import Gang, GangError, format_gang, parse_gang
 from gpushare.contract.names import LABEL_GANG, LABEL_GANG_MIN
 from gpushare.contract.pending import PendingBind, format_pending_binds, parse_pending_binds
@@ -77,6 +78,17 @@ def test_a_member_gets_only_cards_of_the_model_it_asks_for() -> None:
     full = [Room("a", t4, FREE), Room("b", (placement.CardCapacity(0, "A100-0", 80, 75, model="A100"),), FREE)]
     plan = plan_gang([Member("u", "default/w", demand, rule=wants_a100)], full, BINPACK)
     assert plan.unplaced == ("default/w",) and "A100" in plan.reason, plan.reason
+
+
+def test_a_member_requiring_memory_limits_gets_only_cards_that_enforce_them() -> None:
+    unlimited = Room("a", (placement.CardCapacity(0, "GPU-a", 80, 60, memory_limits="cgroup hybrid"),), FREE)
+    limited = Room("b", (placement.CardCapacity(0, "GPU-b", 80, 0, memory_limits=ENFORCED),), FREE)
+    member = Member("u", "default/w", (placement.Demand("main", 10),), rule=placement.CardRule(memory_limits=True))
+    plan = plan_gang([member], [unlimited, limited], BINPACK)
+    assert plan.spots["u"] == Spot("b", {"GPU-b": 10}), "binpack alone would take the fuller card on a"
+    plan = plan_gang([member], [unlimited], BINPACK)
+    assert plan.unplaced == ("default/w",)
+    assert "card 0 (GPU-a) doesn't enforce GPU memory limits: cgroup hybrid" in plan.reason, plan.reason
 
 
 def test_a_previous_place_is_kept_while_it_fits() -> None:
