@@ -42,7 +42,7 @@ from gpushare.kube.errors import KubeError, KubeNotFound
 from gpushare.kube.objects import get_node, get_pod
 from gpushare.pb import cri_pb2
 from gpushare.placement.demand import ANY_CARD, CardRule
-from gpushare.usage import card_by_minor, node_ledger, node_usage, pod_allocation
+from gpushare.usage import card_by_minor, node_ledger, node_usage, pod_allocation, pod_cards
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +278,35 @@ class Resolver:
         if found.refusal is None and found.wants_gpu:
             return self._check_capacity(found, cards)
         return found
+
+    def pod_held(self, found: Resolution, annotations: Mapping[str, str], cards: Sequence[Card]) -> dict[str, int]:
+        """Units ``found``'s pod holds per card UUID, which its memory limits are: by the node's rule
+        (:func:`gpushare.usage.pod_cards`, the node's ledger first) from the pod when it can be had;
+        else (API lookups off or failing) the pod's allocation annotation summed per card, which is at
+        least what it holds. Never less than the container's own cards."""
+        target, held = found.target, {}
+        if self._pods is not None:
+            try:
+                pod = self._pods.pod(target.namespace, target.pod, target.uid)
+            except KubeError as exc:
+                log.warning("%s: %s; its memory limits are taken from its annotations", target, exc)
+                pod = None
+            if pod is not None:
+                counted, _ = pod_cards(
+                    pod, NodeInventory(self._unit, tuple(cards)), self._pods.ledger().get(target.uid)
+                )
+                held = dict(counted.held) if counted is not None else {}
+        if not held:
+            try:
+                allocation = parse_allocation(annotations.get(ANN_ALLOCATION, "{}"), target.pod_key)
+            except ContractError:
+                allocation = {}
+            for slices in allocation.values():
+                for part in slices:
+                    held[part.uuid] = held.get(part.uuid, 0) + part.units
+        for part in found.slices:
+            held[part.uuid] = max(held.get(part.uuid, 0), part.units)
+        return held
 
     def _check_capacity(self, found: Resolution, cards: Sequence[Card]) -> Resolution:
         if self._pods is None:  # --no-api-fetch: the operator chose to trust sandbox_config alone

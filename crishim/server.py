@@ -18,14 +18,15 @@ import grpc
 from google.protobuf.message import DecodeError
 from gpushare.crishim.metrics import CORRECTIONS, REFUSALS
 from gpushare.crishim.reactor import Reactor
-from gpushare.crishim.resolve import Resolver, Target
+from gpushare.crishim.resolve import Resolution, Resolver, Target
 from gpushare.crishim.rewrite import rewrite
 from gpushare.crishim.splice import Forward, Refuse, Splice, Verdict
 
-from gpushare.assignment import describe
+from gpushare.assignment import Refusal, describe
 from gpushare.cards import Card
 from gpushare.contract.names import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID
 from gpushare.contract.units import MemoryUnit
+from gpushare.memlimits.enforcer import PodLimiter
 from gpushare.pb import cri_pb2
 from gpushare.settings import RewriteOptions, socket_path
 
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 
 EVENT_CORRECTED = "GPUAssignmentCorrected"
 EVENT_REFUSED = "GPUAssignmentRefused"
+#: the refusal reason (and metric label) of a pod whose memory limit the driver did not set
+MEMORY_LIMIT = "memory-limit"
 LISTEN_BACKLOG = 128
 #: threads settling CreateContainer calls (each may wait on the API server)
 DECIDE_WORKERS = 8
@@ -52,6 +55,8 @@ class CreateContainerGuard:
     unit: MemoryUnit
     options: RewriteOptions
     events: EventSink | None = None
+    #: sets the pod's GPU memory limits before its GPU containers are created (None: limits are off)
+    limiter: PodLimiter | None = None
 
     def __call__(self, request: bytes) -> Verdict:
         try:
@@ -61,11 +66,12 @@ class CreateContainerGuard:
         cards = list(self.cards())
         resolution = self.resolver.resolve(decoded, cards)
         outcome = rewrite(decoded.config, resolution, cards, self.unit, self.options)
-        if outcome.refusal is not None:
-            REFUSALS.labels(outcome.refusal.reason).inc()
-            log.warning("refused CreateContainer (%s): %s", outcome.refusal.reason, outcome.refusal.message)
-            self._event(resolution.target, EVENT_REFUSED, outcome.refusal.message, "Warning")
-            return Refuse(grpc.StatusCode.FAILED_PRECONDITION, outcome.refusal.message)
+        refusal = outcome.refusal or self._limit(decoded, resolution, cards)
+        if refusal is not None:
+            REFUSALS.labels(refusal.reason).inc()
+            log.warning("refused CreateContainer (%s): %s", refusal.reason, refusal.message)
+            self._event(resolution.target, EVENT_REFUSED, refusal.message, "Warning")
+            return Refuse(grpc.StatusCode.FAILED_PRECONDITION, refusal.message)
         if outcome.config is None:
             if resolution.wants_gpu:
                 log.info("%s: %s as assigned (%s)", resolution.target, describe(resolution.slices), resolution.source)
@@ -78,6 +84,17 @@ class CreateContainerGuard:
             log.debug("%s requests no GPU: %s=%s", resolution.target, ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID)
         decoded.config.CopyFrom(outcome.config)
         return Forward(decoded.SerializeToString())
+
+    def _limit(
+        self, request: cri_pb2.CreateContainerRequest, resolution: Resolution, cards: Sequence[Card]
+    ) -> Refusal | None:
+        """Hold the pod to its share of each card it shares, before its GPU container is created."""
+        if self.limiter is None or not resolution.wants_gpu:
+            return None
+        annotations = request.sandbox_config.annotations
+        held = self.resolver.pod_held(resolution, annotations, cards)
+        why = self.limiter.apply(str(resolution.target), request.sandbox_config.linux.cgroup_parent, held, cards)
+        return None if why is None else Refusal(MEMORY_LIMIT, why)
 
     def _event(self, target: Target, reason: str, message: str, type_: str) -> None:
         if self.events is not None:

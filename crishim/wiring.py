@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
 
+from gpushare.crishim.reconcile import Reconciler, reconcile_limits
 from gpushare.crishim.resolve import CachedPods, Resolver, Target
 from gpushare.crishim.server import CreateContainerGuard, CriShim, EventSink
 
@@ -15,6 +17,7 @@ from gpushare.kube.events import EventSource
 from gpushare.kube.nodeapi import NodeApi
 from gpushare.kube.transport import load_api
 from gpushare.kube.watch import WatchCache
+from gpushare.memlimits.enforcer import PodLimiter
 from gpushare.nodewiring import run_on_node
 from gpushare.settings import MetricsEndpoint, NodeSettings, ShimSettings
 
@@ -39,6 +42,8 @@ class RunningShim:
     cache: WatchCache | None
     #: the API access the shim opened for itself (None when it uses its process's, or has none)
     own: NodeApi | None
+    #: setting the running pods' memory limits after the start (None: no card enforces them)
+    reconciler: Reconciler | None = None
 
     def alive(self) -> bool:
         return self.shim.alive()
@@ -47,6 +52,8 @@ class RunningShim:
         return self.shim.serving
 
     def stop(self) -> None:
+        if self.reconciler is not None:
+            self.reconciler.stop()
         self.shim.stop()
         if self.own is not None:
             self.own.stop()
@@ -63,12 +70,15 @@ def start_cri_shim(
         own = NodeApi(api, node.node_name, watch_pods=settings.allow_api_fetch).start()
     node_api = shared or own
     cache = node_api.pods if node_api is not None and settings.allow_api_fetch else None
+    resolver = Resolver(node.memory_unit, CachedPods(api, cache, node.node_name) if cache is not None else None)
+    limiter = PodLimiter(backend.set_memory_limit, node.cgroup_layout(), node.memory_unit)
     guard = CreateContainerGuard(
-        Resolver(node.memory_unit, CachedPods(api, cache, node.node_name) if cache is not None else None),
+        resolver,
         backend.cards,
         node.memory_unit,
         settings.options,
         pod_events(node_api.events.for_component(COMPONENT)) if node_api is not None else None,
+        limiter,
     )
     shim = CriShim(settings.listen, settings.runtime, guard)
     try:
@@ -77,7 +87,11 @@ def start_cri_shim(
         if own is not None:
             own.stop()
         raise
-    return RunningShim(shim, cache, own)
+    reconciler = None
+    if any(card.limits_enforced for card in backend.cards()):
+        run = functools.partial(reconcile_limits, settings.runtime, resolver, limiter, backend.cards)
+        reconciler = Reconciler(run, cache.wait_synced if cache is not None else None).start()
+    return RunningShim(shim, cache, own, reconciler)
 
 
 def _api_for(node: NodeSettings, settings: ShimSettings) -> Any | None:

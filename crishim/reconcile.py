@@ -1,0 +1,100 @@
+"""After a start (or a restart of the node agent), the GPU memory limits of the pods already running on
+the node: each pod's cgroup gets them again from its assignment, as if its containers were being
+created now. A limit that can't be set can't refuse a running pod; it is logged as an error naming the
+pod, card and cause."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+from gpushare.crishim.resolve import Resolution, Resolver, Target
+
+from gpushare.cards import Card
+from gpushare.memlimits.enforcer import PodLimiter
+from gpushare.pb import cri_pb2, cri_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: seconds to wait for the node's pod cache before reconciling from annotations alone
+SYNC_WAIT = 60.0
+SYNC_STEP = 0.5
+CALL_TIMEOUT = 30.0
+
+
+def cgroup_parent(sandbox_info: str) -> str:
+    """The pod's cgroup as kubelet gave it to the sandbox, from containerd's verbose sandbox status."""
+    try:
+        config = json.loads(sandbox_info or "{}").get("config") or {}
+    except ValueError:
+        return ""
+    return str((config.get("linux") or {}).get("cgroup_parent", ""))
+
+
+def reconcile_limits(
+    runtime: str, resolver: Resolver, limiter: PodLimiter, cards: Callable[[], Sequence[Card]]
+) -> tuple[int, int]:
+    """Set the limits of every ready pod sandbox on the runtime; (pods limited, pods that failed)."""
+    limited = failed = 0
+    with grpc.insecure_channel(runtime) as channel:
+        stub = cri_pb2_grpc.RuntimeServiceStub(channel)
+        ready = cri_pb2.PodSandboxFilter(state=cri_pb2.PodSandboxStateValue(state=cri_pb2.SANDBOX_READY))
+        sandboxes = stub.ListPodSandbox(cri_pb2.ListPodSandboxRequest(filter=ready), timeout=CALL_TIMEOUT).items
+        for sandbox in sandboxes:
+            meta = sandbox.metadata
+            target = Target(meta.namespace, meta.name, meta.uid, "")
+            now = list(cards())
+            held = resolver.pod_held(Resolution(target, wants_gpu=True), sandbox.annotations, now)
+            if not held:
+                continue
+            request = cri_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox.id, verbose=True)
+            status = stub.PodSandboxStatus(request, timeout=CALL_TIMEOUT)
+            why = limiter.apply(f"pod {target.pod_key}", cgroup_parent(status.info.get("info", "")), held, now)
+            if why is None:
+                limited += 1
+            else:
+                failed += 1
+                log.error("running pod's memory limits not set: %s", why)
+    return limited, failed
+
+
+class Reconciler:
+    """Runs :func:`reconcile_limits` once on a thread of its own, once the node's pod cache has synced
+    (``wait_synced(timeout)``; at most :data:`SYNC_WAIT`, then from what the runtime and the
+    annotations say); :meth:`stop` waits for it."""
+
+    def __init__(self, run: Callable[[], tuple[int, int]], wait_synced: Callable[[float], bool] | None) -> None:
+        self._run = run
+        self._wait_synced = wait_synced
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="cri-shim-limits", daemon=True)
+
+    def start(self) -> Reconciler:
+        self._thread.start()
+        return self
+
+    def _main(self) -> None:
+        if self._wait_synced is not None:
+            deadline = time.monotonic() + SYNC_WAIT
+            while not self._wait_synced(SYNC_STEP):  # in steps, so that stop() isn't kept waiting
+                if self._stop.is_set():
+                    return
+                if time.monotonic() >= deadline:
+                    log.warning("the node's pods did not sync in %g s; memory limits from annotations", SYNC_WAIT)
+                    break
+        if self._stop.is_set():
+            return
+        try:
+            limited, failed = self._run()
+        except grpc.RpcError as exc:
+            log.error("running pods' memory limits not reconciled: the runtime did not answer: %s", exc.details())
+            return
+        log.info("memory limits reconciled: %d running pod(s) limited, %d failed", limited, failed)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=CALL_TIMEOUT)
