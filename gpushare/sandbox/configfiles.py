@@ -140,12 +140,14 @@ def render_kubelet_config(
     volume_plugin_dir: Path,
     taints: Sequence[str] = (),
     address: str = "127.0.0.1",
+    cgroup_root: str = "",
 ) -> str:
     """Kubelet settings for a node that shares its machine with other simulated nodes: its server on
     ``address`` (loopback, or the node's own address), health on loopback, no QoS cgroups or
     node-allocatable enforcement (they would be shared), no evictions. The runtime is ``runtime_socket``;
-    ``taints`` (``key=value:Effect``) are registered with the node. These machines run cgroup v1, which
-    kubelet refuses from 1.35 on unless told otherwise."""
+    ``taints`` (``key=value:Effect``) are registered with the node. With ``cgroup_root`` (the node's own,
+    see :mod:`~gpushare.sandbox.nodecgroups`), each pod gets a cgroup below it (``cgroupsPerQOS``), as
+    on a real node. These machines run cgroup v1, which kubelet refuses from 1.35 on unless told otherwise."""
     return yaml.safe_dump(
         {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -160,7 +162,8 @@ def render_kubelet_config(
             "healthzBindAddress": "127.0.0.1",
             "healthzPort": healthz_port,
             "cgroupDriver": "cgroupfs",
-            "cgroupsPerQOS": False,
+            "cgroupsPerQOS": bool(cgroup_root),
+            **({"cgroupRoot": cgroup_root} if cgroup_root else {}),
             "enforceNodeAllocatable": [],
             "failSwapOn": False,
             "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},

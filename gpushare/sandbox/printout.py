@@ -63,6 +63,8 @@ class PodOutcome:
     #: container -> its GPU env, and where it was read from
     env: dict[str, dict[str, str]] = field(default_factory=dict)
     env_source: str = ""
+    #: container -> the GPU memory limits the driver holds its pod to (on the real cluster)
+    limits: dict[str, str] = field(default_factory=dict)
 
 
 def cards_of(pod: Mapping[str, Any], cards: Iterable[Card]) -> str:
@@ -144,10 +146,11 @@ def render_pods(outcomes: Sequence[PodOutcome]) -> str:
 
 
 def render_env(outcomes: Sequence[PodOutcome]) -> str:
-    rows = [["POD", "CONTAINER", *GPU_ENV]]
+    """Each container's GPU env, and beside it the memory limits the driver holds its pod to."""
+    rows = [["POD", "CONTAINER", *GPU_ENV, "POD'S GPU MEMORY LIMIT"]]
     for o in outcomes:
         for container, env in sorted(o.env.items()):
-            rows.append([o.name, container, *(_short(env.get(k, "-")) for k in GPU_ENV)])
+            rows.append([o.name, container, *(_short(env.get(k, "-")) for k in GPU_ENV), o.limits.get(container, "-")])
     return render_table(rows)
 
 

@@ -28,6 +28,9 @@ from gpushare.sandbox.configfiles import Identity
 from gpushare.sandbox.containerd import PAUSE_IMAGE, TEST_IMAGE, build_busybox_image, containerd_available
 from gpushare.sandbox.controlplane import Control, ControlPlane, Schedulers
 from gpushare.sandbox.launch import ClusterError, Launcher, Process, processes_using
+from gpushare.sandbox.nodecgroups import make_cgroup_root
+from gpushare.sandbox.nvmllimits import describe as describe_limits
+from gpushare.sandbox.nvmllimits import read_limits
 from gpushare.sandbox.podnetwork import bridge_name, cni_plugins_missing, pod_subnet
 from gpushare.sandbox.realnode import NodeRunner, RealNode, stop_nodes
 
@@ -172,6 +175,10 @@ class RealCluster:
         for index, (name, gpus) in enumerate(self.nodes_spec):
             bridge = bridge_name(self.workdir, index)
             self.nodes[name] = node = RealNode(name, gpus, self.workdir / name, bridge, pod_subnet(index))
+            if node.nvml_machine is not None:
+                # a node on the NVML driver gives each pod a cgroup, where the driver's memory limits go
+                node.cgroup_root = f"/{bridge}-cg"
+                node.cgroup_dirs = make_cgroup_root(node.cgroup_root.lstrip("/"))
             node.start_namespace()
             node.start_containerd([image])
             self.node_runner.start_agent(node)
@@ -207,6 +214,17 @@ class RealCluster:
     def container_env(self, node: str, namespace: str, pod: str, container: str) -> dict[str, str]:
         """The environment of a running container's process, read with CRI ExecSync from the node's containerd."""
         return self.nodes[node].container_env(namespace, pod, container)
+
+    def memory_limits(self, node: str, namespace: str, pod: str, container: str) -> str:
+        """The GPU memory limits the driver holds the container's pod to, read back through NVML where the
+        node's cards enforce them (``card 2 8192 MiB``, or ``none``), else why they don't."""
+        cards = self.node_inventory(node).cards
+        if not any(card.limits_enforced for card in cards):
+            return "not enforced: " + "; ".join(sorted({card.memory_limits for card in cards}))
+        real = self.nodes[node]
+        env = real.fake_nvml.env() if real.fake_nvml is not None else None
+        limits = read_limits(real.pod_cgroup(namespace, pod, container), env)
+        return describe_limits(limits, {card.uuid: card.index for card in cards})
 
     def node_inventory(self, name: str) -> NodeInventory:
         """The cards node ``name``'s advertiser published."""

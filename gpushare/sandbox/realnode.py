@@ -15,6 +15,7 @@ driver library where the NVIDIA GPU operator puts the driver's. :class:`RealNode
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from gpushare.contract.names import (
     CRI_LABEL_POD_NAMESPACE,
     RESOURCE_MEM,
 )
+from gpushare.memlimits.cgroups import detect_layout, unified_path
 from gpushare.pb import cri_pb2, cri_pb2_grpc
 from gpushare.sandbox import binaries
 from gpushare.sandbox.configfiles import Kubeconfigs, render_kubelet_config
@@ -41,6 +43,7 @@ from gpushare.sandbox.fakenvml import FakeNvml, FakeNvmlError
 from gpushare.sandbox.fakenvml import prepare as prepare_fake_nvml
 from gpushare.sandbox.launch import ClusterError, Launcher, Process, free_port, http_status, processes_using, wait_for
 from gpushare.sandbox.mountns import Mount, MountNamespace
+from gpushare.sandbox.nodecgroups import remove_cgroup_root
 from gpushare.sandbox.podnetwork import install_pod_network, remove_bridge
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,9 @@ class RealNode:
     #: with host paths: the fake libnvidia-ml.so.1 (its machine built in) bound at :data:`OPERATOR_NVML`
     nvml_library: Path | None = None
     fake_nvml: FakeNvml | None = None
+    #: the node's own cgroup root (``/NAME`` in each hierarchy) when its kubelet gives pods cgroups
+    cgroup_root: str = ""
+    cgroup_dirs: list[Path] = field(default_factory=list)
     namespace: MountNamespace | None = None
     containerd: Containerd | None = None
     agent: Process | None = None
@@ -152,32 +158,45 @@ class RealNode:
         for image in images:
             self.containerd.import_image(image)
 
+    def _running_container(self, stub: Any, namespace: str, pod: str, container: str) -> str:
+        selector = {CRI_LABEL_POD_NAME: pod, CRI_LABEL_POD_NAMESPACE: namespace, CRI_LABEL_CONTAINER_NAME: container}
+        running = cri_pb2.ContainerStateValue(state=cri_pb2.CONTAINER_RUNNING)
+        request = cri_pb2.ListContainersRequest(filter=cri_pb2.ContainerFilter(label_selector=selector, state=running))
+        found = stub.ListContainers(request, timeout=10).containers
+        if not found:
+            raise ClusterError(f"no running container {container} of pod {namespace}/{pod} on node {self.name}")
+        return str(found[0].id)
+
     def container_env(self, namespace: str, pod: str, container: str) -> dict[str, str]:
         """The environment of a running container's process, read with CRI ExecSync from the node's containerd."""
         assert self.containerd is not None
         with grpc.insecure_channel(self.containerd.address) as channel:
             stub = cri_pb2_grpc.RuntimeServiceStub(channel)
-            selector = {
-                CRI_LABEL_POD_NAME: pod,
-                CRI_LABEL_POD_NAMESPACE: namespace,
-                CRI_LABEL_CONTAINER_NAME: container,
-            }
-            found = stub.ListContainers(
-                cri_pb2.ListContainersRequest(
-                    filter=cri_pb2.ContainerFilter(
-                        label_selector=selector, state=cri_pb2.ContainerStateValue(state=cri_pb2.CONTAINER_RUNNING)
-                    )
-                ),
-                timeout=10,
-            ).containers
-            if not found:
-                raise ClusterError(f"no running container {container} of pod {namespace}/{pod} on node {self.name}")
-            reply = stub.ExecSync(
-                cri_pb2.ExecSyncRequest(container_id=found[0].id, cmd=["env"], timeout=10), timeout=20
-            )
+            found = self._running_container(stub, namespace, pod, container)
+            reply = stub.ExecSync(cri_pb2.ExecSyncRequest(container_id=found, cmd=["env"], timeout=10), timeout=20)
         if reply.exit_code != 0:
             raise ClusterError(f"env in {namespace}/{pod}/{container} exited {reply.exit_code}: {reply.stderr!r}")
         return dict(line.split("=", 1) for line in reply.stdout.decode().splitlines() if "=" in line)
+
+    def pod_cgroup(self, namespace: str, pod: str, container: str) -> Path:
+        """The cgroup v2 directory of the pod a running container belongs to, as the kernel says its
+        process is in it: the parent of the container's own cgroup."""
+        pid = self.container_pid(namespace, pod, container)
+        path = unified_path(Path(f"/proc/{pid}/cgroup").read_text())
+        unified = detect_layout(Path("/proc/self/mountinfo").read_text()).unified
+        if path is None or unified is None:
+            raise ClusterError(f"pod {namespace}/{pod} on node {self.name}: its process {pid} is in no cgroup v2")
+        return (unified / path.lstrip("/")).parent
+
+    def container_pid(self, namespace: str, pod: str, container: str) -> int:
+        """The host PID of a running container's process, from containerd's verbose container status."""
+        assert self.containerd is not None
+        with grpc.insecure_channel(self.containerd.address) as channel:
+            stub = cri_pb2_grpc.RuntimeServiceStub(channel)
+            found = self._running_container(stub, namespace, pod, container)
+            request = cri_pb2.ContainerStatusRequest(container_id=found, verbose=True)
+            info = stub.ContainerStatus(request, timeout=10).info.get("info", "{}")
+        return int(json.loads(info)["pid"])
 
 
 @dataclass
@@ -203,6 +222,10 @@ class NodeRunner:
                 except FakeNvmlError as exc:
                     raise ClusterError(f"node {node.name}: {exc}") from None
             gpus = ["nvml", "--nvml-recovery-seconds", f"{self.nvml_recovery_seconds:g}"]
+            layout = detect_layout(Path("/proc/self/mountinfo").read_text())
+            if node.cgroup_root and layout.unified is not None:
+                # these machines are hybrid: the driver's limits go to the cgroup2 mount beside v1
+                gpus += ["--cgroup-root", str(layout.unified)]
             env = node.fake_nvml.env()
         node.agent = self.launcher.spawn(
             f"node-agent-{node.name}",
@@ -246,7 +269,9 @@ class NodeRunner:
         else:
             port, node.kubelet_healthz_port = free_port(), free_port()
             config = node.base / "kubelet.yaml"
-            rendered = render_kubelet_config(port, node.kubelet_healthz_port, node.cri_socket, flexvolume, taints)
+            rendered = render_kubelet_config(
+                port, node.kubelet_healthz_port, node.cri_socket, flexvolume, taints, cgroup_root=node.cgroup_root
+            )
             config.write_text(rendered)
             dirs = [f"--config={config}", f"--root-dir={node.kubelet_dir}", f"--cert-dir={node.base / 'kubelet-pki'}"]
         node.kubelet = self.launcher.spawn(
@@ -346,3 +371,4 @@ def stop_nodes(launcher: Launcher, nodes: Sequence[RealNode], first: Sequence[st
         log.warning("%s", exc)
     for node in nodes:
         remove_bridge(node.bridge)
+        remove_cgroup_root(node.cgroup_dirs)

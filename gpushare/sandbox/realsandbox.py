@@ -71,6 +71,10 @@ def apply_examples(cluster: RealCluster, manifests: Sequence[Mapping[str, Any]])
                 for spec in pod["spec"]["containers"]
             }
             outcome.env_source = "container"
+            outcome.limits = {
+                spec["name"]: cluster.memory_limits(outcome.node, namespace, name, spec["name"])
+                for spec in pod["spec"]["containers"]
+            }
         outcomes.append(outcome)
     return outcomes
 

@@ -1,8 +1,9 @@
 """One real Kubernetes v1.37.2 cluster for the e2e tests, stopped once they are done (before
 tests/install starts a cluster of its own): kube-apiserver with RBAC, the ServiceAccount admission
 plugin and the manifests' service accounts, kube-controller-manager, two kube-scheduler/extender pairs,
-and three simulated nodes, each a mount namespace with containerd 2, the gpushare node agent and a
-kubelet.
+and four simulated nodes, each a mount namespace with containerd 2, the gpushare node agent and a
+kubelet: two with simulated cards, and two on the fake libnvidia-ml (a DGX A100 whose driver enforces
+per-cgroup memory limits, its kubelet giving each pod a cgroup, and a machine with an older driver).
 
 Without root, the built binaries or the packages, every test here is skipped and the session header
 says why in one line.
@@ -38,10 +39,13 @@ NVML_NODE = "node-dgx"
 NVML_TAINT = {"key": "gpushare.io/e2e-nvml", "value": "true", "effect": "NoSchedule"}
 #: seconds a card that hit a critical XID stays unhealthy on the NVML node
 NVML_RECOVERY = 4.0
+#: ``gpushare node --gpus nvml`` on a fake driver older than 615: no per-cgroup memory limits
+OLD_DRIVER_NODE = "node-olddrv"
 NODES = (
     ("node-a", "2xA100-80GB:81920,1xT4:15360"),
     ("node-b", "1xA100-40GB:40960,2xA10:24576"),
     (NVML_NODE, "nvml:dgx-a100"),
+    (OLD_DRIVER_NODE, "nvml:old-driver"),
 )
 #: a second kube-scheduler with its own extender replica, for concurrent binds
 SECOND_SCHEDULER = "gpushare-second"
@@ -74,7 +78,7 @@ def cluster() -> Iterator[RealCluster]:
         rbac=True,
         scheduler_names=("default-scheduler", SECOND_SCHEDULER),
         nvml_recovery_seconds=NVML_RECOVERY,
-        node_taints={NVML_NODE: ("{key}={value}:{effect}".format(**NVML_TAINT),)},
+        node_taints={node: ("{key}={value}:{effect}".format(**NVML_TAINT),) for node in (NVML_NODE, OLD_DRIVER_NODE)},
     )
     real.start()
     try:
@@ -113,7 +117,7 @@ def pod_manifest(
         spec["nodeSelector"] = {"kubernetes.io/hostname": node}
     if scheduler:
         spec["schedulerName"] = scheduler
-    if node == NVML_NODE:
+    if node in (NVML_NODE, OLD_DRIVER_NODE):
         spec["tolerations"] = [NVML_TAINT]
     metadata: dict[str, Any] = {"name": name, "namespace": namespace}
     if annotations:

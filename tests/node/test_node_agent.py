@@ -85,7 +85,8 @@ def test_cri_shim_flags_that_are_not_unix_sockets_are_refused_by_name() -> None:
 
 def test_the_node_command_defaults_to_what_its_daemonset_passes() -> None:
     """Run by hand, ``gpushare node`` serves where the DaemonSet's probes and kubelet look; it reads every
-    argument the DaemonSet gives it, and only --metrics-host differs from its default (the pod's IP)."""
+    argument the DaemonSet gives it, and only --metrics-host (the pod's IP) and --cgroup-root (the host's
+    hierarchy, mounted into the pod) differ from its defaults."""
     manifest = Path(__file__).parents[2] / "deploy" / "node-agent.yaml"
     (daemonset,) = [d for d in yaml.safe_load_all(manifest.read_text()) if d and d["kind"] == "DaemonSet"]
     (agent,) = daemonset["spec"]["template"]["spec"]["containers"]
@@ -94,5 +95,8 @@ def test_the_node_command_defaults_to_what_its_daemonset_passes() -> None:
     )
     defaults = build_parser().parse_args(["node"])
     read = [arg.split("=", 1)[0][2:].replace("-", "_") for arg in agent["args"]]
-    assert {name for name in read if getattr(passed, name) != getattr(defaults, name)} == {"metrics_host"}
+    assert {name for name in read if getattr(passed, name) != getattr(defaults, name)} == {
+        "metrics_host",
+        "cgroup_root",
+    }
     assert defaults.metrics_port == 9410 != build_parser().parse_args(["cri-shim"]).metrics_port

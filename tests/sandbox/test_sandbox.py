@@ -4,6 +4,7 @@ on a real Kubernetes where one can run here and on the stand-ins (``--standin``)
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,8 +76,21 @@ def test_sandbox_runs_the_examples_on_real_kubernetes_and_leaves_nothing_behind(
     too_big = row(proc.stdout, "too-big")
     assert "1 Insufficient aliyun.com/gpu-mem" in too_big and "1 no single card has 90 GiB free" in too_big
     assert "[4/4]" in proc.stderr
+    # simulated cards have no driver to hold pods to their shares, and the report says so
+    env_rows = proc.stdout.split("GPU environment of each container")[1]
+    assert "not enforced: simulated card" in row(env_rows, "shared-1")
     # kubelets, containerd, its shims and the containers, the node agents, extender, scheduler, etcd,
     # the nodes' mount namespaces, and the run directory
+    assert_says_how_to_keep_it_and_leaves_nothing(proc, directory)
+
+
+@pytest.mark.skipif(realcluster_available() is not None, reason=f"no real cluster here: {realcluster_available()}")
+def test_on_a_node_whose_driver_enforces_limits_each_pod_shows_its_share(directory: Path) -> None:
+    proc = sandbox(directory, "--nvml-fake", "dgx-a100")
+    env_rows = proc.stdout.split("GPU environment of each container")[1]
+    # read back from the driver on the pod's cgroup: shared-1 asked for 4 GiB of one card
+    assert re.search(r"card \d 4096 MiB\s*$", row(env_rows, "shared-1")), row(env_rows, "shared-1")
+    assert row(env_rows, "no-gpu-all-devices").rstrip().endswith("none")
     assert_says_how_to_keep_it_and_leaves_nothing(proc, directory)
 
 
