@@ -104,6 +104,8 @@ class Resolution:
     refusal: Refusal | None = None
     #: what the pod's annotations ask of its cards
     rule: CardRule = ANY_CARD
+    #: what the pod holds per card UUID, as the over-commit check counted it (None: not counted)
+    pod_held: Mapping[str, int] | None = None
 
     @property
     def claim(self) -> Claim:
@@ -281,11 +283,12 @@ class Resolver:
 
     def pod_held(self, found: Resolution, annotations: Mapping[str, str], cards: Sequence[Card]) -> dict[str, int]:
         """Units ``found``'s pod holds per card UUID, which its memory limits are: by the node's rule
-        (:func:`gpushare.usage.pod_cards`, the node's ledger first) from the pod when it can be had;
-        else (API lookups off or failing) the pod's allocation annotation summed per card, which is at
-        least what it holds. Never less than the container's own cards."""
-        target, held = found.target, {}
-        if self._pods is not None:
+        (:func:`gpushare.usage.pod_cards`, the node's ledger first), as the over-commit check counted it
+        or else from the pod when it can be had; else (API lookups off or failing) the pod's allocation
+        annotation summed per card, which is at least what it holds. Never less than the container's
+        own cards."""
+        target, held = found.target, dict(found.pod_held or {})
+        if not held and self._pods is not None:
             try:
                 pod = self._pods.pod(target.namespace, target.pod, target.uid)
             except KubeError as exc:
@@ -321,10 +324,9 @@ class Resolver:
             )
         ledger = self._pods.ledger()
         used, counted, _ = node_usage(pods, NodeInventory(self._unit, tuple(cards)), ledger=ledger)
-        refusal = check_assignment(
-            found.claim, cards, self._unit, Holdings(used, counted, ledger), require_healthy=False
-        )
-        return found if refusal is None else replace(found, refusal=refusal)
+        holdings = Holdings(used, counted, ledger)
+        refusal = check_assignment(found.claim, cards, self._unit, holdings, require_healthy=False)
+        return replace(found, refusal=refusal, pod_held=holdings.held_by(found.claim))
 
 
 class CachedPods:

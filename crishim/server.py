@@ -89,7 +89,7 @@ class CreateContainerGuard:
         self, request: cri_pb2.CreateContainerRequest, resolution: Resolution, cards: Sequence[Card]
     ) -> Refusal | None:
         """Hold the pod to its share of each card it shares, before its GPU container is created."""
-        if self.limiter is None or not resolution.wants_gpu:
+        if self.limiter is None or not resolution.wants_gpu or not any(card.limits_enforced for card in cards):
             return None
         annotations = request.sandbox_config.annotations
         held = self.resolver.pod_held(resolution, annotations, cards)

@@ -74,9 +74,14 @@ class Holdings:
     pods: Sequence[PodCards]
     ledger: Ledger = field(default_factory=dict)
 
+    def held_by(self, claim: Claim) -> Mapping[str, int] | None:
+        """What ``claim``'s pod holds per card UUID, when it is among the pods counted (by uid when known,
+        else by name); else None."""
+        return next((p.held for p in self.pods if (p.uid == claim.uid if claim.uid else p.key == claim.pod)), None)
+
     def holds(self, claim: Claim) -> bool:
-        """Whether ``claim``'s pod is among the pods counted (by uid when known, else by name)."""
-        return any(p.uid == claim.uid if claim.uid else p.key == claim.pod for p in self.pods)
+        """Whether ``claim``'s pod is among the pods counted."""
+        return self.held_by(claim) is not None
 
 
 def describe(slices: Sequence[CardSlice]) -> str:

@@ -36,22 +36,28 @@ class CgroupLayout:
 UNKNOWN_V1 = CgroupLayout(V1)
 
 
-def detect_layout(mountinfo: str) -> CgroupLayout:
-    """The layout that ``/proc/self/mountinfo`` shows: cgroup2 mounted where the v1 hierarchies would
-    be (``/sys/fs/cgroup``) with no v1 hierarchy is ``v2``."""
-    unified: Path | None = None
-    v1 = False
+def cgroup_mounts(mountinfo: str) -> list[tuple[str, Path]]:
+    """Each cgroup hierarchy a mount table (``/proc/PID/mountinfo``) shows: its file system type
+    (``cgroup`` for a v1 hierarchy, ``cgroup2``) and where it is mounted, in table order."""
+    found = []
     for line in mountinfo.splitlines():
         fields = line.split()
         if " - " not in line or len(fields) < 5:
             continue
         fstype = line.split(" - ", 1)[1].split()[0]
-        if fstype == "cgroup2" and unified is None:
-            unified = Path(fields[4])
-        elif fstype == "cgroup":
-            v1 = True
+        if fstype in ("cgroup", "cgroup2"):
+            found.append((fstype, Path(fields[4])))
+    return found
+
+
+def detect_layout(mountinfo: str) -> CgroupLayout:
+    """The layout that ``mountinfo`` shows: a cgroup2 mount and no v1 hierarchy is ``v2``; a cgroup2
+    mount beside v1 hierarchies is ``hybrid``; no cgroup2 mount at all is ``v1``."""
+    mounts = cgroup_mounts(mountinfo)
+    unified = next((where for fstype, where in mounts if fstype == "cgroup2"), None)
     if unified is None:
         return CgroupLayout(V1)
+    v1 = any(fstype == "cgroup" for fstype, _ in mounts)
     return CgroupLayout(HYBRID if v1 else V2, unified)
 
 
@@ -59,9 +65,8 @@ def given_root(root: Path, mountinfo: str) -> CgroupLayout:
     """The layout an operator names with ``--cgroup-root``: that cgroup2 mount (as ``mountinfo``
     shows it) is the hierarchy the driver partitions, whatever else is mounted; a path that is no
     cgroup2 mount point leaves limits off, saying so."""
-    for line in mountinfo.splitlines():
-        if " - " in line and line.split(" - ", 1)[1].split()[0] == "cgroup2" and Path(line.split()[4]) == root:
-            return CgroupLayout(V2, root)
+    if ("cgroup2", root) in cgroup_mounts(mountinfo):
+        return CgroupLayout(V2, root)
     return CgroupLayout(V1, None, f"--cgroup-root {root} is not a cgroup2 mount point")
 
 

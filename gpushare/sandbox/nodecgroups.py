@@ -10,22 +10,15 @@ import logging
 import os
 from pathlib import Path
 
+from gpushare.memlimits.cgroups import cgroup_mounts
+
 log = logging.getLogger(__name__)
-
-
-def hierarchies(mountinfo: str) -> list[Path]:
-    """Where each cgroup hierarchy (v1 controllers and cgroup2) is mounted, from a mount table."""
-    found = []
-    for line in mountinfo.splitlines():
-        if " - " in line and line.split(" - ", 1)[1].split()[0] in ("cgroup", "cgroup2"):
-            found.append(Path(line.split()[4]))
-    return found
 
 
 def make_cgroup_root(name: str) -> list[Path]:
     """``/<name>`` in every hierarchy of this machine; the directories made."""
     made = []
-    for mount in hierarchies(Path("/proc/self/mountinfo").read_text()):
+    for _, mount in cgroup_mounts(Path("/proc/self/mountinfo").read_text()):
         directory = mount / name
         directory.mkdir(exist_ok=True)
         made.append(directory)

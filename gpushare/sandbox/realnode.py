@@ -8,8 +8,8 @@ all run inside it, as they would on a machine of their own. A node with ``host_p
 gpushare installed as pods whose hostPath volumes name a real host's paths: its own ``/var/lib/kubelet``
 (kubelet's configuration in ``config.yaml``, as kubeadm writes it), a private ``/run`` with containerd's
 directory at ``/run/containerd`` (and room for the CRI shim's ``/run/gpushare``), and the fake NVML
-driver library where the NVIDIA GPU operator puts the driver's. :class:`RealNode` is the node and its containerd;
-:class:`NodeRunner` starts its node agent and kubelet among the cluster's processes.
+driver library where the NVIDIA GPU operator puts the driver's. :class:`RealNode` is the node and its
+containerd; :class:`NodeRunner` starts its node agent and kubelet among the cluster's processes.
 """
 
 from __future__ import annotations
@@ -316,9 +316,10 @@ class NodeRunner:
         self.wait_ready(node, api, reported_after=time.time() + 1)
 
     def wait_ready(self, node: RealNode, api: Any, timeout: float = 60, reported_after: float = 0.0) -> None:
-        """Wait for Ready, gpu-mem on offer and the node agent ready, in a status kubelet reported after
-        ``reported_after`` (epoch seconds) when given, and for kube-controller-manager to have lifted
-        the node's not-ready taint (until then kube-scheduler places nothing there)."""
+        """Wait for Ready in a status kubelet reported after ``reported_after`` (epoch seconds) when given,
+        and for kube-controller-manager to have lifted the node's not-ready taint (until then
+        kube-scheduler places nothing there); where this runner started the node's agent, also for it
+        to be ready and gpu-mem on offer (a node that gets gpushare installed later has neither yet)."""
         from kubernetes import client
 
         core = client.CoreV1Api(api)
@@ -337,9 +338,12 @@ class NodeRunner:
                 return False
             if any(taint.key == NOT_READY_TAINT for taint in current.spec.taints or []):
                 return False
+            if node.agent is None:
+                return True
             return int((status.allocatable or {}).get(RESOURCE_MEM, "0")) > 0 and node.agent_ready()
 
-        what = f"node {node.name} to be Ready and untainted with {RESOURCE_MEM} (logs in {self.launcher.workdir})"
+        offer = f" with {RESOURCE_MEM}" if node.agent is not None else ""
+        what = f"node {node.name} to be Ready and untainted{offer} (logs in {self.launcher.workdir})"
         wait_for(ready, timeout, what, 0.2)
 
 

@@ -42,7 +42,7 @@ from gpushare.sandbox.launch import ClusterError, Launcher, Process, free_port, 
 from gpushare.sandbox.mountns import MountNamespace
 from gpushare.sandbox.podnetwork import BRIDGE_PREFIX, RoutedNetwork, bridge_name, make_bridge
 from gpushare.sandbox.realcluster import EXAMPLE_IMAGE, MAX_WORKDIR
-from gpushare.sandbox.realnode import NOT_READY_TAINT, NodeRunner, RealNode, stop_nodes
+from gpushare.sandbox.realnode import NodeRunner, RealNode, stop_nodes
 
 #: the control-plane machine's kubeconfig directory, as kubeadm lays it out
 ETC_KUBERNETES = Path("/etc/kubernetes")
@@ -178,25 +178,8 @@ class ShippedCluster:
         self.wait_node_ready(node, reported_after=restarted + 1)
 
     def wait_node_ready(self, node: RealNode, timeout: float = 60, reported_after: float = 0.0) -> None:
-        """Ready in a status kubelet reported after ``reported_after`` (epoch seconds), with
-        kube-controller-manager's not-ready taint lifted."""
-        from kubernetes import client
-
-        core = client.CoreV1Api(self.api)
-
-        def ready() -> bool:
-            if node.kubelet is not None:
-                node.kubelet.check()
-            try:
-                current = core.read_node(node.name)
-            except client.ApiException:
-                return False
-            ready = next((c for c in current.status.conditions or [] if c.type == "Ready"), None)
-            if ready is None or ready.status != "True" or ready.last_heartbeat_time.timestamp() < reported_after:
-                return False
-            return not any(t.key == NOT_READY_TAINT for t in current.spec.taints or [])
-
-        wait_for(ready, timeout, f"node {node.name} to be Ready and untainted (logs in {self.workdir})", 0.2)
+        """See :meth:`NodeRunner.wait_ready`: Ready and untainted (gpushare, if installed, runs as pods)."""
+        self.node_runner.wait_ready(node, self.api, timeout, reported_after)
 
     def machine_prefix(self, machine: str) -> list[str]:
         """The command prefix that runs a program on ``machine``: a node's name or :data:`CONTROL_PLANE`."""
