@@ -252,9 +252,15 @@ def test_helm_upgrade_rolls_the_extender_with_no_pod_bound_wrongly(installed: In
         creator.join()
     # scheduling went on while the replicas were replaced
     assert any(scheduled_at(installed.pod(name)) <= rolled for name in made), "no GPU pod was placed during the upgrade"
-    extenders = [p for p in core.list_namespaced_pod(NAMESPACE).items if "extender" in p.metadata.name]
-    assert not {p.metadata.name for p in extenders} & old, "the upgrade left an old extender replica"
-    for pod in extenders:
+
+    def extenders() -> list[Any]:
+        return [p for p in core.list_namespaced_pod(NAMESPACE).items if "extender" in p.metadata.name]
+
+    # --wait returns once the new replicas are ready; the old ones end within their grace period
+    wait_until(
+        lambda: not {p.metadata.name for p in extenders()} & old, 60, "the old extender replicas to end", API_POLL
+    )
+    for pod in extenders():
         assert "--policy=binpack" in pod.spec.containers[0].args
     assert apps.read_namespaced_deployment("gpushare-extender", NAMESPACE).status.ready_replicas == 2
     assert {name: core.read_namespaced_secret(name, NAMESPACE).data for name in kept} == kept
