@@ -143,6 +143,15 @@ ENV_MEM_PREFIX = "ALIYUN_COM_GPU_MEM_"
 #: what a container that must not see any GPU gets in NVIDIA_VISIBLE_DEVICES
 VISIBLE_DEVICES_VOID = "void"
 
+# --- Dynamic Resource Allocation (see gpushare/contract/dra.py for the device naming scheme) ------
+
+#: the DRA driver: ResourceSlice ``spec.driver``, allocation results' ``driver``, kubelet plugin name
+DRA_DRIVER = "gpu.gpushare.io"
+#: the CDI kind of the specs the kubelet plugin writes, one spec per prepared claim
+DRA_CDI_KIND = "gpu.gpushare.io/claim"
+#: the consumable capacity each card offers and each allocation consumes, in bytes
+DRA_CAPACITY_MEMORY = "memory"
+
 # --- process env ----------------------------------------------------------------------------------
 
 ENV_NODE_NAME = "NODE_NAME"
