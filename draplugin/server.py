@@ -178,6 +178,13 @@ class DraPlugin:
             raise
         log.info("DRA driver %s serving %s", DRA_DRIVER, self.paths.dra_socket)
 
+    def alive(self) -> bool:
+        """Both sockets are served and still in place (a removed one is served again on restart)."""
+        return bool(self._servers) and all(path.is_socket() for _, path in self._servers)
+
+    def ready(self) -> bool:
+        return self.alive() and self.registration.registered.is_set()
+
     def stop(self) -> None:
         servers, self._servers = self._servers, []
         for server, path in servers:
