@@ -29,6 +29,10 @@ class SlicePublisher(Advertiser):
     _generation: int = field(default=0, init=False, repr=False)
     _watch: WatchCache | None = field(default=None, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        resource_slice(self.node, [], self.unit, 0)  # a node name or unit no slice can carry fails here, not later
+        super().__post_init__()
+
     @property
     def name(self) -> str:
         return dra_slice_name(self.node)

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from gpushare.advertiser.resourceslice import resource_slice
+from gpushare.advertiser.resourceslice import ResourceSliceError, resource_slice
 from gpushare.advertiser.slices import SlicePublisher
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -53,6 +53,11 @@ def offered(resource: client.ResourceV1Api) -> list[str]:
 
 def logged(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "gpushare.advertiser.slices"]
+
+
+def test_a_node_name_no_slice_can_carry_is_refused_at_once() -> None:
+    with pytest.raises(ResourceSliceError, match="too long"):
+        SlicePublisher(client.ApiClient(), "n" * 240, CardBook([]), GIB)
 
 
 def test_the_api_server_accepts_every_shape_of_slice(resource: client.ResourceV1Api) -> None:
