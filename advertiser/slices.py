@@ -59,7 +59,8 @@ class SlicePublisher(Advertiser):
         else:
             desired["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
             call(f"ResourceSlice {self.name}", resource.replace_resource_slice, self.name, desired)
-        for change in device_changes(live, desired):
+        rewritten = [] if live is None else ["was rewritten (its spec had been changed)"]
+        for change in device_changes(live, desired) or rewritten:
             log.info("node %s: ResourceSlice %s %s (generation %d)", self.node, self.name, change, self._generation)
         self.published.set()
         return True

@@ -103,6 +103,18 @@ def test_a_card_change_rewrites_the_slice_with_the_next_generation(
     assert logged(caplog) == [f"node n1: ResourceSlice {NAME} no longer offers card-2 (generation 2)"]
 
 
+def test_a_slice_someone_else_changed_is_put_back(
+    real_api: client.ApiClient, resource: client.ResourceV1Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    publisher = SlicePublisher(real_api, "n1", SimulatedBackend("n1", SPEC), GIB)
+    publisher.publish_once()
+    resource.patch_resource_slice(NAME, {"spec": {"pool": {"resourceSliceCount": 2}}})
+    with caplog.at_level(logging.INFO, logger="gpushare.advertiser.slices"):
+        assert publisher.publish_once() is True
+    assert live(resource)["spec"]["pool"] == {"name": "n1", "generation": 2, "resourceSliceCount": 1}
+    assert logged(caplog) == [f"node n1: ResourceSlice {NAME} was rewritten (its spec had been changed) (generation 2)"]
+
+
 def test_a_new_process_continues_from_the_live_generation(
     real_api: client.ApiClient, resource: client.ResourceV1Api
 ) -> None:
