@@ -42,8 +42,9 @@ class Advertiser:
     _wake: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _thread: threading.Thread | None = field(default=None, init=False, repr=False)
-    #: what :meth:`publish_once` writes, for the log
+    #: what :meth:`publish_once` writes, for the log, and the name of the thread that keeps it
     what = "the inventory"
+    thread_name = "advertiser"
 
     def __post_init__(self) -> None:
         self.backend.subscribe(self._on_health)
@@ -70,7 +71,7 @@ class Advertiser:
         return patch is not None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
     def alive(self) -> bool:

@@ -26,6 +26,7 @@ class SlicePublisher(Advertiser):
     ``interval`` seconds, at once on a health event, and at once when the slice changes or goes."""
 
     what = "the ResourceSlice"
+    thread_name = "resourceslice"
     _generation: int = field(default=0, init=False, repr=False)
     _watch: WatchCache | None = field(default=None, init=False, repr=False)
 
