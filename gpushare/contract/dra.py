@@ -4,10 +4,11 @@ The one naming scheme shared by the ResourceSlice a node publishes and the kubel
 prepares claims allocated from it:
 
 - one ResourceSlice pool per node, named after the node; one device per card, named
-  ``card-<NVML index>`` (:func:`format_device_name`, :func:`parse_device_name`);
+  ``card-<NVML index>`` (:func:`format_device_name`, :func:`parse_device_name`), so the node agent that
+  prepares a claim finds the card from the device name alone;
 - device attributes ``uuid`` (string, ``GPU-...``), ``index`` (int, NVML index), ``minor`` (int,
-  ``/dev/nvidia<minor>``), ``model`` (string) and ``numa`` (int, only when the card's NUMA node is
-  known);
+  ``/dev/nvidia<minor>``), ``model`` (string), ``numa`` (int, only when the card's NUMA node is known)
+  and ``nvlinkClique`` (see :mod:`gpushare.contract.names`);
 - capacity ``memory``: the card's size in bytes, with ``allowMultipleAllocations: true`` and a
   ``requestPolicy`` whose step (and minimum and default) is the node's memory unit, so that every
   allocation's ``consumedCapacity.memory`` is a whole number of units.
@@ -15,30 +16,25 @@ prepares claims allocated from it:
 
 from __future__ import annotations
 
-import re
-
 from gpushare.contract.errors import ContractError, quoted
+from gpushare.contract.names import DRA_DEVICE_PREFIX
 
-DEVICE_PREFIX = "card-"
-ATTR_UUID = "uuid"
-ATTR_INDEX = "index"
-ATTR_MINOR = "minor"
-ATTR_MODEL = "model"
-ATTR_NUMA = "numa"
 
-_DEVICE_RE = re.compile(r"^card-(0|[1-9][0-9]{0,5})$")
+class DraDeviceNameError(ContractError):
+    """A device name that is not ``card-<NVML index>``."""
 
 
 def format_device_name(index: int) -> str:
     """The DRA device name of the card with NVML index ``index``."""
     if index < 0:
-        raise ContractError(f"card index {index} is negative")
-    return f"{DEVICE_PREFIX}{index}"
+        raise DraDeviceNameError(f"card index {index} is negative: no device name")
+    return f"{DRA_DEVICE_PREFIX}{index}"
 
 
 def parse_device_name(name: str) -> int:
-    """The NVML index of the card a DRA device name denotes."""
-    m = _DEVICE_RE.match(name) if isinstance(name, str) else None
-    if not m:
-        raise ContractError(f"device {quoted(name)} is not named card-<index>")
-    return int(m.group(1))
+    """The NVML index of the card a DRA device name (:func:`format_device_name`) stands for."""
+    digits = name.removeprefix(DRA_DEVICE_PREFIX) if isinstance(name, str) else ""
+    canonical = digits.isascii() and digits.isdigit() and (digits == "0" or not digits.startswith("0"))
+    if digits == name or not canonical:
+        raise DraDeviceNameError(f"device name {quoted(name)} is not {DRA_DEVICE_PREFIX}<NVML index>")
+    return int(digits)
