@@ -46,7 +46,7 @@ def test_a_result_without_share_id_is_accepted() -> None:
     [
         (claim(uid="another-uid"), "metadata.uid is 'another-uid', the claim was replaced"),
         ({"metadata": {"uid": REF.uid}, "status": {}}, "status.allocation: None is not an object"),
-        (claim(result(device="gpu0")), "results[0].device: device 'gpu0' is not named card-<index>"),
+        (claim(result(device="gpu0")), "results[0].device: device name 'gpu0' is not card-<NVML index>"),
         (claim(result(memory="lots")), "results[0].consumedCapacity.memory: 'lots' is not a positive whole"),
         (claim(result(memory="0.5")), "results[0].consumedCapacity.memory: '0.5' is not a positive whole"),
         (claim(result(memory="0")), "results[0].consumedCapacity.memory: '0' is not a positive whole"),
@@ -67,5 +67,5 @@ def test_a_malformed_claim_is_refused_naming_the_claim_and_field(raw: dict[str, 
 def test_device_names_round_trip_and_reject_other_spellings() -> None:
     assert parse_device_name(format_device_name(12)) == 12
     for bad in ("card0", "card-", "card-01", "card--1", "gpu-1", "card-1x"):
-        with pytest.raises(ContractError, match="is not named card-<index>"):
+        with pytest.raises(ContractError, match="is not card-<NVML index>"):
             parse_device_name(bad)
