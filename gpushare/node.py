@@ -55,6 +55,7 @@ def components(
     """The node agent's components, each as a way to start it afresh; ``shared`` first. With ``dra``
     the DRA kubelet plugin too, its sockets under ``dra.kubelet_root``."""
     from gpushare.advertiser.agent import Advertiser
+    from gpushare.advertiser.slices import SlicePublisher
     from gpushare.crishim.wiring import start_cri_shim
     from gpushare.deviceplugin.wiring import start_device_plugin
     from gpushare.draplugin.wiring import start_dra_plugin
@@ -73,6 +74,14 @@ def components(
     if shim is not None:
         found.append(Supervised("cri-shim", lambda: start_cri_shim(settings, shim, backend, shared.api, shared)))
     if dra is not None:
+
+        def start_slice_publisher() -> SlicePublisher:
+            unit, interval = settings.memory_unit, advertise_interval
+            publisher = SlicePublisher(shared.api, settings.node_name, backend, unit, interval)
+            publisher.start()
+            return publisher
+
+        found.append(Supervised("resourceslice", start_slice_publisher))
         found.append(Supervised("dra-plugin", lambda: start_dra_plugin(settings, dra, backend, shared.api)))
     return found
 
