@@ -42,6 +42,9 @@ class Advertiser:
     _wake: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    #: what :meth:`publish_once` writes, for the log, and the name of the thread that keeps it
+    what = "the inventory"
+    thread_name = "advertiser"
 
     def __post_init__(self) -> None:
         self.backend.subscribe(self._on_health)
@@ -68,7 +71,7 @@ class Advertiser:
         return patch is not None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="advertiser", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
     def alive(self) -> bool:
@@ -93,6 +96,6 @@ class Advertiser:
                 wait = self.interval
             except KubeError as exc:
                 wait = next(delays)
-                log.warning("node %s: publishing the inventory failed (%s); retrying in %.1fs", self.node, exc, wait)
+                log.warning("node %s: publishing %s failed (%s); retrying in %.1fs", self.node, self.what, exc, wait)
             self._wake.wait(wait)
             self._wake.clear()

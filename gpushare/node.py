@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from gpushare.settings import add_device_plugin_flags, add_metrics_flags, add_node_flags, add_shim_flags
 
 if TYPE_CHECKING:
+    from gpushare.draplugin.server import PluginPaths
     from gpushare.gpus.backend import GpuBackend
     from gpushare.kube.nodeapi import NodeApi
     from gpushare.settings import NodeSettings, ShimSettings
@@ -34,15 +35,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_metrics_flags(parser, DEFAULT_METRICS_PORT)
     parser.add_argument("--no-cri-shim", action="store_true", help="run only the advertiser and the device plugin")
     parser.add_argument("--advertise-interval", type=float, default=60.0, help="seconds between inventory re-checks")
+    parser.add_argument(
+        "--dra",
+        action="store_true",
+        help="also serve kubelet's DRA plugin of driver gpu.gpushare.io (prepares ResourceClaims as CDI specs)",
+    )
+    parser.add_argument("--kubelet-root", default="/var/lib/kubelet", help="kubelet's --root-dir (with --dra)")
+    parser.add_argument("--cdi-dir", default="/var/run/cdi", help="where containerd reads CDI specs (with --dra)")
 
 
 def components(
-    settings: NodeSettings, shim: ShimSettings | None, backend: GpuBackend, shared: NodeApi, advertise_interval: float
+    settings: NodeSettings,
+    shim: ShimSettings | None,
+    backend: GpuBackend,
+    shared: NodeApi,
+    advertise_interval: float,
+    dra: PluginPaths | None = None,
 ) -> list[Supervised]:
-    """The node agent's components, each as a way to start it afresh; ``shared`` first."""
+    """The node agent's components, each as a way to start it afresh; ``shared`` first. With ``dra``
+    the DRA kubelet plugin too, its sockets under ``dra.kubelet_root``."""
     from gpushare.advertiser.agent import Advertiser
+    from gpushare.advertiser.slices import SlicePublisher
     from gpushare.crishim.wiring import start_cri_shim
     from gpushare.deviceplugin.wiring import start_device_plugin
+    from gpushare.draplugin.wiring import start_dra_plugin
     from gpushare.supervisor import Supervised
 
     def start_advertiser() -> Advertiser:
@@ -57,6 +73,16 @@ def components(
     ]
     if shim is not None:
         found.append(Supervised("cri-shim", lambda: start_cri_shim(settings, shim, backend, shared.api, shared)))
+    if dra is not None:
+
+        def start_slice_publisher() -> SlicePublisher:
+            unit, interval = settings.memory_unit, advertise_interval
+            publisher = SlicePublisher(shared.api, settings.node_name, backend, unit, interval)
+            publisher.start()
+            return publisher
+
+        found.append(Supervised("resourceslice", start_slice_publisher))
+        found.append(Supervised("dra-plugin", lambda: start_dra_plugin(settings, dra, backend, shared.api)))
     return found
 
 
@@ -66,7 +92,9 @@ NO_SHIM_LIMITS = "the node agent runs without its CRI shim (--no-cri-shim), whic
 
 def run(args: argparse.Namespace) -> int:
     import logging
+    from pathlib import Path
 
+    from gpushare.draplugin.server import PluginPaths
     from gpushare.kube.nodeapi import NodeApi
     from gpushare.kube.transport import load_api
     from gpushare.nodewiring import run_on_node
@@ -79,16 +107,18 @@ def run(args: argparse.Namespace) -> int:
     shim = None if args.no_cri_shim else shim_settings(args)
     if shim is None:  # the CRI shim is what sets the limits: without it the cards must not claim them
         settings = dataclasses.replace(settings, limits_off=NO_SHIM_LIMITS)
+    dra = PluginPaths(Path(args.kubelet_root), Path(args.cdi_dir)) if args.dra else None
 
     def start(backend: GpuBackend) -> Supervisor:
         shared = NodeApi(load_api(settings.kubeconfig), settings.node_name)
-        supervisor = Supervisor(components(settings, shim, backend, shared, args.advertise_interval))
+        supervisor = Supervisor(components(settings, shim, backend, shared, args.advertise_interval, dra))
         supervisor.start()
         log.info(
-            "node agent for %s: %d card(s), CRI shim %s",
+            "node agent for %s: %d card(s), CRI shim %s, DRA plugin %s",
             settings.node_name,
             len(backend.cards()),
             "off" if shim is None else f"on {shim.listen}",
+            "off" if dra is None else f"on {dra.dra_socket}",
         )
         return supervisor
 

@@ -159,3 +159,30 @@ def device_file(minor: int) -> str:
 
 def cdi_device_name(uuid: str) -> str:
     return f"{CDI_KIND}={uuid}"
+
+
+# --- dynamic resource allocation (resource.k8s.io/v1) ---------------------------------------------
+
+#: the DRA driver: ResourceSlices' ``spec.driver``, allocation results' ``driver``, the kubelet plugin's
+#: name, the DeviceClass's name and the attributes' domain (see gpushare/contract/dra.py)
+DRA_DRIVER = "gpu.gpushare.io"
+DRA_API_VERSION = "resource.k8s.io/v1"
+#: the CDI kind of the specs the kubelet plugin writes, one spec per prepared claim
+DRA_CDI_KIND = "gpu.gpushare.io/claim"
+#: the consumable capacity of each card, in bytes (``device.capacity["gpu.gpushare.io"].memory``)
+DRA_CAPACITY_MEMORY = "memory"
+#: device attributes (``device.attributes["gpu.gpushare.io"].<name>``)
+DRA_ATTR_UUID = "uuid"
+DRA_ATTR_INDEX = "index"
+DRA_ATTR_MINOR = "minor"
+DRA_ATTR_MODEL = "model"
+DRA_ATTR_NUMA = "numa"
+#: the lowest NVML index of the NVLink clique the card belongs to; only on cards in a clique
+DRA_ATTR_NVLINK_CLIQUE = "nvlinkClique"
+#: device names in the node's ResourceSlice are ``card-<NVML index>`` (see :mod:`gpushare.contract.dra`)
+DRA_DEVICE_PREFIX = "card-"
+
+
+def dra_slice_name(node: str) -> str:
+    """The one ResourceSlice this driver publishes for ``node``."""
+    return f"{node}-{DRA_DRIVER}"

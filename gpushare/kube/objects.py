@@ -54,6 +54,12 @@ def get_node(api: client.ApiClient, name: str) -> dict[str, Any]:
     return call(f"node {name}", client.CoreV1Api(api).read_node, name)
 
 
+def get_resource_claim(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    return call(
+        f"ResourceClaim {namespace}/{name}", client.ResourceV1Api(api).read_namespaced_resource_claim, name, namespace
+    )
+
+
 MERGE_PATCH = "application/merge-patch+json"
 
 

@@ -37,14 +37,14 @@ def _rv(obj: dict[str, Any]) -> int:
 
 
 class WatchCache:
-    """An in-memory mirror of pods, nodes or one namespace's ConfigMaps, kept by LIST then WATCH,
+    """An in-memory mirror of pods, nodes, ResourceSlices or one namespace's ConfigMaps, kept by LIST then WATCH,
     re-listing after 410 Gone and reconnecting with back-off after an outage. ``connected`` tells
     whether it is currently live."""
 
     def __init__(
         self,
         api: client.ApiClient,
-        kind: Literal["pods", "nodes", "configmaps"],
+        kind: Literal["pods", "nodes", "configmaps", "resourceslices"],
         *,
         namespace: str | None = None,
         field_selector: str | None = None,
@@ -143,6 +143,8 @@ class WatchCache:
                 log.exception("watch listener failed on %s %s/%s", self._kind, *key)
 
     def _list_fn(self) -> Callable[..., Any]:
+        if self._kind == "resourceslices":
+            return client.ResourceV1Api(self._api).list_resource_slice
         core = client.CoreV1Api(self._api)
         if self._kind == "configmaps":
             return functools.partial(core.list_namespaced_config_map, self._namespace)

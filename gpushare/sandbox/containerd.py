@@ -171,7 +171,9 @@ def render_config(base: Path, sandbox_image: str = PAUSE_IMAGE, snapshotter: str
             # pods' network namespaces are mounted under ``base`` (removed with it), not in /run/netns
             "  netns_mounts_under_state_dir = true",
             "  enable_selinux = false",
-            "  enable_cdi = false",
+            # CDI specs under ``base`` (the DRA kubelet plugin writes them there)
+            "  enable_cdi = true",
+            f"  cdi_spec_dirs = ['{base / 'cdi'}']",
             f"[{runtime}.containerd]",
             "  default_runtime_name = 'runc'",
             f"[{runtime}.containerd.runtimes.runc]",

@@ -81,6 +81,8 @@ class RealCluster:
     controllers: Sequence[str] = ("*",)
     #: users whose completed requests kube-apiserver writes to :attr:`audit_log` (verb, resource, user)
     audited_users: Sequence[str] = ()
+    #: the nodes whose agents also serve the DRA driver gpu.gpushare.io
+    dra_nodes: Sequence[str] = ()
     nodes: dict[str, RealNode] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -94,7 +96,7 @@ class RealCluster:
             self.launcher, self.control_plane.kubeconfigs, self.scheduler_names, self.policy, self.extender_tls
         )
         self.node_runner = NodeRunner(
-            self.launcher, self.control_plane.kubeconfigs, self.nvml_recovery_seconds, self.node_taints
+            self.launcher, self.control_plane.kubeconfigs, self.nvml_recovery_seconds, self.node_taints, self.dra_nodes
         )
 
     # --- what clients of the cluster reach -------------------------------------------------------------

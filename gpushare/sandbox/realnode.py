@@ -210,6 +210,8 @@ class NodeRunner:
     nvml_recovery_seconds: float = 300.0
     #: per node name, taints its kubelet registers with (``key=value:Effect``)
     taints: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    #: the nodes whose agents also serve the DRA driver (``--dra``)
+    dra_nodes: Sequence[str] = ()
 
     def start_agent(self, node: RealNode) -> None:
         """``gpushare node`` in the node's namespace, as its DaemonSet pod would run it."""
@@ -239,6 +241,8 @@ class NodeRunner:
                 "--runtime", node.containerd.address if node.containerd else "",
                 "--metrics-port", str(node.agent_metrics_port),
                 "--metrics-host", "127.0.0.1",
+                *(["--dra", "--kubelet-root", str(node.kubelet_dir), "--cdi-dir", str(node.base / "ctrd" / "cdi")]
+                  if node.name in self.dra_nodes else []),
             ],
             env,
         )  # fmt: skip

@@ -6,25 +6,21 @@ the stand-in's own controls and are tested on it alone."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 from podfactory import container, gpu_pod
+from support.realapi import real_api_server
 from support.waiting import wait_until
 
 from gpushare.kube.errors import KubeCacheBehind, KubeUnavailable
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import list_pods
 from gpushare.kube.transport import load_api, translate
-from gpushare.sandbox import binaries
 from gpushare.sandbox.apiserver import ApiServer
-from gpushare.sandbox.realcluster import RealCluster
 
 MERGE = "application/merge-patch+json"
 #: namespaces the tests write to; a real API server only accepts objects in namespaces that exist
@@ -32,31 +28,16 @@ NAMESPACES = ("default", "other")
 STANDIN_ONLY = pytest.mark.parametrize("core_v1", ["stand-in"], indirect=True)
 
 
-def real_api_unavailable() -> str | None:
-    """None when etcd and kube-apiserver can run here, else why not."""
-    return binaries.missing(("kube-apiserver", "kube-controller-manager", "etcd")) or binaries.host_tool_missing(
-        ("openssl",)
-    )
-
-
 @pytest.fixture(scope="session")
 def real_api() -> Iterator[client.ApiClient]:
     """etcd and kube-apiserver alone, shared by the session; each test starts from an emptied state."""
-    if reason := real_api_unavailable():
-        pytest.skip(f"no real kube-apiserver here: {reason}")
-    workdir = Path(tempfile.mkdtemp(prefix="gs-api-", dir="/tmp"))
-    real = RealCluster((), workdir)
-    try:
-        real.start_api_server()
+    with real_api_server() as real:
         core = client.CoreV1Api(real.api)
         for ns in NAMESPACES:
             if ns != "default":
                 core.create_namespace({"metadata": {"name": ns}})
                 real.wait_default_service_account(ns)
         yield real.api
-    finally:
-        real.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def emptied(core: client.CoreV1Api) -> client.CoreV1Api:

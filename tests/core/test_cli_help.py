@@ -41,7 +41,12 @@ FLAGS = {
     "advertiser": HELP | NODE | {"--once", "--interval"},
     "device-plugin": HELP | NODE | DEVICE_PLUGIN | METRICS,
     "cri-shim": HELP | NODE | SHIM | METRICS,
-    "node": HELP | NODE | DEVICE_PLUGIN | SHIM | METRICS | {"--no-cri-shim", "--advertise-interval"},
+    "node": HELP
+    | NODE
+    | DEVICE_PLUGIN
+    | SHIM
+    | METRICS
+    | {"--no-cri-shim", "--advertise-interval", "--dra", "--kubelet-root", "--cdi-dir"},
     "extender": HELP
     | {"--port", "--kubeconfig", "--policy", "--host", "--health-port", "--health-host", "--max-gang-members"}
     | {"--tls-cert", "--tls-key", "--client-ca", "--no-client-auth", "--max-body-bytes", "--read-timeout", "--workers"},

@@ -234,6 +234,14 @@ def test_the_nvml_library_value_moves_only_the_host_path() -> None:
     assert mount["mountPath"] == "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"
 
 
+def test_the_dra_value_adds_deploys_device_class() -> None:
+    assert not [o for o in render() if o["kind"] == "DeviceClass"]
+    (device_class,) = [o for o in render("dra.deviceClass=true") if o["kind"] == "DeviceClass"]
+    (expected,) = [d for d in yaml.safe_load_all((DEPLOY / "dra" / "deviceclass.yaml").read_text()) if d]
+    assert device_class == expected
+    kubernetes_validate.validate(device_class, "1.37", strict=True)
+
+
 def test_an_unknown_admission_value_is_refused_by_name() -> None:
     done = helm("template", "gpushare", str(CHART), *TARGET, "--set=admission=off")
     assert done.returncode != 0 and 'admission: "off" is not one of policy, webhook, both' in done.stderr

@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPONENTS = ("deviceplugin", "crishim", "advertiser", "extender", "webhook")
+COMPONENTS = ("deviceplugin", "draplugin", "crishim", "advertiser", "extender", "webhook")
 
 
 def test_every_package_folder_is_installed_and_listed_once() -> None:
@@ -48,6 +48,8 @@ def test_the_wheel_holds_only_the_gpushare_namespace(tmp_path: Path) -> None:
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"gpushare"}
     for component in COMPONENTS:
-        assert f"gpushare/{component}/__init__.py" in names
-        assert f"gpushare/{component}/cmd.py" in names
+        modules = sorted((ROOT / component).rglob("*.py"))
+        assert ROOT / component / "__init__.py" in modules
+        for module in modules:
+            assert f"gpushare/{component}/{module.relative_to(ROOT / component).as_posix()}" in names
     assert "gpushare/sandbox/fakenvml/fakenvml.c" in names

@@ -1,0 +1,40 @@
+"""How the cards of a node appear to Dynamic Resource Allocation (driver ``gpu.gpushare.io``).
+
+The one naming scheme shared by the ResourceSlice a node publishes and the kubelet plugin that
+prepares claims allocated from it:
+
+- one ResourceSlice pool per node, named after the node; one device per card, named
+  ``card-<NVML index>`` (:func:`format_device_name`, :func:`parse_device_name`), so the node agent that
+  prepares a claim finds the card from the device name alone;
+- device attributes ``uuid`` (string, ``GPU-...``), ``index`` (int, NVML index), ``minor`` (int,
+  ``/dev/nvidia<minor>``), ``model`` (string), ``numa`` (int, only when the card's NUMA node is known)
+  and ``nvlinkClique`` (see :mod:`gpushare.contract.names`);
+- capacity ``memory``: the card's size in bytes, with ``allowMultipleAllocations: true`` and a
+  ``requestPolicy`` whose step (and minimum and default) is the node's memory unit, so that every
+  allocation's ``consumedCapacity.memory`` is a whole number of units.
+"""
+
+from __future__ import annotations
+
+from gpushare.contract.errors import ContractError, quoted
+from gpushare.contract.names import DRA_DEVICE_PREFIX
+
+
+class DraDeviceNameError(ContractError):
+    """A device name that is not ``card-<NVML index>``."""
+
+
+def format_device_name(index: int) -> str:
+    """The DRA device name of the card with NVML index ``index``."""
+    if index < 0:
+        raise DraDeviceNameError(f"card index {index} is negative: no device name")
+    return f"{DRA_DEVICE_PREFIX}{index}"
+
+
+def parse_device_name(name: str) -> int:
+    """The NVML index of the card a DRA device name (:func:`format_device_name`) stands for."""
+    digits = name.removeprefix(DRA_DEVICE_PREFIX) if isinstance(name, str) else ""
+    canonical = digits.isascii() and digits.isdigit() and (digits == "0" or not digits.startswith("0"))
+    if digits == name or not canonical:
+        raise DraDeviceNameError(f"device name {quoted(name)} is not {DRA_DEVICE_PREFIX}<NVML index>")
+    return int(digits)

@@ -1,0 +1,71 @@
+from typing import Any
+
+import pytest
+from gpushare.draplugin.claims import AllocatedShare, ClaimError, claim_allocation
+from support.draclaims import NODE, REF, claim, result
+
+from gpushare.contract.dra import format_device_name, parse_device_name
+from gpushare.contract.errors import ContractError
+
+
+def test_a_share_of_one_card_gives_card_request_share_and_memory() -> None:
+    got = claim_allocation(claim(result(device="card-1", memory="8Gi")), REF, NODE)
+    assert got.claim == REF
+    assert got.shares == (
+        AllocatedShare(
+            request="gpu",
+            device="card-1",
+            index=1,
+            memory_bytes=8 << 30,
+            share_id="dcd38910-fed2-4b80-8171-4063a68fb92f",
+        ),
+    )
+
+
+def test_results_of_other_drivers_and_other_nodes_are_left_out() -> None:
+    other_driver = {**result(device="gpu-0"), "driver": "gpu.nvidia.com"}
+    other_node = result(device="card-1", pool="node-b")
+    got = claim_allocation(claim(other_driver, other_node, result(device="card-0")), REF, NODE)
+    assert [s.device for s in got.shares] == ["card-0"]
+
+
+def test_a_first_available_subrequest_belongs_to_its_request() -> None:
+    got = claim_allocation(claim(result(request="gpu/big")), REF, NODE)
+    assert got.shares[0].request == "gpu/big"
+    assert got.shares[0].base_request == "gpu"
+
+
+def test_a_result_without_share_id_is_accepted() -> None:
+    raw = result()
+    del raw["shareID"]
+    assert claim_allocation(claim(raw), REF, NODE).shares[0].share_id is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "fault"),
+    [
+        (claim(uid="another-uid"), "metadata.uid is 'another-uid', the claim was replaced"),
+        ({"metadata": {"uid": REF.uid}, "status": {}}, "status.allocation: None is not an object"),
+        (claim(result(device="gpu0")), "results[0].device: device name 'gpu0' is not card-<NVML index>"),
+        (claim(result(memory="lots")), "results[0].consumedCapacity.memory: 'lots' is not a positive whole"),
+        (claim(result(memory="0.5")), "results[0].consumedCapacity.memory: '0.5' is not a positive whole"),
+        (claim(result(memory="0")), "results[0].consumedCapacity.memory: '0' is not a positive whole"),
+        (claim(result(consumedCapacity={})), "results[0].consumedCapacity.memory: missing"),
+        (claim(result(consumedCapacity=None)), "results[0].consumedCapacity: None is not an object"),
+        (claim(result(request="")), "results[0].request: '' is not a non-empty string"),
+        (claim(result(shareID=7)), "results[0].shareID: 7 is not a non-empty string"),
+        (claim(result(pool="node-b")), "has no device of driver gpu.gpushare.io in pool node-a"),
+    ],
+)
+def test_a_malformed_claim_is_refused_naming_the_claim_and_field(raw: dict[str, Any], fault: str) -> None:
+    with pytest.raises(ClaimError) as err:
+        claim_allocation(raw, REF, NODE)
+    assert f"ResourceClaim ns/claim-1 (uid {REF.uid})" in str(err.value)
+    assert fault in str(err.value)
+
+
+def test_device_names_round_trip_and_reject_other_spellings() -> None:
+    assert parse_device_name(format_device_name(12)) == 12
+    for bad in ("card0", "card-", "card-01", "card--1", "gpu-1", "card-1x"):
+        with pytest.raises(ContractError, match="is not card-<NVML index>"):
+            parse_device_name(bad)

@@ -1,0 +1,37 @@
+"""A real kube-apiserver (with etcd) for tests of what the API server itself accepts and does."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpushare.sandbox import binaries
+from gpushare.sandbox.realcluster import RealCluster
+
+
+def real_api_unavailable() -> str | None:
+    """None when etcd and kube-apiserver can run here, else why not."""
+    return binaries.missing(("kube-apiserver", "kube-controller-manager", "etcd")) or binaries.host_tool_missing(
+        ("openssl",)
+    )
+
+
+@contextlib.contextmanager
+def real_api_server() -> Iterator[RealCluster]:
+    """etcd and kube-apiserver alone (see :meth:`RealCluster.start_api_server`), stopped and removed on the
+    way out; skips the test when they can't run here."""
+    if reason := real_api_unavailable():
+        pytest.skip(f"no real kube-apiserver here: {reason}")
+    workdir = Path(tempfile.mkdtemp(prefix="gs-api-", dir="/tmp"))
+    real = RealCluster((), workdir)
+    try:
+        real.start_api_server()
+        yield real
+    finally:
+        real.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
