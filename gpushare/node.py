@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
+from gpushare.gpus.split import ALL_CARDS, EVERY_CARD, DraCards
 from gpushare.settings import add_device_plugin_flags, add_metrics_flags, add_node_flags, add_shim_flags
 
 if TYPE_CHECKING:
@@ -40,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also serve kubelet's DRA plugin of driver gpu.gpushare.io (prepares ResourceClaims as CDI specs)",
     )
+    parser.add_argument(
+        "--dra-cards",
+        default=ALL_CARDS,
+        help="with --dra: the cards the DRA driver offers, 'all' (default) or NVML indexes / UUIDs separated by "
+        "commas; the others stay with the device plugin and the extender (a card is offered one way at a time)",
+    )
     parser.add_argument("--kubelet-root", default="/var/lib/kubelet", help="kubelet's --root-dir (with --dra)")
     parser.add_argument("--cdi-dir", default="/var/run/cdi", help="where containerd reads CDI specs (with --dra)")
 
@@ -51,38 +58,45 @@ def components(
     shared: NodeApi,
     advertise_interval: float,
     dra: PluginPaths | None = None,
+    dra_cards: DraCards = EVERY_CARD,
 ) -> list[Supervised]:
     """The node agent's components, each as a way to start it afresh; ``shared`` first. With ``dra``
-    the DRA kubelet plugin too, its sockets under ``dra.kubelet_root``."""
+    the DRA kubelet plugin and the ResourceSlice too, its sockets under ``dra.kubelet_root``: they get
+    the cards ``dra_cards`` picks, the advertiser and the device plugin the others (see
+    :mod:`gpushare.gpus.split`). The CRI shim sees every card: it enforces both ways."""
     from gpushare.advertiser.agent import Advertiser
     from gpushare.advertiser.slices import SlicePublisher
     from gpushare.crishim.wiring import start_cri_shim
     from gpushare.deviceplugin.wiring import start_device_plugin
     from gpushare.draplugin.wiring import start_dra_plugin
+    from gpushare.gpus.split import split_cards
     from gpushare.supervisor import Supervised
 
+    plugin_cards, dra_owned = split_cards(backend, dra_cards) if dra is not None else (backend, None)
+
     def start_advertiser() -> Advertiser:
-        advertiser = Advertiser(shared.api, settings.node_name, backend, settings.memory_unit, advertise_interval)
+        advertiser = Advertiser(shared.api, settings.node_name, plugin_cards, settings.memory_unit, advertise_interval)
         advertiser.start()
         return advertiser
 
     found = [
         Supervised(NODE_API, shared.start),
         Supervised("advertiser", start_advertiser),
-        Supervised("device-plugin", lambda: start_device_plugin(settings, backend, shared.api, shared)),
+        Supervised("device-plugin", lambda: start_device_plugin(settings, plugin_cards, shared.api, shared)),
     ]
     if shim is not None:
         found.append(Supervised("cri-shim", lambda: start_cri_shim(settings, shim, backend, shared.api, shared)))
-    if dra is not None:
+    if dra is not None and dra_owned is not None:
+        owned = dra_owned
 
         def start_slice_publisher() -> SlicePublisher:
             unit, interval = settings.memory_unit, advertise_interval
-            publisher = SlicePublisher(shared.api, settings.node_name, backend, unit, interval)
+            publisher = SlicePublisher(shared.api, settings.node_name, owned, unit, interval)
             publisher.start()
             return publisher
 
         found.append(Supervised("resourceslice", start_slice_publisher))
-        found.append(Supervised("dra-plugin", lambda: start_dra_plugin(settings, dra, backend, shared.api)))
+        found.append(Supervised("dra-plugin", lambda: start_dra_plugin(settings, dra, owned, shared.api)))
     return found
 
 
@@ -95,10 +109,11 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from gpushare.draplugin.server import PluginPaths
+    from gpushare.gpus.split import parse_dra_cards
     from gpushare.kube.nodeapi import NodeApi
     from gpushare.kube.transport import load_api
     from gpushare.nodewiring import run_on_node
-    from gpushare.settings import device_plugin_settings, metrics_endpoint, shim_settings
+    from gpushare.settings import UsageError, device_plugin_settings, metrics_endpoint, shim_settings
     from gpushare.supervisor import Supervisor
 
     log = logging.getLogger("gpushare.node")
@@ -108,10 +123,13 @@ def run(args: argparse.Namespace) -> int:
     if shim is None:  # the CRI shim is what sets the limits: without it the cards must not claim them
         settings = dataclasses.replace(settings, limits_off=NO_SHIM_LIMITS)
     dra = PluginPaths(Path(args.kubelet_root), Path(args.cdi_dir)) if args.dra else None
+    if args.dra_cards != ALL_CARDS and dra is None:
+        raise UsageError("--dra-cards picks the cards the DRA driver offers: it needs --dra")
+    dra_cards = parse_dra_cards(args.dra_cards)
 
     def start(backend: GpuBackend) -> Supervisor:
         shared = NodeApi(load_api(settings.kubeconfig), settings.node_name)
-        supervisor = Supervisor(components(settings, shim, backend, shared, args.advertise_interval, dra))
+        supervisor = Supervisor(components(settings, shim, backend, shared, args.advertise_interval, dra, dra_cards))
         supervisor.start()
         log.info(
             "node agent for %s: %d card(s), CRI shim %s, DRA plugin %s",
