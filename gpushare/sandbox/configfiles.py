@@ -97,7 +97,7 @@ class SchedulerTls:
 
 def render_scheduler_config(
     kubeconfig: Path,
-    extender_url: str,
+    extender_url: str | None,
     scheduler_name: str,
     template: Mapping[str, Any],
     tls: SchedulerTls | None = None,
@@ -106,17 +106,18 @@ def render_scheduler_config(
     """``deploy/scheduler-config.yaml`` as shipped (``kubescheduler.config.k8s.io/v1``), with only what
     differs on this machine put in: the kubeconfig, one profile named ``scheduler_name``, no leader
     election, and each extender's URL and the files of its ``tlsConfig`` (``tls``; without TLS when
-    None). ``client_rate`` sets ``clientConnection``'s ``qps`` and ``burst``."""
-    extenders = [_extender_entry(e, extender_url, tls) for e in template.get("extenders") or []]
-    if not extenders:
-        raise ClusterError(f"{SCHEDULER_CONFIG} has no extenders block")
-    config = dict(template)
+    None), or no extender when ``extender_url`` is None. ``client_rate`` sets ``clientConnection``'s
+    ``qps`` and ``burst``."""
+    config = {key: value for key, value in template.items() if key != "extenders"}
+    if extender_url is not None:
+        config["extenders"] = [_extender_entry(e, extender_url, tls) for e in template.get("extenders") or []]
+        if not config["extenders"]:
+            raise ClusterError(f"{SCHEDULER_CONFIG} has no extenders block")
     config["clientConnection"] = {**(template.get("clientConnection") or {}), "kubeconfig": str(kubeconfig)}
     if client_rate is not None:
         config["clientConnection"].update(qps=client_rate[0], burst=client_rate[1])
     config["leaderElection"] = {"leaderElect": False}
     config["profiles"] = [{"schedulerName": scheduler_name}]
-    config["extenders"] = extenders
     return yaml.safe_dump(config, sort_keys=False)
 
 

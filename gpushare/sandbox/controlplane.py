@@ -261,21 +261,22 @@ class Control:
         for proc in (self.extender, self.scheduler):
             if proc is not None:
                 proc.check()
-        return (
-            http_status(f"{self.extender_health_url}/readyz") == 200
-            and http_status(f"https://127.0.0.1:{self.healthz_port}/healthz") == 200
-        )
+        extender_ready = self.extender is None or http_status(f"{self.extender_health_url}/readyz") == 200
+        return extender_ready and http_status(f"https://127.0.0.1:{self.healthz_port}/healthz") == 200
 
 
 @dataclass
 class Schedulers:
     """One kube-scheduler and one gpushare extender replica per name of ``names`` (pods choose with
-    ``spec.schedulerName``), started by :meth:`start` among ``launcher``'s processes. With ``tls``,
-    kube-scheduler reaches its extender over HTTPS with a client certificate, as deploy/ ships it."""
+    ``spec.schedulerName``), and one kube-scheduler with no extender per name of ``plain``, started by
+    :meth:`start` among ``launcher``'s processes. With ``tls``, kube-scheduler reaches its extender over
+    HTTPS with a client certificate, as deploy/ ships it."""
 
     launcher: Launcher
     kubeconfigs: Kubeconfigs
     names: Sequence[str] = ("default-scheduler",)
+    #: kube-schedulers configured without the extender (DRA claims need none)
+    plain: Sequence[str] = ()
     #: the extenders' ``--policy`` (empty: their default)
     policy: str = ""
     tls: bool = True
@@ -312,6 +313,16 @@ class Schedulers:
                 render_scheduler_config(
                     self.kubeconfigs.path("system:kube-scheduler"), control.extender_url, name, template, tls
                 )
+            )
+            control.scheduler = self.launcher.spawn(
+                f"kube-scheduler-{name}", scheduler_argv(config, control.healthz_port)
+            )
+        for name in self.plain:
+            control = Control(name, 0, healthz_port=free_port())
+            self.controls.append(control)
+            config = self.launcher.workdir / f"scheduler-{name}.yaml"
+            config.write_text(
+                render_scheduler_config(self.kubeconfigs.path("system:kube-scheduler"), None, name, template)
             )
             control.scheduler = self.launcher.spawn(
                 f"kube-scheduler-{name}", scheduler_argv(config, control.healthz_port)

@@ -81,8 +81,10 @@ class RealCluster:
     controllers: Sequence[str] = ("*",)
     #: users whose completed requests kube-apiserver writes to :attr:`audit_log` (verb, resource, user)
     audited_users: Sequence[str] = ()
-    #: the nodes whose agents also serve the DRA driver gpu.gpushare.io
-    dra_nodes: Sequence[str] = ()
+    #: kube-schedulers with no extender in their configuration (for DRA claims)
+    plain_schedulers: Sequence[str] = ()
+    #: per node whose agent also serves the DRA driver gpu.gpushare.io, its ``--dra-cards``
+    dra_nodes: Mapping[str, str] = field(default_factory=dict)
     nodes: dict[str, RealNode] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -93,7 +95,12 @@ class RealCluster:
         self.launcher = Launcher(self.workdir)
         self.control_plane = ControlPlane(self.launcher, self.rbac, self.audited_users)
         self.schedulers = Schedulers(
-            self.launcher, self.control_plane.kubeconfigs, self.scheduler_names, self.policy, self.extender_tls
+            self.launcher,
+            self.control_plane.kubeconfigs,
+            self.scheduler_names,
+            self.plain_schedulers,
+            self.policy,
+            self.extender_tls,
         )
         self.node_runner = NodeRunner(
             self.launcher, self.control_plane.kubeconfigs, self.nvml_recovery_seconds, self.node_taints, self.dra_nodes
@@ -239,6 +246,9 @@ class RealCluster:
         """Where each component answers, one row per component: its name and its URLs."""
         rows = [("kube-apiserver", f"{self.server} (kubectl --kubeconfig {self.kubeconfig})")]
         for control in self.controls:
+            if control.extender is None:
+                rows.append((f"kube-scheduler {control.scheduler_name}", "no extender"))
+                continue
             verbs = f"{control.extender_url} (kube-scheduler's calls{', client certificate' if control.tls else ''})"
             health = f"{control.extender_health_url}/metrics, /healthz, /readyz"
             rows.append((f"extender for {control.scheduler_name}", f"{verbs}; {health}"))

@@ -33,7 +33,9 @@ from gpushare.contract.names import (
     CRI_LABEL_POD_NAME,
     CRI_LABEL_POD_NAMESPACE,
     RESOURCE_MEM,
+    dra_slice_name,
 )
+from gpushare.gpus.split import ALL_CARDS
 from gpushare.memlimits.cgroups import detect_layout, unified_path
 from gpushare.pb import cri_pb2, cri_pb2_grpc
 from gpushare.sandbox import binaries
@@ -210,8 +212,8 @@ class NodeRunner:
     nvml_recovery_seconds: float = 300.0
     #: per node name, taints its kubelet registers with (``key=value:Effect``)
     taints: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    #: the nodes whose agents also serve the DRA driver (``--dra``)
-    dra_nodes: Sequence[str] = ()
+    #: per node whose agent also serves the DRA driver (``--dra``), its ``--dra-cards``
+    dra_nodes: Mapping[str, str] = field(default_factory=dict)
 
     def start_agent(self, node: RealNode) -> None:
         """``gpushare node`` in the node's namespace, as its DaemonSet pod would run it."""
@@ -241,8 +243,8 @@ class NodeRunner:
                 "--runtime", node.containerd.address if node.containerd else "",
                 "--metrics-port", str(node.agent_metrics_port),
                 "--metrics-host", "127.0.0.1",
-                *(["--dra", "--kubelet-root", str(node.kubelet_dir), "--cdi-dir", str(node.base / "ctrd" / "cdi")]
-                  if node.name in self.dra_nodes else []),
+                *(["--dra", "--dra-cards", self.dra_nodes[node.name], "--kubelet-root", str(node.kubelet_dir),
+                   "--cdi-dir", str(node.base / "ctrd" / "cdi")] if node.name in self.dra_nodes else []),
             ],
             env,
         )  # fmt: skip
@@ -323,7 +325,8 @@ class NodeRunner:
         """Wait for Ready in a status kubelet reported after ``reported_after`` (epoch seconds) when given,
         and for kube-controller-manager to have lifted the node's not-ready taint (until then
         kube-scheduler places nothing there); where this runner started the node's agent, also for it
-        to be ready and gpu-mem on offer (a node that gets gpushare installed later has neither yet)."""
+        to be ready and gpu-mem on offer, or its ResourceSlice where every card is DRA's (a node that gets
+        gpushare installed later has neither yet)."""
         from kubernetes import client
 
         core = client.CoreV1Api(api)
@@ -344,9 +347,19 @@ class NodeRunner:
                 return False
             if node.agent is None:
                 return True
-            return int((status.allocatable or {}).get(RESOURCE_MEM, "0")) > 0 and node.agent_ready()
+            if dra_only and not has_slice():
+                return False
+            return (dra_only or int((status.allocatable or {}).get(RESOURCE_MEM, "0")) > 0) and node.agent_ready()
 
-        offer = f" with {RESOURCE_MEM}" if node.agent is not None else ""
+        def has_slice() -> bool:
+            try:
+                client.ResourceV1Api(api).read_resource_slice(dra_slice_name(node.name))
+            except client.ApiException:
+                return False
+            return True
+
+        dra_only = self.dra_nodes.get(node.name) == ALL_CARDS
+        offer = f" with {'its ResourceSlice' if dra_only else RESOURCE_MEM}" if node.agent is not None else ""
         what = f"node {node.name} to be Ready and untainted{offer} (logs in {self.launcher.workdir})"
         wait_for(ready, timeout, what, 0.2)
 

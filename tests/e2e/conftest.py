@@ -1,9 +1,11 @@
 """One real Kubernetes v1.37.2 cluster for the e2e tests, stopped once they are done (before
 tests/install starts a cluster of its own): kube-apiserver with RBAC, the ServiceAccount admission
-plugin and the manifests' service accounts, kube-controller-manager, two kube-scheduler/extender pairs,
-and four simulated nodes, each a mount namespace with containerd 2, the gpushare node agent and a
-kubelet: two with simulated cards, and two on the fake libnvidia-ml (a DGX A100 whose driver enforces
-per-cgroup memory limits, its kubelet giving each pod a cgroup, and a machine with an older driver).
+plugin and the manifests' service accounts, kube-controller-manager, two kube-scheduler/extender pairs
+and one kube-scheduler with no extender, and six simulated nodes, each a mount namespace with
+containerd 2, the gpushare node agent and a kubelet: two with simulated cards; two on the fake
+libnvidia-ml (a DGX A100 whose driver enforces per-cgroup memory limits, its kubelet giving each pod a
+cgroup, and a machine with an older driver); and two whose agents serve the DRA driver
+gpu.gpushare.io, one with every card and one with one of its two cards.
 
 Without root, the built binaries or the packages, every test here is skipped and the session header
 says why in one line.
@@ -41,12 +43,22 @@ NVML_TAINT = {"key": "gpushare.io/e2e-nvml", "value": "true", "effect": "NoSched
 NVML_RECOVERY = 4.0
 #: ``gpushare node --gpus nvml`` on a fake driver older than 615: no per-cgroup memory limits
 OLD_DRIVER_NODE = "node-olddrv"
+#: every card offered through the DRA driver gpu.gpushare.io (none through the device plugin)
+DRA_NODE = "node-dra"
+#: card 1 offered through DRA, card 0 through the device plugin and the extender
+MIXED_NODE = "node-mixed"
+#: only pods that tolerate it land on the mixed node
+MIXED_TAINT = {"key": "gpushare.io/e2e-mixed", "value": "true", "effect": "NoSchedule"}
 NODES = (
     ("node-a", "2xA100-80GB:81920,1xT4:15360"),
     ("node-b", "1xA100-40GB:40960,2xA10:24576"),
     (NVML_NODE, "nvml:dgx-a100"),
     (OLD_DRIVER_NODE, "nvml:old-driver"),
+    (DRA_NODE, "2xA100-80GB:81920,2xA10:24576"),
+    (MIXED_NODE, "2xA100-40GB:40960"),
 )
+#: a kube-scheduler with no extender in its configuration: DRA claims need none
+PLAIN_SCHEDULER = "no-extender"
 #: a second kube-scheduler with its own extender replica, for concurrent binds
 SECOND_SCHEDULER = "gpushare-second"
 POD_TIMEOUT = 60.0
@@ -78,7 +90,12 @@ def cluster() -> Iterator[RealCluster]:
         rbac=True,
         scheduler_names=("default-scheduler", SECOND_SCHEDULER),
         nvml_recovery_seconds=NVML_RECOVERY,
-        node_taints={node: ("{key}={value}:{effect}".format(**NVML_TAINT),) for node in (NVML_NODE, OLD_DRIVER_NODE)},
+        node_taints={
+            **{node: ("{key}={value}:{effect}".format(**NVML_TAINT),) for node in (NVML_NODE, OLD_DRIVER_NODE)},
+            MIXED_NODE: ("{key}={value}:{effect}".format(**MIXED_TAINT),),
+        },
+        plain_schedulers=(PLAIN_SCHEDULER,),
+        dra_nodes={DRA_NODE: "all", MIXED_NODE: "1"},
     )
     real.start()
     try:
@@ -119,6 +136,8 @@ def pod_manifest(
         spec["schedulerName"] = scheduler
     if node in (NVML_NODE, OLD_DRIVER_NODE):
         spec["tolerations"] = [NVML_TAINT]
+    if node == MIXED_NODE:
+        spec["tolerations"] = [MIXED_TAINT]
     metadata: dict[str, Any] = {"name": name, "namespace": namespace}
     if annotations:
         metadata["annotations"] = dict(annotations)
