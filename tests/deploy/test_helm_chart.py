@@ -234,12 +234,27 @@ def test_the_nvml_library_value_moves_only_the_host_path() -> None:
     assert mount["mountPath"] == "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"
 
 
-def test_the_dra_value_adds_deploys_device_class() -> None:
-    assert not [o for o in render() if o["kind"] == "DeviceClass"]
-    (device_class,) = [o for o in render("dra.deviceClass=true") if o["kind"] == "DeviceClass"]
+def test_the_dra_value_deploys_the_device_class_and_has_the_node_agents_serve_the_cards_it_names() -> None:
+    plain = render()
+    assert not [o for o in plain if o["kind"] == "DeviceClass"]
+    (agent,) = pod_templates(plain)["gpushare-node-agent"]["containers"]
+    assert not [a for a in agent["args"] if a.startswith("--dra")]
+
+    objects = render("dra.enabled=true", r"dra.cards=2\,3")
+    (device_class,) = [o for o in objects if o["kind"] == "DeviceClass"]
     (expected,) = [d for d in yaml.safe_load_all((DEPLOY / "dra" / "deviceclass.yaml").read_text()) if d]
     assert device_class == expected
-    kubernetes_validate.validate(device_class, "1.37", strict=True)
+    spec = pod_templates(objects)["gpushare-node-agent"]
+    (agent,) = spec["containers"]
+    assert {"--dra", "--dra-cards=2,3", "--kubelet-root=/var/lib/kubelet", "--cdi-dir=/var/run/cdi"} <= set(
+        agent["args"]
+    )
+    mounts = {m["mountPath"] for m in agent["volumeMounts"]}
+    assert {"/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/run/cdi"} <= mounts
+    paths = {v["hostPath"]["path"] for v in spec["volumes"]}
+    assert {"/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/run/cdi"} <= paths
+    for obj in objects:  # DeviceClass is resource.k8s.io/v1: checked against the release the e2e tests run
+        kubernetes_validate.validate(obj, "1.37", strict=True)
 
 
 def test_an_unknown_admission_value_is_refused_by_name() -> None:
