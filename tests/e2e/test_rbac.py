@@ -10,28 +10,52 @@ from kubernetes import client
 from gpushare.kube.transport import load_api
 from gpushare.sandbox.realcluster import RealCluster
 
+from .conftest import PLAIN_SCHEDULER
+
 NODE_AGENT = "gpushare-node-agent"
 EXTENDER = "gpushare-extender"
 
 
-#: what each identity must be able to do, as ``kubectl auth can-i`` asks it: "verb resource[/subresource]"
+#: what each identity must be able to do, as ``kubectl auth can-i`` asks it:
+#: "verb resource[.group][/subresource]"
 GRANTED = {
-    NODE_AGENT: ("patch pods", "watch pods", "patch nodes", "create events", "patch events"),
+    NODE_AGENT: (
+        "patch pods",
+        "watch pods",
+        "patch nodes",
+        "create events",
+        "patch events",
+        "update resourceslices.resource.k8s.io",
+        "get resourceclaims.resource.k8s.io",
+    ),
     EXTENDER: ("create pods/binding", "patch nodes", "watch nodes"),
 }
 #: what each identity must be refused, asked the same way
 REFUSED = {
-    NODE_AGENT: ("create pods/binding", "list nodes", "delete pods"),
+    NODE_AGENT: (
+        "create pods/binding",
+        "list nodes",
+        "delete pods",
+        "update resourceclaims.resource.k8s.io/status",
+        "delete resourceslices.resource.k8s.io",
+    ),
     EXTENDER: ("delete pods", "get secrets"),
 }
 
 
 def allowed(cluster: RealCluster, account: str, ask: str) -> bool:
     verb, _, target = ask.partition(" ")
-    resource, _, subresource = target.partition("/")
+    target, _, subresource = target.partition("/")
+    resource, _, group = target.partition(".")
     api = load_api(str(cluster.kubeconfig_of(account)))
     try:
-        attributes = {"verb": verb, "resource": resource, "subresource": subresource, "namespace": "default"}
+        attributes = {
+            "verb": verb,
+            "group": group,
+            "resource": resource,
+            "subresource": subresource,
+            "namespace": "default",
+        }
         review = client.AuthorizationV1Api(api).create_self_subject_access_review(
             {"spec": {"resourceAttributes": attributes}}
         )
@@ -56,4 +80,7 @@ def test_the_components_run_with_the_service_account_tokens(cluster: RealCluster
         assert node.agent is not None and str(cluster.kubeconfig_of(NODE_AGENT)) in node.agent.argv
         assert node.agent_ready()
     for control in cluster.controls:
+        if control.scheduler_name == PLAIN_SCHEDULER:
+            assert control.extender is None
+            continue
         assert control.extender is not None and str(cluster.kubeconfig_of(EXTENDER)) in control.extender.argv

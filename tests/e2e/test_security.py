@@ -39,6 +39,7 @@ from gpushare.sandbox.realcluster import RealCluster
 
 from .conftest import (
     API_POLL,
+    PLAIN_SCHEDULER,
     Pods,
     assert_sees_assigned_cards,
     denial,
@@ -220,6 +221,9 @@ def test_kube_scheduler_reaches_the_extender_with_the_shipped_tls_config(cluster
     shipped = yaml.safe_load(SCHEDULER_CONFIG.read_text())["extenders"][0]["tlsConfig"]
     for control in cluster.controls:
         config = yaml.safe_load((cluster.workdir / f"scheduler-{control.scheduler_name}.yaml").read_text())
+        if control.scheduler_name == PLAIN_SCHEDULER:
+            assert "extenders" not in config
+            continue
         assert len(config["extenders"]) == 2  # GPU pods' entry, and the one that scores pods without GPUs
         for extender in config["extenders"]:
             assert extender["enableHTTPS"] is True and extender["urlPrefix"].startswith("https://")
