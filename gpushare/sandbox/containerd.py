@@ -138,10 +138,14 @@ def build_busybox_image(path: Path, tags: Sequence[str] = (PAUSE_IMAGE, TEST_IMA
 # --- the daemon -------------------------------------------------------------------------------------------
 
 
-def render_config(base: Path, sandbox_image: str = PAUSE_IMAGE, snapshotter: str = "native") -> str:
+def render_config(
+    base: Path, sandbox_image: str = PAUSE_IMAGE, snapshotter: str = "native", private_cdi: bool = True
+) -> str:
     """containerd 2's TOML configuration (version 3), with every path under ``base``. Images unpack for
     ``snapshotter``: ``native`` (a copy of the image per container: nothing to mount, fine for busybox)
-    or ``overlayfs`` (for images the size of gpushare's, which a copy per container would slow down)."""
+    or ``overlayfs`` (for images the size of gpushare's, which a copy per container would slow down).
+    CDI specs are read from ``base``/cdi with ``private_cdi``, else from containerd's defaults
+    (/etc/cdi and /var/run/cdi, as on a real host)."""
     images, runtime = "plugins.'io.containerd.cri.v1.images'", "plugins.'io.containerd.cri.v1.runtime'"
     return "\n".join(
         [
@@ -171,9 +175,9 @@ def render_config(base: Path, sandbox_image: str = PAUSE_IMAGE, snapshotter: str
             # pods' network namespaces are mounted under ``base`` (removed with it), not in /run/netns
             "  netns_mounts_under_state_dir = true",
             "  enable_selinux = false",
-            # CDI specs under ``base`` (the DRA kubelet plugin writes them there)
+            # the DRA kubelet plugin writes its CDI specs where containerd reads them
             "  enable_cdi = true",
-            f"  cdi_spec_dirs = ['{base / 'cdi'}']",
+            *([f"  cdi_spec_dirs = ['{base / 'cdi'}']"] if private_cdi else []),
             f"[{runtime}.containerd]",
             "  default_runtime_name = 'runc'",
             f"[{runtime}.containerd.runtimes.runc]",
@@ -195,8 +199,10 @@ class Containerd:
         sandbox_image: str = PAUSE_IMAGE,
         command_prefix: Sequence[str] = (),
         snapshotter: str = "native",
+        private_cdi: bool = True,
     ) -> None:
         self.base = base
+        self.private_cdi = private_cdi
         self.sandbox_image = sandbox_image
         self.snapshotter = snapshotter
         #: run containerd through this, e.g. ``nsenter --mount=...`` to start it in a node's mount namespace
@@ -220,7 +226,7 @@ class Containerd:
         if self.running:
             return
         self.base.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(render_config(self.base, self.sandbox_image, self.snapshotter))
+        self.config.write_text(render_config(self.base, self.sandbox_image, self.snapshotter, self.private_cdi))
         with self.log_path.open("ab") as log_file:
             self._process = subprocess.Popen(
                 [*self.command_prefix, str(binaries.built("containerd")), "--config", str(self.config)],

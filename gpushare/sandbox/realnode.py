@@ -154,7 +154,9 @@ class RealNode:
         :func:`~gpushare.sandbox.podnetwork.render_pod_network`), with ``images`` (archives) imported.
         A node with host paths runs images the size of gpushare's, unpacked for overlayfs."""
         snapshotter = "overlayfs" if self.host_paths else "native"
-        self.containerd = Containerd(self.base / "ctrd", PAUSE_IMAGE, self.in_namespace, snapshotter)
+        self.containerd = Containerd(
+            self.base / "ctrd", PAUSE_IMAGE, self.in_namespace, snapshotter, private_cdi=not self.host_paths
+        )
         install_pod_network(self.containerd.base, self.bridge, self.subnet, self.base / "cni-ipam", routes)
         self.containerd.start()
         for image in images:

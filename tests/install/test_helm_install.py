@@ -2,8 +2,9 @@
 (:class:`~gpushare.sandbox.shippedcluster.ShippedCluster`): the image built here in each node's
 containerd, ``helm install`` of deploy/helm/gpushare, each kubelet pointed at its node agent's CRI shim,
 kube-scheduler configured from the chart's ConfigMap; then the example pods, ``helm upgrade`` to
-another policy while GPU pods are being placed, and ``helm uninstall``, after which the cluster holds
-what the guide says it holds and nothing more.
+another policy while GPU pods are being placed, ``helm upgrade`` offering a card of each node through
+DRA and a claim on it, and ``helm uninstall``, after which the cluster holds what the guide says it
+holds and nothing more.
 
 Every step is the guide's own commands (:mod:`support.guide`). The tests run in file order, each on what
 the ones before it did, on one cluster: two nodes with simulated cards behind the fake NVML driver, one a
@@ -294,6 +295,45 @@ def assert_no_card_over_committed(installed: Installed) -> None:
         assert not over, f"node {node}: cards holding more than they have: {over}"
 
 
+def test_helm_upgrade_offers_a_card_of_each_node_through_dra(installed: Installed) -> None:
+    core, resource = installed.core, client.ResourceV1Api(installed.cluster.api)
+    for name in installed.pods:  # the guide: empty the cards first
+        core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+    installed.pods.clear()
+    wait_until(lambda: not core.list_namespaced_pod("default").items, 60, "the GPU pods to end", API_POLL)
+    before = {n.metadata.name: int(n.status.allocatable[RESOURCE_MEM]) for n in core.list_node().items}
+    card_1 = {node: next(c.uuid for c in installed.inventory(node).cards if c.index == 1) for node in before}
+
+    installed.guide.run("dra-enable")
+
+    def offered() -> dict[str, list[str]] | None:
+        listed = resource.list_resource_slice().items
+        slices = {s.spec.node_name: [d.name for d in s.spec.devices or []] for s in listed}
+        return slices if set(slices) == set(installed.cluster.nodes) else None
+
+    assert wait_until(offered, 60, "each node's ResourceSlice", API_POLL) == {n: ["card-1"] for n in before}
+    for node in installed.cluster.nodes:
+
+        def shrunk(node: str = node) -> bool:
+            return int(core.read_node(node).status.allocatable[RESOURCE_MEM]) < before[node]
+
+        wait_until(shrunk, 60, f"node {node} to offer card 1 no longer as {RESOURCE_MEM}", API_POLL)
+        assert card_1[node] not in {c.uuid for c in installed.inventory(node).cards}
+
+    output = installed.guide.run("dra-claim")
+    installed.pods.append("dra-memory-8gi")
+    pod = installed.pod("dra-memory-8gi")
+    (status,) = pod["status"]["resourceClaimStatuses"]
+    claim = resource.read_namespaced_resource_claim(status["resourceClaimName"], "default")
+    (result,) = claim.status.allocation.devices.results
+    assert (result.driver, result.pool, result.device) == ("gpu.gpushare.io", pod["spec"]["nodeName"], "card-1")
+    node = installed.cluster.nodes[pod["spec"]["nodeName"]]
+    env = node.container_env("default", "dra-memory-8gi", "main")
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "1" and env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "8", env
+    assert env[ENV_VISIBLE_DEVICES] == card_1[node.name]
+    assert "dra-memory-8gi" in output and "(DRA)" in output, output
+
+
 def test_helm_uninstall_leaves_what_the_guide_says(installed: Installed) -> None:
     guide, core, cluster = installed.guide, installed.core, installed.cluster
     for name in installed.pods:
@@ -312,6 +352,8 @@ def test_helm_uninstall_leaves_what_the_guide_says(installed: Installed) -> None
     # the workloads' pods end within their grace period, after helm has deleted their owners
     wait_until(lambda: not core.list_namespaced_pod(NAMESPACE).items, 60, f"the pods of {NAMESPACE} to end", API_POLL)
     assert [c.metadata.name for c in core.list_namespaced_config_map(NAMESPACE).items] == ["kube-root-ca.crt"]
+    slices = client.ResourceV1Api(cluster.api).list_resource_slice
+    wait_until(lambda: not slices().items, 60, "kubelet to delete the nodes' ResourceSlices", API_POLL)
     assert [a.metadata.name for a in core.list_namespaced_service_account(NAMESPACE).items] == ["default"]
     assert not core.list_namespaced_service(NAMESPACE).items
     now = cluster_scoped(cluster.api)
