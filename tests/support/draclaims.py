@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpushare.draplugin.claims import ClaimRef
-
 from gpushare.cards import Card
+from gpushare.contract.resourceclaim import ClaimRef
 
 NODE = "node-a"
 REF = ClaimRef(namespace="ns", name="claim-1", uid="0b5c9f1e-1111-2222-3333-444455556666")

@@ -1,11 +1,11 @@
 from typing import Any
 
 import pytest
-from gpushare.draplugin.claims import AllocatedShare, ClaimError, claim_allocation
 from support.draclaims import NODE, REF, claim, result
 
 from gpushare.contract.dra import format_device_name, parse_device_name
 from gpushare.contract.errors import ContractError
+from gpushare.contract.resourceclaim import AllocatedShare, ClaimError, claim_allocation
 
 
 def test_a_share_of_one_card_gives_card_request_share_and_memory() -> None:
