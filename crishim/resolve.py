@@ -1,9 +1,11 @@
 """Which cards a container being created must get: read from the pod annotations kubelet passes in
 ``sandbox_config``, or, when those are missing or stale, from the pod itself through the API server.
+A container kubelet gave CDI devices of prepared DRA claims (kind ``gpu.gpushare.io/claim``) gets its
+cards from those claims instead: the runtime applies them.
 
-The pure part (:func:`target_of`, :func:`plugin_view`, :func:`from_annotations`, :func:`from_pod`)
-works on plain values. :class:`Resolver` adds the node's pod cache: the API fallback and the
-over-commit check against every live pod on the node.
+The pure part (:func:`target_of`, :func:`plugin_view`, :func:`from_annotations`, :func:`from_pod`,
+:func:`from_dra`) works on plain values. :class:`Resolver` adds the node's pod cache: the API
+fallback and the over-commit check against every live pod on the node.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from gpushare.cards import Card
 from gpushare.contract.aliyun import parse_card_index
 from gpushare.contract.allocation import CardSlice, parse_allocation
 from gpushare.contract.cardrule import card_rule_of, parse_card_rule
+from gpushare.contract.dra import claim_cdi_devices
 from gpushare.contract.errors import ContractError
 from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import (
@@ -34,6 +37,7 @@ from gpushare.contract.names import (
     ENV_MEM_CONTAINER,
     ENV_MEM_POD,
     ENV_VISIBLE_DEVICES,
+    RESOURCES,
 )
 from gpushare.contract.pending import Ledger
 from gpushare.contract.request import parse_pod_request
@@ -48,6 +52,9 @@ log = logging.getLogger(__name__)
 
 SOURCE_ANNOTATIONS = "pod annotations"
 SOURCE_API = "API server"
+SOURCE_DRA = "ResourceClaims"
+#: the refusal reason of a container given cards both through DRA claims and the device plugin
+DRA_AND_DEVICE_PLUGIN = "dra-and-device-plugin"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +113,8 @@ class Resolution:
     rule: CardRule = ANY_CARD
     #: what the pod holds per card UUID, as the over-commit check counted it (None: not counted)
     pod_held: Mapping[str, int] | None = None
+    #: the CDI devices of DRA claims kubelet gave the container (its cards come from them, not ``slices``)
+    dra_devices: tuple[str, ...] = ()
 
     @property
     def claim(self) -> Claim:
@@ -211,6 +220,21 @@ def _int_or(text: str | None, default: int | None) -> int | None:
         return default
 
 
+def from_dra(target: Target, devices: tuple[str, ...], plugin: PluginView, requests_plugin_gpu: bool) -> Resolution:
+    """A container kubelet gave CDI ``devices`` of prepared DRA claims gets the claims' cards (the
+    runtime applies their CDI edits), unless the device plugin serves it too (``plugin``) or its spec
+    asks the device plugin for a GPU (``requests_plugin_gpu``): a container gets its GPU one way."""
+    if plugin.served or requests_plugin_gpu:
+        return refuse(
+            target,
+            DRA_AND_DEVICE_PLUGIN,
+            f"gets GPUs both through ResourceClaims (CDI device(s) {', '.join(devices)}) and through the device "
+            f"plugin ({' or '.join(RESOURCES)}); a container gets its GPU one way: drop its claim or its "
+            "gpushare resource request",
+        )
+    return Resolution(target=target, wants_gpu=True, source=SOURCE_DRA, dra_devices=devices)
+
+
 def from_pod(target: Target, pod: Mapping[str, Any], cards: Sequence[Card]) -> Resolution:
     """The assignment from the pod object itself: its spec says whether the container wants a GPU."""
     try:
@@ -261,25 +285,50 @@ class Resolver:
     def resolve(self, request: cri_pb2.CreateContainerRequest, cards: Sequence[Card]) -> Resolution:
         target = target_of(request)
         plugin = plugin_view(request.config)
+        devices = claim_cdi_devices((d.name for d in request.config.CDI_devices), request.config.annotations)
+        if devices:
+            return self._resolve_dra(target, devices, plugin)
         found = from_annotations(target, request.sandbox_config.annotations, plugin, cards)
         if found is None:
-            if self._pods is None:
-                return refuse(
-                    target,
-                    "no-assignment",
-                    "requests a GPU but the pod annotations in sandbox_config hold no valid card assignment "
-                    "for it, and API lookups are disabled (--no-api-fetch)",
-                )
-            try:
-                pod = self._pods.pod(target.namespace, target.pod, target.uid)
-            except KubeError as exc:
-                return refuse(target, "api-unavailable", f"no card assignment in sandbox_config and {exc}")
-            if pod is None:
-                return refuse(target, "no-assignment", "no card assignment in sandbox_config and the pod is gone")
+            pod = self._api_pod(target, "no card assignment in sandbox_config")
+            if isinstance(pod, Resolution):
+                return pod
             found = from_pod(target, pod, cards)
         if found.refusal is None and found.wants_gpu:
             return self._check_capacity(found, cards)
         return found
+
+    def _api_pod(self, target: Target, missing: str) -> Mapping[str, Any] | Resolution:
+        """The pod from the API server, asked because of what is ``missing``; else the refusal."""
+        if self._pods is None:
+            return refuse(target, "no-assignment", f"{missing}, and API lookups are disabled (--no-api-fetch)")
+        try:
+            pod = self._pods.pod(target.namespace, target.pod, target.uid)
+        except KubeError as exc:
+            return refuse(target, "api-unavailable", f"{missing} and {exc}")
+        if pod is None:
+            return refuse(target, "no-assignment", f"{missing} and the pod is gone")
+        return pod
+
+    def _resolve_dra(self, target: Target, devices: tuple[str, ...], plugin: PluginView) -> Resolution:
+        """A container with CDI devices of DRA claims: only the device plugin's env, which a pod spec
+        can set as well, needs the pod's spec to say whether it also asks the device plugin for a GPU."""
+        if not plugin.env_only:
+            return from_dra(target, devices, plugin, requests_plugin_gpu=False)
+        pod = self._api_pod(
+            target,
+            f"has CDI device(s) {', '.join(devices)} of ResourceClaims and the device plugin's env "
+            f"{ENV_MEM_CONTAINER}, which only its pod spec can explain",
+        )
+        if isinstance(pod, Resolution):
+            return pod
+        try:
+            container = parse_pod_request(pod).container(target.container)
+        except ContractError as exc:
+            return refuse(target, "bad-annotation", str(exc))
+        if container is None:
+            return refuse(target, "bad-annotation", "the pod from the API server has no such container")
+        return from_dra(target, devices, plugin, requests_plugin_gpu=container.wants_gpu)
 
     def pod_held(self, found: Resolution, annotations: Mapping[str, str], cards: Sequence[Card]) -> dict[str, int]:
         """Units ``found``'s pod holds per card UUID, which its memory limits are: by the node's rule

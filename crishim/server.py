@@ -73,7 +73,13 @@ class CreateContainerGuard:
             self._event(resolution.target, EVENT_REFUSED, refusal.message, "Warning")
             return Refuse(grpc.StatusCode.FAILED_PRECONDITION, refusal.message)
         if outcome.config is None:
-            if resolution.wants_gpu:
+            if resolution.dra_devices:
+                log.info(
+                    "%s: GPU from its ResourceClaims (CDI device(s) %s), forwarded as kubelet sent it",
+                    resolution.target,
+                    ", ".join(resolution.dra_devices),
+                )
+            elif resolution.wants_gpu:
                 log.info("%s: %s as assigned (%s)", resolution.target, describe(resolution.slices), resolution.source)
             return Forward(request)
         if outcome.reason:
