@@ -37,6 +37,7 @@ NODE_AGENT_GRANTS = {
     *core_grants("nodes", "get", "patch"),
     *core_grants("events", "create", "patch"),
     *{("resource.k8s.io", "resourceslices", verb) for verb in ("get", "list", "watch", "create", "update")},
+    ("resource.k8s.io", "resourceclaims", "get"),
 }
 EXTENDER_GRANTS = {
     *core_grants("pods", "get", "list", "watch", "patch"),
