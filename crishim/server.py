@@ -25,6 +25,7 @@ from gpushare.crishim.splice import Forward, Refuse, Splice, Verdict
 from gpushare.assignment import Refusal, describe
 from gpushare.cards import Card
 from gpushare.contract.names import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID
+from gpushare.contract.resourceclaim import ClaimError
 from gpushare.contract.units import MemoryUnit
 from gpushare.memlimits.enforcer import PodLimiter
 from gpushare.pb import cri_pb2
@@ -94,11 +95,15 @@ class CreateContainerGuard:
     def _limit(
         self, request: cri_pb2.CreateContainerRequest, resolution: Resolution, cards: Sequence[Card]
     ) -> Refusal | None:
-        """Hold the pod to its share of each card it shares, before its GPU container is created."""
+        """Hold the pod to its share of each card it shares (through the device plugin and its
+        ResourceClaims), before its GPU container is created."""
         if self.limiter is None or not resolution.wants_gpu or not any(card.limits_enforced for card in cards):
             return None
         annotations = request.sandbox_config.annotations
-        held = self.resolver.pod_held(resolution, annotations, cards)
+        try:
+            held = self.resolver.pod_held(resolution, annotations, cards)
+        except ClaimError as exc:
+            return Refusal(MEMORY_LIMIT, f"{resolution.target}: its memory limits can't be set: {exc}")
         why = self.limiter.apply(str(resolution.target), request.sandbox_config.linux.cgroup_parent, held, cards)
         return None if why is None else Refusal(MEMORY_LIMIT, why)
 
