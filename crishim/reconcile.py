@@ -1,7 +1,7 @@
 """After a start (or a restart of the node agent), the GPU memory limits of the pods already running on
-the node: each pod's cgroup gets them again from its assignment, as if its containers were being
-created now. A limit that can't be set can't refuse a running pod; it is logged as an error naming the
-pod, card and cause."""
+the node: each pod's cgroup gets them again from its assignment and its ResourceClaims, as if its
+containers were being created now. A limit that can't be set can't refuse a running pod; it is logged
+as an error naming the pod, card (or claim) and cause."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import grpc
 from gpushare.crishim.resolve import Resolution, Resolver, Target
 
 from gpushare.cards import Card
+from gpushare.contract.resourceclaim import ClaimError
 from gpushare.memlimits.enforcer import PodLimiter
 from gpushare.pb import cri_pb2, cri_pb2_grpc
 
@@ -48,7 +49,12 @@ def reconcile_limits(
             meta = sandbox.metadata
             target = Target(meta.namespace, meta.name, meta.uid, "")
             now = list(cards())
-            held = resolver.pod_held(Resolution(target, wants_gpu=True), sandbox.annotations, now)
+            try:
+                held = resolver.pod_held(Resolution(target, wants_gpu=True), sandbox.annotations, now)
+            except ClaimError as exc:
+                failed += 1
+                log.error("running pod's memory limits not set: pod %s: %s", target.pod_key, exc)
+                continue
             if not held:
                 continue
             request = cri_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox.id, verbose=True)

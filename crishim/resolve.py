@@ -1,9 +1,12 @@
 """Which cards a container being created must get: read from the pod annotations kubelet passes in
 ``sandbox_config``, or, when those are missing or stale, from the pod itself through the API server.
+A container kubelet gave CDI devices of prepared DRA claims (kind ``gpu.gpushare.io/claim``) gets its
+cards from those claims instead: the runtime applies them.
 
-The pure part (:func:`target_of`, :func:`plugin_view`, :func:`from_annotations`, :func:`from_pod`)
-works on plain values. :class:`Resolver` adds the node's pod cache: the API fallback and the
-over-commit check against every live pod on the node.
+The pure part (:func:`target_of`, :func:`plugin_view`, :func:`from_annotations`, :func:`from_pod`,
+:func:`from_dra`) works on plain values. :class:`Resolver` adds the node's pod cache: the API
+fallback, the over-commit check against every live pod on the node, and what a pod holds (its memory
+limits), ResourceClaims included.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from gpushare.cards import Card
 from gpushare.contract.aliyun import parse_card_index
 from gpushare.contract.allocation import CardSlice, parse_allocation
 from gpushare.contract.cardrule import card_rule_of, parse_card_rule
+from gpushare.contract.dra import claim_cdi_devices
 from gpushare.contract.errors import ContractError
 from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import (
@@ -34,20 +38,25 @@ from gpushare.contract.names import (
     ENV_MEM_CONTAINER,
     ENV_MEM_POD,
     ENV_VISIBLE_DEVICES,
+    RESOURCES,
 )
 from gpushare.contract.pending import Ledger
 from gpushare.contract.request import parse_pod_request
+from gpushare.contract.resourceclaim import ClaimError
 from gpushare.contract.units import MemoryUnit
 from gpushare.kube.errors import KubeError, KubeNotFound
-from gpushare.kube.objects import get_node, get_pod
+from gpushare.kube.objects import get_node, get_pod, get_resource_claim
 from gpushare.pb import cri_pb2
 from gpushare.placement.demand import ANY_CARD, CardRule
-from gpushare.usage import card_by_minor, node_ledger, node_usage, pod_allocation, pod_cards
+from gpushare.usage import card_by_minor, dra_held, node_ledger, node_usage, pod_allocation, pod_cards, pod_claim_names
 
 log = logging.getLogger(__name__)
 
 SOURCE_ANNOTATIONS = "pod annotations"
 SOURCE_API = "API server"
+SOURCE_DRA = "ResourceClaims"
+#: the refusal reason of a container given cards both through DRA claims and the device plugin
+DRA_AND_DEVICE_PLUGIN = "dra-and-device-plugin"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +115,8 @@ class Resolution:
     rule: CardRule = ANY_CARD
     #: what the pod holds per card UUID, as the over-commit check counted it (None: not counted)
     pod_held: Mapping[str, int] | None = None
+    #: the CDI devices of DRA claims kubelet gave the container (its cards come from them, not ``slices``)
+    dra_devices: tuple[str, ...] = ()
 
     @property
     def claim(self) -> Claim:
@@ -211,6 +222,21 @@ def _int_or(text: str | None, default: int | None) -> int | None:
         return default
 
 
+def from_dra(target: Target, devices: tuple[str, ...], plugin: PluginView, requests_plugin_gpu: bool) -> Resolution:
+    """A container kubelet gave CDI ``devices`` of prepared DRA claims gets the claims' cards (the
+    runtime applies their CDI edits), unless the device plugin serves it too (``plugin``) or its spec
+    asks the device plugin for a GPU (``requests_plugin_gpu``): a container gets its GPU one way."""
+    if plugin.served or requests_plugin_gpu:
+        return refuse(
+            target,
+            DRA_AND_DEVICE_PLUGIN,
+            f"gets GPUs both through ResourceClaims (CDI device(s) {', '.join(devices)}) and through the device "
+            f"plugin ({' or '.join(RESOURCES)}); a container gets its GPU one way: drop its claim or its "
+            "gpushare resource request",
+        )
+    return Resolution(target=target, wants_gpu=True, source=SOURCE_DRA, dra_devices=devices)
+
+
 def from_pod(target: Target, pod: Mapping[str, Any], cards: Sequence[Card]) -> Resolution:
     """The assignment from the pod object itself: its spec says whether the container wants a GPU."""
     try:
@@ -239,6 +265,13 @@ def from_pod(target: Target, pod: Mapping[str, Any], cards: Sequence[Card]) -> R
 class PodLookup(Protocol):
     """The node's pods as the API server knows them."""
 
+    @property
+    def node(self) -> str:
+        """The node's name: the pool of its cards in ResourceClaims' allocations."""
+
+    def resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        """The ResourceClaim; raises KubeError (naming it) when it can't be read or doesn't exist."""
+
     def pod(self, namespace: str, name: str, uid: str) -> Mapping[str, Any] | None:
         """The pod with this uid (any uid when empty), or None when there is none; raises KubeError when
         the API server can't be asked."""
@@ -261,44 +294,78 @@ class Resolver:
     def resolve(self, request: cri_pb2.CreateContainerRequest, cards: Sequence[Card]) -> Resolution:
         target = target_of(request)
         plugin = plugin_view(request.config)
+        devices = claim_cdi_devices((d.name for d in request.config.CDI_devices), request.config.annotations)
+        if devices:
+            return self._resolve_dra(target, devices, plugin)
         found = from_annotations(target, request.sandbox_config.annotations, plugin, cards)
         if found is None:
-            if self._pods is None:
-                return refuse(
-                    target,
-                    "no-assignment",
-                    "requests a GPU but the pod annotations in sandbox_config hold no valid card assignment "
-                    "for it, and API lookups are disabled (--no-api-fetch)",
-                )
-            try:
-                pod = self._pods.pod(target.namespace, target.pod, target.uid)
-            except KubeError as exc:
-                return refuse(target, "api-unavailable", f"no card assignment in sandbox_config and {exc}")
-            if pod is None:
-                return refuse(target, "no-assignment", "no card assignment in sandbox_config and the pod is gone")
+            pod = self._api_pod(target, "no card assignment in sandbox_config")
+            if isinstance(pod, Resolution):
+                return pod
             found = from_pod(target, pod, cards)
         if found.refusal is None and found.wants_gpu:
             return self._check_capacity(found, cards)
         return found
 
+    def _api_pod(self, target: Target, missing: str) -> Mapping[str, Any] | Resolution:
+        """The pod from the API server, asked because of what is ``missing``; else the refusal."""
+        if self._pods is None:
+            return refuse(target, "no-assignment", f"{missing}, and API lookups are disabled (--no-api-fetch)")
+        try:
+            pod = self._pods.pod(target.namespace, target.pod, target.uid)
+        except KubeError as exc:
+            return refuse(target, "api-unavailable", f"{missing} and {exc}")
+        if pod is None:
+            return refuse(target, "no-assignment", f"{missing} and the pod is gone")
+        return pod
+
+    def _resolve_dra(self, target: Target, devices: tuple[str, ...], plugin: PluginView) -> Resolution:
+        """A container with CDI devices of DRA claims: only the device plugin's env, which a pod spec
+        can set as well, needs the pod's spec to say whether it also asks the device plugin for a GPU."""
+        if not plugin.env_only:
+            return from_dra(target, devices, plugin, requests_plugin_gpu=False)
+        pod = self._api_pod(
+            target,
+            f"has CDI device(s) {', '.join(devices)} of ResourceClaims and the device plugin's env "
+            f"{ENV_MEM_CONTAINER}, which only its pod spec can explain",
+        )
+        if isinstance(pod, Resolution):
+            return pod
+        try:
+            container = parse_pod_request(pod).container(target.container)
+        except ContractError as exc:
+            return refuse(target, "bad-annotation", str(exc))
+        if container is None:
+            return refuse(target, "bad-annotation", "the pod from the API server has no such container")
+        return from_dra(target, devices, plugin, requests_plugin_gpu=container.wants_gpu)
+
     def pod_held(self, found: Resolution, annotations: Mapping[str, str], cards: Sequence[Card]) -> dict[str, int]:
-        """Units ``found``'s pod holds per card UUID, which its memory limits are: by the node's rule
-        (:func:`gpushare.usage.pod_cards`, the node's ledger first), as the over-commit check counted it
-        or else from the pod when it can be had; else (API lookups off or failing) the pod's allocation
-        annotation summed per card, which is at least what it holds. Never less than the container's
-        own cards."""
-        target, held = found.target, dict(found.pod_held or {})
-        if not held and self._pods is not None:
+        """Units ``found``'s pod holds per card UUID, which its memory limits are: what it holds through
+        the device plugin plus what its ResourceClaims were allocated on this node's cards
+        (:func:`gpushare.usage.dra_held`).
+
+        Through the device plugin: by the node's rule (:func:`gpushare.usage.pod_cards`, the node's
+        ledger first), as the over-commit check counted it or else from the pod when it can be had;
+        else (API lookups off or failing) the pod's allocation annotation summed per card, which is at
+        least what it holds. Never less than the container's own cards.
+
+        ClaimError (naming the claim or the pod's field at fault) when the pod's claims can't be read
+        or counted; for a container with DRA devices also when the pod can't be read or its claims
+        hold no card here: its limits are never guessed."""
+        target = found.target
+        pod: Mapping[str, Any] | None = None
+        problem: KubeError | None = None
+        if self._pods is not None:
             try:
                 pod = self._pods.pod(target.namespace, target.pod, target.uid)
             except KubeError as exc:
-                log.warning("%s: %s; its memory limits are taken from its annotations", target, exc)
-                pod = None
-            if pod is not None:
-                counted, _ = pod_cards(
-                    pod, NodeInventory(self._unit, tuple(cards)), self._pods.ledger().get(target.uid)
-                )
-                held = dict(counted.held) if counted is not None else {}
+                problem = exc
+        held = dict(found.pod_held or {})
+        if not held and pod is not None:
+            counted, _ = pod_cards(pod, NodeInventory(self._unit, tuple(cards)), self._pods.ledger().get(target.uid))
+            held = dict(counted.held) if counted is not None else {}
+        if not held and problem is not None and not found.dra_devices:
+            log.warning("%s: %s; its memory limits are taken from its annotations", target, problem)
         if not held:
             try:
                 allocation = parse_allocation(annotations.get(ANN_ALLOCATION, "{}"), target.pod_key)
@@ -309,6 +376,33 @@ class Resolver:
                     held[part.uuid] = held.get(part.uuid, 0) + part.units
         for part in found.slices:
             held[part.uuid] = max(held.get(part.uuid, 0), part.units)
+        for uuid, units in self._dra_held(found, pod, problem, cards).items():
+            held[uuid] = held.get(uuid, 0) + units
+        return held
+
+    def _dra_held(
+        self, found: Resolution, pod: Mapping[str, Any] | None, problem: KubeError | None, cards: Sequence[Card]
+    ) -> dict[str, int]:
+        """What the pod holds through its ResourceClaims; see :meth:`pod_held`."""
+        devices = ", ".join(found.dra_devices)
+        if self._pods is None or pod is None:
+            if not found.dra_devices:
+                return {}
+            why = "API lookups are disabled (--no-api-fetch)" if self._pods is None else problem or "the pod is gone"
+            raise ClaimError(f"its ResourceClaims (CDI device(s) {devices}) can't be read: {why}")
+        names = pod_claim_names(pod)
+        claims = {}
+        for name in names:
+            try:
+                claims[name] = self._pods.resource_claim(found.target.namespace, name)
+            except KubeError as exc:
+                raise ClaimError(str(exc)) from None
+        held = dra_held(pod, claims, self._pods.node, NodeInventory(self._unit, tuple(cards)))
+        if found.dra_devices and not held:
+            raise ClaimError(
+                f"CDI device(s) {devices}, but the pod's ResourceClaims ({', '.join(names) or 'none'}) hold no card "
+                f"of node {self._pods.node}"
+            )
         return held
 
     def _check_capacity(self, found: Resolution, cards: Sequence[Card]) -> Resolution:
@@ -339,6 +433,13 @@ class CachedPods:
         self._cache = cache
         self._node = node
         self._ledger: Ledger = {}
+
+    @property
+    def node(self) -> str:
+        return self._node
+
+    def resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        return get_resource_claim(self._api, namespace, name)
 
     def pod(self, namespace: str, name: str, uid: str) -> Mapping[str, Any] | None:
         cached = self._cache.get(name, namespace) if self._cache.synced else None

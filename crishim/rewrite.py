@@ -5,6 +5,8 @@ refuse it.
 The device plugin can't tell pods apart in Allocate, so what it injected (its annotations and env) may
 belong to another pod. Whenever that differs from the assignment, every GPU-related part of the
 config is rebuilt from the assignment: env, annotations and, when enabled, device nodes and CDI names.
+A container whose cards come from DRA claims goes through as kubelet sent it: the runtime gives it
+its claims' cards and env from their CDI devices.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ def rewrite(
 ) -> Outcome:
     if resolution.refusal is not None:
         return Outcome(refusal=resolution.refusal)
+    if resolution.dra_devices:
+        return Outcome()
     if not resolution.wants_gpu:
         return _no_gpu(config, resolution, options)
     target, slices = resolution.target, resolution.slices

@@ -25,6 +25,7 @@ from gpushare.crishim.splice import Forward, Refuse, Splice, Verdict
 from gpushare.assignment import Refusal, describe
 from gpushare.cards import Card
 from gpushare.contract.names import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID
+from gpushare.contract.resourceclaim import ClaimError
 from gpushare.contract.units import MemoryUnit
 from gpushare.memlimits.enforcer import PodLimiter
 from gpushare.pb import cri_pb2
@@ -73,7 +74,13 @@ class CreateContainerGuard:
             self._event(resolution.target, EVENT_REFUSED, refusal.message, "Warning")
             return Refuse(grpc.StatusCode.FAILED_PRECONDITION, refusal.message)
         if outcome.config is None:
-            if resolution.wants_gpu:
+            if resolution.dra_devices:
+                log.info(
+                    "%s: GPU from its ResourceClaims (CDI device(s) %s), forwarded as kubelet sent it",
+                    resolution.target,
+                    ", ".join(resolution.dra_devices),
+                )
+            elif resolution.wants_gpu:
                 log.info("%s: %s as assigned (%s)", resolution.target, describe(resolution.slices), resolution.source)
             return Forward(request)
         if outcome.reason:
@@ -88,11 +95,15 @@ class CreateContainerGuard:
     def _limit(
         self, request: cri_pb2.CreateContainerRequest, resolution: Resolution, cards: Sequence[Card]
     ) -> Refusal | None:
-        """Hold the pod to its share of each card it shares, before its GPU container is created."""
+        """Hold the pod to its share of each card it shares (through the device plugin and its
+        ResourceClaims), before its GPU container is created."""
         if self.limiter is None or not resolution.wants_gpu or not any(card.limits_enforced for card in cards):
             return None
         annotations = request.sandbox_config.annotations
-        held = self.resolver.pod_held(resolution, annotations, cards)
+        try:
+            held = self.resolver.pod_held(resolution, annotations, cards)
+        except ClaimError as exc:
+            return Refusal(MEMORY_LIMIT, f"{resolution.target}: its memory limits can't be set: {exc}")
         why = self.limiter.apply(str(resolution.target), request.sandbox_config.linux.cgroup_parent, held, cards)
         return None if why is None else Refusal(MEMORY_LIMIT, why)
 

@@ -15,17 +15,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpushare.draplugin.claims import AllocatedShare, ClaimAllocation, ClaimError
-
 from gpushare.cards import Card
-from gpushare.contract.allocation import CardSlice
 from gpushare.contract.env import assigned_env
 from gpushare.contract.names import DRA_CDI_KIND, DRA_DRIVER
+from gpushare.contract.resourceclaim import ClaimAllocation, card_slices
 
 #: the oldest CDI version with everything the spec uses (env edits); containerd 2.2.9 reads 0.3.0 to 1.1.0
 CDI_VERSION = "0.6.0"
 DEFAULT_SPEC_DIR = Path("/var/run/cdi")
-MIB = 1 << 20
 
 
 def cdi_device_name(uid: str, request: str) -> str:
@@ -39,34 +36,6 @@ def cdi_device_id(uid: str, request: str) -> str:
 
 def spec_file_name(uid: str) -> str:
     return f"{DRA_DRIVER}-claim_{uid}.json"
-
-
-def card_slices(allocation: ClaimAllocation, cards: Sequence[Card], unit_mib: int) -> dict[str, tuple[CardSlice, ...]]:
-    """The claim's shares as card slices, grouped by request; each share must name a card of this node
-    and be a whole number of units no larger than the card."""
-    by_index = {c.index: c for c in cards}
-    grouped: dict[str, list[CardSlice]] = {}
-    for share in allocation.shares:
-        grouped.setdefault(share.base_request, []).append(_slice(allocation, share, by_index, unit_mib))
-    return {request: tuple(slices) for request, slices in grouped.items()}
-
-
-def _slice(allocation: ClaimAllocation, share: AllocatedShare, by_index: dict[int, Card], unit_mib: int) -> CardSlice:
-    where = f"ResourceClaim {allocation.claim}: request {share.request} device {share.device}"
-    card = by_index.get(share.index)
-    if card is None:
-        raise ClaimError(f"{where}: no card with index {share.index} on this node")
-    unit_bytes = unit_mib * MIB
-    units, rest = divmod(share.memory_bytes, unit_bytes)
-    if rest or units == 0:
-        raise ClaimError(
-            f"{where}: consumedCapacity.memory {share.memory_bytes} bytes is not a whole number of {unit_mib} MiB units"
-        )
-    if units * unit_mib > card.memory_mib:
-        raise ClaimError(
-            f"{where}: consumedCapacity.memory {units * unit_mib} MiB exceeds the card's {card.memory_mib} MiB"
-        )
-    return CardSlice(index=card.index, uuid=card.uuid, units=units)
 
 
 def cdi_spec(allocation: ClaimAllocation, cards: Sequence[Card], unit_mib: int) -> dict[str, Any]:

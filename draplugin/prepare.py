@@ -1,6 +1,6 @@
 """What preparing a claim on this node gives kubelet: the claim's CDI spec and one device entry per
 allocation result. Pure: the claim read from the API server and the node's cards in, a
-:class:`Prepared` or a :class:`~gpushare.draplugin.claims.ClaimError` out."""
+:class:`Prepared` or a :class:`~gpushare.contract.resourceclaim.ClaimError` out."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare.draplugin.cdi import cdi_device_id, cdi_spec
-from gpushare.draplugin.claims import ClaimAllocation, ClaimRef, claim_allocation
 
 from gpushare.cards import Card
+from gpushare.contract.resourceclaim import ClaimAllocation, ClaimRef, claim_allocation
 
 
 @dataclass(frozen=True, slots=True)

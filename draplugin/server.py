@@ -15,11 +15,11 @@ from typing import Any
 
 import grpc
 from gpushare.draplugin.cdi import DEFAULT_SPEC_DIR, remove_spec, write_spec
-from gpushare.draplugin.claims import ClaimError, ClaimRef
 from gpushare.draplugin.prepare import prepare_claim
 
 from gpushare.cards import Card
 from gpushare.contract.names import DRA_DRIVER
+from gpushare.contract.resourceclaim import ClaimError, ClaimRef
 from gpushare.kube.errors import KubeError
 from gpushare.kube.objects import get_resource_claim
 from gpushare.pb import dra_pb2 as pb

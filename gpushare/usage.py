@@ -28,6 +28,11 @@ disagree is reported (:class:`~gpushare.contract.errors.LedgerMismatch`) and cou
 A pod with no entry (bound by the original extender) is counted from its annotations, but never past
 its request: each container at what it requests on each card its annotation names that the node has
 (:class:`~gpushare.contract.errors.OverClaimError` when the annotation claims more).
+
+A pod can also hold cards through ResourceClaims of the DRA driver ``gpu.gpushare.io``
+(:func:`dra_held`): on each card, the sum over its claims of what they were allocated there
+(``consumedCapacity.memory``, in the node's memory unit). Tenants can't forge those: the scheduler
+writes a claim's allocation and reservation, so they are read from the claims, never from the pod.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from gpushare.contract.names import (
 )
 from gpushare.contract.pending import Ledger, LedgerError, PendingBind, parse_pending_binds
 from gpushare.contract.request import PodRequest, annotations_of, effective_request, parse_pod_request, pod_key
+from gpushare.contract.resourceclaim import ClaimAllocation, ClaimError, ClaimRef, card_slices, node_shares
 from gpushare.contract.units import GIB, MemoryUnit
 
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
@@ -428,3 +434,75 @@ def node_usage(
         for uuid, units in held.held.items():
             used[uuid] += units
     return used, counted, bad
+
+
+# --- what a pod holds through DRA ---------------------------------------------------------------------
+
+
+def _claim_name(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ClaimError(f"{where}: {quoted(value)} is not a ResourceClaim name")
+    return value
+
+
+def pod_claim_names(pod: Mapping[str, Any]) -> tuple[str, ...]:
+    """The ResourceClaims the pod uses, by name (in its namespace), each once, as kubelet finds them:
+    a ``spec.resourceClaims`` entry's ``resourceClaimName``, or for one made from a template the name
+    its ``status.resourceClaimStatuses`` entry gives (an entry without a name needed no claim); and the
+    claim the scheduler made for extended resources (``status.extendedResourceClaimStatus``).
+    ClaimError (naming the pod and field) when a template's claim isn't named in the status yet."""
+    key = pod_key(pod)
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    made = {entry.get("name"): entry for entry in status.get("resourceClaimStatuses") or [] if isinstance(entry, dict)}
+    names = []
+    for i, entry in enumerate(spec.get("resourceClaims") or []):
+        where = f"pod {key} spec.resourceClaims[{i}]"
+        if not isinstance(entry, dict):
+            raise ClaimError(f"{where}: {quoted(entry)} is not an object")
+        name = _claim_name(entry.get("resourceClaimName"), f"{where}.resourceClaimName")
+        if name is None:
+            generated = made.get(entry.get("name"))
+            if generated is None:
+                raise ClaimError(
+                    f"{where} ({quoted(entry.get('name'))}): status.resourceClaimStatuses names no ResourceClaim "
+                    "made for it yet"
+                )
+            name = _claim_name(generated.get("resourceClaimName"), f"pod {key} status.resourceClaimStatuses")
+        if name is not None:
+            names.append(name)
+    extended = _claim_name(
+        (status.get("extendedResourceClaimStatus") or {}).get("resourceClaimName"),
+        f"pod {key} status.extendedResourceClaimStatus.resourceClaimName",
+    )
+    if extended is not None:
+        names.append(extended)
+    return tuple(dict.fromkeys(names))
+
+
+def _reserved_for(claim: Mapping[str, Any], uid: str) -> bool:
+    reserved = (claim.get("status") or {}).get("reservedFor") or []
+    return any(isinstance(r, dict) and r.get("uid") == uid for r in reserved)
+
+
+def dra_held(
+    pod: Mapping[str, Any], claims: Mapping[str, dict[str, Any]], node: str, inventory: NodeInventory
+) -> dict[str, int]:
+    """Units the pod holds per card UUID through its ResourceClaims ``claims`` (name -> the claim as
+    the API server returns it; :func:`pod_claim_names` says which): on each card, the sum of their
+    allocation results of driver ``gpu.gpushare.io`` in pool ``node`` (a claim of other drivers adds
+    nothing). Each claim must be reserved for the pod. ClaimError (naming the claim and field) when one
+    can't be counted: a result naming a card the node lacks, or not a whole number of units."""
+    meta = pod.get("metadata") or {}
+    namespace, uid = meta.get("namespace", "default"), meta.get("uid", "")
+    held: dict[str, int] = {}
+    for name, claim in claims.items():
+        ref = ClaimRef(namespace, name, str((claim.get("metadata") or {}).get("uid", "")))
+        if not _reserved_for(claim, uid):
+            raise ClaimError(f"ResourceClaim {ref}: status.reservedFor does not name pod {pod_key(pod)} (uid {uid})")
+        allocation = ClaimAllocation(ref, node, node_shares(claim, f"ResourceClaim {ref}", node))
+        for slices in card_slices(allocation, inventory.cards, inventory.unit.mib).values():
+            for part in slices:
+                held[part.uuid] = held.get(part.uuid, 0) + part.units
+    return held

@@ -11,13 +11,17 @@ prepares claims allocated from it:
   and ``nvlinkClique`` (see :mod:`gpushare.contract.names`);
 - capacity ``memory``: the card's size in bytes, with ``allowMultipleAllocations: true`` and a
   ``requestPolicy`` whose step (and minimum and default) is the node's memory unit, so that every
-  allocation's ``consumedCapacity.memory`` is a whole number of units.
+  allocation's ``consumedCapacity.memory`` is a whole number of units;
+- a prepared claim's containers get CDI devices of kind ``gpu.gpushare.io/claim``
+  (:func:`claim_cdi_devices` finds them in what kubelet hands the runtime).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from gpushare.contract.errors import ContractError, quoted
-from gpushare.contract.names import DRA_DEVICE_PREFIX
+from gpushare.contract.names import CDI_ANNOTATION_PREFIX, DRA_CDI_KIND, DRA_DEVICE_PREFIX
 
 
 class DraDeviceNameError(ContractError):
@@ -38,3 +42,17 @@ def parse_device_name(name: str) -> int:
     if digits == name or not canonical:
         raise DraDeviceNameError(f"device name {quoted(name)} is not {DRA_DEVICE_PREFIX}<NVML index>")
     return int(digits)
+
+
+def claim_cdi_devices(cdi_devices: Iterable[str], annotations: Mapping[str, str]) -> tuple[str, ...]:
+    """The CDI devices of kind ``gpu.gpushare.io/claim`` among a container's CDI devices and its CDI
+    annotations (``cdi.k8s.io/...``, comma-separated), the two places containerd applies them from;
+    each once, in that order."""
+    annotated = (
+        name.strip()
+        for key, value in sorted(annotations.items())
+        if key.startswith(CDI_ANNOTATION_PREFIX)
+        for name in value.split(",")
+    )
+    ours = (name for name in (*cdi_devices, *annotated) if name.startswith(f"{DRA_CDI_KIND}="))
+    return tuple(dict.fromkeys(ours))

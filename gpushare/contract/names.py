@@ -161,6 +161,11 @@ def cdi_device_name(uuid: str) -> str:
     return f"{CDI_KIND}={uuid}"
 
 
+#: container annotations whose values name CDI devices (fully qualified, comma-separated): how kubelets
+#: before 1.31 passed DRA devices, and containerd still applies them beside the CRI field CDI_devices
+CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+
+
 # --- dynamic resource allocation (resource.k8s.io/v1) ---------------------------------------------
 
 #: the DRA driver: ResourceSlices' ``spec.driver``, allocation results' ``driver``, the kubelet plugin's

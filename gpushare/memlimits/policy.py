@@ -1,6 +1,7 @@
 """What a pod's GPU memory limits are: per card it holds a share of, a hard limit of that share (what
 :func:`gpushare.usage.pod_cards` says the pod holds there: its containers' sum, or its largest init
-container when that is more), and a soft limit equal to it.
+container when that is more; plus what :func:`gpushare.usage.dra_held` says its ResourceClaims were
+allocated there), and a soft limit equal to it.
 
 The limits go on the pod's cgroup, not on each container's: kubelet makes the pod's cgroup before any
 of its containers, under either cgroup driver, while a container's cgroup is made by the runtime in the

@@ -41,8 +41,11 @@ from gpushare.crishim.frames import (
 from gpushare.crishim.metrics import CORRECTIONS, REFUSALS
 from gpushare.crishim.server import EVENT_CORRECTED
 from gpushare.crishim.wiring import RunningShim, start_cri_shim
+from gpushare.draplugin.cdi import remove_spec, write_spec
+from gpushare.draplugin.prepare import prepare_claim
 from hpack import Encoder
 from kubernetes import client
+from support.draclaims import REF, claim, result
 from support.waiting import wait_until
 
 from gpushare.contract.allocation import CardSlice, format_allocation
@@ -257,6 +260,28 @@ def test_container_without_gpu_request_gets_void(shim: Cri, direct: Cri) -> None
     env = process_env(direct, container)
     assert env[ENV_VISIBLE_DEVICES] == VISIBLE_DEVICES_VOID and env["KEEP"] == "me"
     assert counter(CORRECTIONS, "unrequested-gpu") == before + 1
+
+
+@needs_containerd
+def test_a_claims_container_gets_its_claims_env_from_cdi_and_no_void_from_the_shim(
+    containerd: Containerd, shim: Cri, direct: Cri
+) -> None:
+    """The kubelet plugin prepared the claim (its CDI spec is in containerd's CDI directory); kubelet
+    creates the container with the claim's CDI device and no device plugin answer."""
+    prepared = prepare_claim(claim(result(device="card-1", memory="8Gi")), REF, NODE, CARDS, GIB.mib)
+    cdi_dir = containerd.base / "cdi"
+    write_spec(cdi_dir, REF.uid, prepared.spec)
+    try:
+        config = container_config("worker", {"KEEP": "me"})
+        config.CDI_devices.append(pb.CDIDevice(name=prepared.devices[0].cdi_device_id))
+        container = run_container(shim, sandbox_config("dra", "uid-dra"), config)
+        env = process_env(direct, container)
+        assert env[ENV_VISIBLE_DEVICES] == CARDS[1].uuid and env[ENV_MEM_IDX] == "1" and env["KEEP"] == "me"
+        status = direct.runtime.ContainerStatus(pb.ContainerStatusRequest(container_id=container, verbose=True))
+        received = json.loads(status.info["info"])["config"]
+        assert {e["key"]: e.get("value") for e in received["envs"]} == {"KEEP": "me"}  # as kubelet sent it
+    finally:
+        remove_spec(cdi_dir, REF.uid)
 
 
 @needs_containerd

@@ -1,19 +1,28 @@
 """The CRI shim holds a GPU pod to its share of each card before the pod's GPU container is created:
 the driver's limit goes on the pod's cgroup, on the cards that enforce limits, and a limit the driver
-doesn't set refuses the container."""
+doesn't set refuses the container. A pod's share includes what its ResourceClaims were allocated; a
+claim that can't be read refuses the container too. When the shim starts, the running pods' cgroups
+get their limits again."""
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Iterator
+from concurrent import futures
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
-from gpushare.crishim.reconcile import cgroup_parent
-from gpushare.crishim.resolve import Resolver
-from gpushare.crishim.server import CreateContainerGuard
+from gpushare.crishim.reconcile import cgroup_parent, reconcile_limits
+from gpushare.crishim.resolve import Resolver, Target
+from gpushare.crishim.server import EVENT_REFUSED, CreateContainerGuard
 from gpushare.crishim.splice import Forward, Refuse
-from support.cri import plugin_config, request_for
+from support.cri import plain_config, plugin_config, request_for
 from support.crishim import A0, A1, CARDS, POD, FakePods, allocation_of, pod_dict, slice_of
+from support.draclaims import claim, claim_pod, result
 
 from gpushare.cards import ENFORCED
 from gpushare.contract.units import GIB
@@ -21,6 +30,7 @@ from gpushare.gpus.backend import MemoryLimitError
 from gpushare.memlimits.cgroups import V2 as CGROUP_V2
 from gpushare.memlimits.cgroups import CgroupLayout
 from gpushare.memlimits.enforcer import PodLimiter
+from gpushare.pb import cri_pb2, cri_pb2_grpc
 from gpushare.settings import RewriteOptions
 
 ROOT = Path("/sys/fs/cgroup")
@@ -43,9 +53,15 @@ class Driver:
         self.set.append((uuid, cgroup, soft, hard))
 
 
-def guard(driver: Driver, pods: FakePods | None = None, layout: CgroupLayout = V2) -> CreateContainerGuard:
+def guard(
+    driver: Driver,
+    pods: FakePods | None = None,
+    layout: CgroupLayout = V2,
+    events: list[tuple[Target, str, str, str]] | None = None,
+) -> CreateContainerGuard:
     limiter = PodLimiter(driver, layout, GIB)
-    return CreateContainerGuard(Resolver(GIB, pods), lambda: ENFORCING, GIB, RewriteOptions(), None, limiter)
+    sink = (lambda *event: events.append(event)) if events is not None else None
+    return CreateContainerGuard(Resolver(GIB, pods), lambda: ENFORCING, GIB, RewriteOptions(), sink, limiter)
 
 
 def create(slices: tuple, cgroup: str = POD_CGROUP, **others: tuple) -> bytes:
@@ -103,3 +119,141 @@ def test_a_pod_without_a_cgroup_the_driver_can_limit_is_refused_not_run_unlimite
 def test_a_running_sandboxs_cgroup_is_read_from_the_runtimes_verbose_status() -> None:
     assert cgroup_parent('{"config": {"linux": {"cgroup_parent": "/kubepods/podx"}}}') == "/kubepods/podx"
     assert cgroup_parent("not json") == "" and cgroup_parent("") == ""
+
+
+# --- pods holding cards through ResourceClaims ---------------------------------------------------------------
+
+CLAIM_DEVICE = "gpu.gpushare.io/claim=u1-gpu"
+
+
+def dra_create(cgroup: str = POD_CGROUP) -> bytes:
+    """The worker of pod default/train, as kubelet creates it with its claims' CDI device."""
+    config = plain_config()
+    config.metadata.name = POD.container
+    config.CDI_devices.append(cri_pb2.CDIDevice(name=CLAIM_DEVICE))
+    request = request_for(POD, {}, config)
+    request.sandbox_config.linux.cgroup_parent = cgroup
+    return request.SerializeToString()
+
+
+def train_claim(name: str, *results: dict[str, Any], reserved: bool = True) -> dict[str, Any]:
+    return claim(
+        *results, name=name, uid=f"uid-{name}", namespace="default", reserved_for=[POD.uid] if reserved else []
+    )
+
+
+def claim_pods(*claims: dict[str, Any], names: tuple[str, ...] = ("first", "second"), fail: bool = False) -> FakePods:
+    return FakePods([claim_pod(POD.pod, POD.uid, names, namespace=POD.namespace)], claims=claims, fail=fail)
+
+
+TWO_CLAIMS = (
+    train_claim("first", result(device="card-0", memory="8Gi")),
+    train_claim(
+        "second",
+        result(device="card-0", memory="4Gi", request="a"),
+        result(device="card-1", memory="20Gi", request="b"),
+        result(device="card-2", memory="4Gi", request="b"),  # the T4 enforces no limits
+    ),
+)
+
+
+def test_a_dra_pods_cgroup_gets_the_sum_of_its_claims_on_each_enforcing_card() -> None:
+    driver = Driver()
+    verdict = guard(driver, claim_pods(*TWO_CLAIMS))(dra_create())
+    assert isinstance(verdict, Forward)
+    pod = ROOT / "kubepods" / "burstable" / "poduid-train"
+    assert driver.set == [(A0.uuid, pod, 12 << 30, 12 << 30), (A1.uuid, pod, 20 << 30, 20 << 30)]
+
+
+def test_a_device_plugin_container_of_a_pod_with_claims_is_limited_to_both() -> None:
+    driver = Driver()
+    pod = pod_dict("train", "uid-train", {"worker": (slice_of(A0, 8),)}, mem=8)
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "first"}]
+    pods = FakePods([pod], claims=[train_claim("first", result(device="card-0", memory="4Gi"))])
+    assert isinstance(guard(driver, pods)(create((slice_of(A0, 8),))), Forward)
+    assert [(uuid, hard) for uuid, _, _, hard in driver.set] == [(A0.uuid, 12 << 30)]
+
+
+@pytest.mark.parametrize(
+    ("pods", "why"),
+    [
+        (claim_pods(TWO_CLAIMS[0]), "ResourceClaim default/second: not found"),
+        (claim_pods(*TWO_CLAIMS, fail=True), "can't be read: pod default/train: API server unreachable"),
+        (None, "can't be read: API lookups are disabled (--no-api-fetch)"),
+        (
+            claim_pods(TWO_CLAIMS[0], train_claim("second", result(), reserved=False)),
+            "ResourceClaim default/second (uid uid-second): status.reservedFor does not name pod default/train",
+        ),
+        (
+            claim_pods(train_claim("first", result(pool="node-b")), names=("first",)),
+            "the pod's ResourceClaims (first) hold no card of node node-a",
+        ),
+    ],
+    ids=["claim-missing", "api-down", "api-lookups-off", "not-reserved-for-the-pod", "allocated-elsewhere"],
+)
+def test_a_dra_pod_whose_claims_cant_be_counted_is_refused_naming_the_claim(pods: FakePods | None, why: str) -> None:
+    driver, events = Driver(), []
+    verdict = guard(driver, pods, events=events)(dra_create())
+    assert isinstance(verdict, Refuse) and verdict.code.name == "FAILED_PRECONDITION"
+    assert verdict.message.startswith("pod default/train container worker: its memory limits can't be set: ")
+    assert why in verdict.message
+    assert events == [(POD, EVENT_REFUSED, verdict.message, "Warning")]
+    assert driver.set == []
+
+
+# --- the running pods' limits when the shim starts ------------------------------------------------------------
+
+
+class Sandboxes(cri_pb2_grpc.RuntimeServiceServicer):
+    """A runtime whose ready sandboxes are those of the pods it is given, each in its own cgroup."""
+
+    def __init__(self, *pods: Target) -> None:
+        self.pods = pods
+
+    def ListPodSandbox(self, request: Any, context: Any) -> cri_pb2.ListPodSandboxResponse:
+        return cri_pb2.ListPodSandboxResponse(
+            items=[
+                cri_pb2.PodSandbox(
+                    id=f"sb-{p.uid}",
+                    metadata=cri_pb2.PodSandboxMetadata(name=p.pod, namespace=p.namespace, uid=p.uid),
+                    state=cri_pb2.SANDBOX_READY,
+                )
+                for p in self.pods
+            ]
+        )
+
+    def PodSandboxStatus(self, request: Any, context: Any) -> cri_pb2.PodSandboxStatusResponse:
+        uid = request.pod_sandbox_id.removeprefix("sb-")
+        info = {"config": {"linux": {"cgroup_parent": f"/kubepods/burstable/pod{uid}"}}}
+        return cri_pb2.PodSandboxStatusResponse(info={"info": json.dumps(info)})
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[tuple[str, Sandboxes]]:
+    sandboxes = Sandboxes()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    cri_pb2_grpc.add_RuntimeServiceServicer_to_server(sandboxes, server)
+    address = f"unix://{tmp_path}/runtime.sock"
+    server.add_insecure_port(address)
+    server.start()
+    yield address, sandboxes
+    server.stop(None).wait()
+
+
+def test_running_dra_pods_get_their_limits_when_the_shim_starts(
+    runtime: tuple[str, Sandboxes], caplog: pytest.LogCaptureFixture
+) -> None:
+    address, sandboxes = runtime
+    broken = Target(POD.namespace, "broken", "uid-broken", "")
+    sandboxes.pods = (POD, broken)
+    pods = claim_pods(*TWO_CLAIMS)
+    pods.pods.append(claim_pod("broken", "uid-broken", ["gone"], namespace=POD.namespace))
+    driver = Driver()
+    with caplog.at_level(logging.ERROR, logger="gpushare.crishim.reconcile"):
+        done = reconcile_limits(address, Resolver(GIB, pods), PodLimiter(driver, V2, GIB), lambda: ENFORCING)
+    assert done == (1, 1)
+    pod = ROOT / "kubepods" / "burstable" / "poduid-train"
+    assert driver.set == [(A0.uuid, pod, 12 << 30, 12 << 30), (A1.uuid, pod, 20 << 30, 20 << 30)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "running pod's memory limits not set: pod default/broken: ResourceClaim default/gone: not found"
+    ]

@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 from gpushare.draplugin.cdi import cdi_device_id, cdi_spec, remove_spec, spec_file_name, write_spec
-from gpushare.draplugin.claims import ClaimError, claim_allocation
 from support.draclaims import CARDS, NODE, REF, claim, result
+
+from gpushare.contract.resourceclaim import ClaimError, claim_allocation
 
 GIB = 1024
 

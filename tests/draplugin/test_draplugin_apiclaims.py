@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from gpushare.draplugin.claims import ClaimRef
 from gpushare.draplugin.server import api_claims
 from kubernetes import client
 from support.draclaims import REF, claim
 
+from gpushare.contract.resourceclaim import ClaimRef
 from gpushare.kube.errors import KubeNotFound
 
 CLAIM_PATH = f"/apis/resource.k8s.io/v1/namespaces/{REF.namespace}/resourceclaims/{REF.name}"

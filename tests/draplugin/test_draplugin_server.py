@@ -12,10 +12,10 @@ from typing import Any
 
 import grpc
 import pytest
-from gpushare.draplugin.claims import ClaimRef
 from gpushare.draplugin.server import DraPlugin, DraService, PluginPaths
 from support.draclaims import CARDS, NODE, REF, claim, result
 
+from gpushare.contract.resourceclaim import ClaimRef
 from gpushare.kube.errors import KubeNotFound
 from gpushare.pb import dra_pb2 as pb
 from gpushare.pb import dra_pb2_grpc as pb_grpc

@@ -16,9 +16,10 @@ from gpushare.contract.names import (
 from gpushare.contract.pending import Ledger
 from gpushare.contract.units import GIB
 from gpushare.gpus.simulated import simulated_cards
-from gpushare.kube.errors import KubeUnavailable
+from gpushare.kube.errors import KubeNotFound, KubeUnavailable
 
-CARDS = simulated_cards("node-a", "2xA100-80GB:81920,1xT4:15360")
+NODE = "node-a"
+CARDS = simulated_cards(NODE, "2xA100-80GB:81920,1xT4:15360")
 A0, A1, T4 = CARDS
 UNITS = {c.uuid: GIB.units_of(c.memory_mib) for c in CARDS}
 POD = Target(namespace="default", pod="train", uid="uid-train", container="worker")
@@ -33,15 +34,31 @@ def allocation_of(**containers: tuple[CardSlice, ...]) -> dict[str, str]:
 
 
 class FakePods:
-    """The pods the shim asks the API about, and the node's ledger."""
+    """The pods the shim asks the API about, the node's ledger and the ResourceClaims (by name)."""
 
-    def __init__(self, pods: list[dict[str, Any]], fail: bool = False, synced: bool = True) -> None:
+    node = NODE
+
+    def __init__(
+        self,
+        pods: list[dict[str, Any]],
+        fail: bool = False,
+        synced: bool = True,
+        claims: Sequence[dict[str, Any]] = (),
+    ) -> None:
         self.pods = pods
         self.fail = fail
         self.synced = synced
         self.asked: list[tuple[str, str]] = []
         #: the node's ledger
         self.recorded: Ledger = {}
+        self.claims = {c["metadata"]["name"]: c for c in claims}
+
+    def resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        if self.fail:
+            raise KubeUnavailable(f"ResourceClaim {namespace}/{name}: API server unreachable")
+        if name not in self.claims:
+            raise KubeNotFound(f"ResourceClaim {namespace}/{name}: not found")
+        return self.claims[name]
 
     def pod(self, namespace: str, name: str, uid: str) -> Mapping[str, Any] | None:
         self.asked.append((namespace, name))

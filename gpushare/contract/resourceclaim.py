@@ -1,24 +1,31 @@
-"""What the node must prepare for a ResourceClaim: the shares of its cards the claim was allocated.
+"""A ResourceClaim's shares of a node's cards: what the DRA kubelet plugin prepares, and what a pod
+holds through its claims (:func:`gpushare.usage.dra_held`).
 
-Pure: the claim as the API server returns it (a plain dict) in, a :class:`ClaimAllocation` or a
-:class:`ClaimError` naming the claim and field out.
+Pure: the claim as the API server returns it (a plain dict) in, a :class:`ClaimAllocation` (or card
+slices in the node's memory unit) or a :class:`ClaimError` naming the claim and field out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 from kubernetes.utils import parse_quantity
 
+from gpushare.cards import Card
+from gpushare.contract.allocation import CardSlice
 from gpushare.contract.dra import parse_device_name
 from gpushare.contract.errors import ContractError, quoted
 from gpushare.contract.names import DRA_CAPACITY_MEMORY, DRA_DRIVER
 
+MIB = 1 << 20
+
 
 class ClaimError(ContractError):
-    """A ResourceClaim this node can't prepare; the message names the claim and the field at fault."""
+    """A ResourceClaim this node can't prepare or count; the message names the claim and the field at
+    fault."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,14 +103,12 @@ def _share(raw: Any, where: str) -> AllocatedShare:
     )
 
 
-def claim_allocation(claim: dict[str, Any], ref: ClaimRef, node: str) -> ClaimAllocation:
+def node_shares(claim: dict[str, Any], where: str, node: str) -> tuple[AllocatedShare, ...]:
     """The shares of this node's cards (pool ``node``) that ``claim`` was allocated from driver
-    ``gpu.gpushare.io``. The claim must still be the one kubelet asked about (same UID)."""
-    where = f"ResourceClaim {ref}"
-    uid = (claim.get("metadata") or {}).get("uid") if isinstance(claim, dict) else None
-    if uid != ref.uid:
-        raise ClaimError(f"{where}: metadata.uid is {quoted(uid)}, the claim was replaced")
-    allocation = _field(claim.get("status"), "allocation", f"{where}: status", dict)
+    ``gpu.gpushare.io``: none when it was allocated only other drivers' devices or another node's.
+    ``where`` names the claim in errors."""
+    status = claim.get("status") if isinstance(claim, dict) else None
+    allocation = _field(status, "allocation", f"{where}: status", dict)
     devices = _field(allocation, "devices", f"{where}: status.allocation", dict)
     results = _field(devices, "results", f"{where}: status.allocation.devices", list)
     shares = []
@@ -112,8 +117,47 @@ def claim_allocation(claim: dict[str, Any], ref: ClaimRef, node: str) -> ClaimAl
         if _field(raw, "driver", at, str) != DRA_DRIVER or _field(raw, "pool", at, str) != node:
             continue
         shares.append(_share(raw, at))
+    return tuple(shares)
+
+
+def claim_allocation(claim: dict[str, Any], ref: ClaimRef, node: str) -> ClaimAllocation:
+    """The shares of this node's cards (pool ``node``) that ``claim`` was allocated from driver
+    ``gpu.gpushare.io``, at least one. The claim must still be the one kubelet asked about (same UID)."""
+    where = f"ResourceClaim {ref}"
+    uid = (claim.get("metadata") or {}).get("uid") if isinstance(claim, dict) else None
+    if uid != ref.uid:
+        raise ClaimError(f"{where}: metadata.uid is {quoted(uid)}, the claim was replaced")
+    shares = node_shares(claim, where, node)
     if not shares:
         raise ClaimError(
             f"{where}: status.allocation.devices.results has no device of driver {DRA_DRIVER} in pool {node}"
         )
-    return ClaimAllocation(claim=ref, pool=node, shares=tuple(shares))
+    return ClaimAllocation(claim=ref, pool=node, shares=shares)
+
+
+def card_slices(allocation: ClaimAllocation, cards: Sequence[Card], unit_mib: int) -> dict[str, tuple[CardSlice, ...]]:
+    """The claim's shares as card slices, grouped by request; each share must name a card of this node
+    and be a whole number of units no larger than the card."""
+    by_index = {c.index: c for c in cards}
+    grouped: dict[str, list[CardSlice]] = {}
+    for share in allocation.shares:
+        grouped.setdefault(share.base_request, []).append(_slice(allocation, share, by_index, unit_mib))
+    return {request: tuple(slices) for request, slices in grouped.items()}
+
+
+def _slice(allocation: ClaimAllocation, share: AllocatedShare, by_index: dict[int, Card], unit_mib: int) -> CardSlice:
+    where = f"ResourceClaim {allocation.claim}: request {share.request} device {share.device}"
+    card = by_index.get(share.index)
+    if card is None:
+        raise ClaimError(f"{where}: no card with index {share.index} on this node")
+    unit_bytes = unit_mib * MIB
+    units, rest = divmod(share.memory_bytes, unit_bytes)
+    if rest or units == 0:
+        raise ClaimError(
+            f"{where}: consumedCapacity.memory {share.memory_bytes} bytes is not a whole number of {unit_mib} MiB units"
+        )
+    if units * unit_mib > card.memory_mib:
+        raise ClaimError(
+            f"{where}: consumedCapacity.memory {units * unit_mib} MiB exceeds the card's {card.memory_mib} MiB"
+        )
+    return CardSlice(index=card.index, uuid=card.uuid, units=units)

@@ -1,11 +1,11 @@
 from typing import Any
 
 import pytest
-from gpushare.draplugin.claims import AllocatedShare, ClaimError, claim_allocation
 from support.draclaims import NODE, REF, claim, result
 
-from gpushare.contract.dra import format_device_name, parse_device_name
+from gpushare.contract.dra import claim_cdi_devices, format_device_name, parse_device_name
 from gpushare.contract.errors import ContractError
+from gpushare.contract.resourceclaim import AllocatedShare, ClaimError, claim_allocation
 
 
 def test_a_share_of_one_card_gives_card_request_share_and_memory() -> None:
@@ -69,3 +69,15 @@ def test_device_names_round_trip_and_reject_other_spellings() -> None:
     for bad in ("card0", "card-", "card-01", "card--1", "gpu-1", "card-1x"):
         with pytest.raises(ContractError, match="is not card-<NVML index>"):
             parse_device_name(bad)
+
+
+def test_claim_cdi_devices_are_found_in_the_cri_field_and_in_cdi_annotations_once_each() -> None:
+    ours, again = f"gpu.gpushare.io/claim={REF.uid}-gpu", f"gpu.gpushare.io/claim={REF.uid}-big"
+    annotations = {
+        "cdi.k8s.io/gpu.gpushare.io_claim": f"{again},{ours}",
+        "cdi.k8s.io/other": "vendor.example/fpga=0",
+        "gpushare.io/cards": "gpu.gpushare.io/claim=not-a-cdi-annotation",
+    }
+    found = claim_cdi_devices(["nvidia.com/gpu=GPU-aaaa", ours, "gpu.gpushare.io/gpu=0"], annotations)
+    assert found == (ours, again)
+    assert claim_cdi_devices(["nvidia.com/gpu=GPU-aaaa"], {}) == ()
