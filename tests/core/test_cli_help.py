@@ -46,7 +46,7 @@ FLAGS = {
     | DEVICE_PLUGIN
     | SHIM
     | METRICS
-    | {"--no-cri-shim", "--advertise-interval", "--dra", "--kubelet-root", "--cdi-dir"},
+    | {"--no-cri-shim", "--advertise-interval", "--dra", "--dra-cards", "--kubelet-root", "--cdi-dir"},
     "extender": HELP
     | {"--port", "--kubeconfig", "--policy", "--host", "--health-port", "--health-host", "--max-gang-members"}
     | {"--tls-cert", "--tls-key", "--client-ca", "--no-client-auth", "--max-body-bytes", "--read-timeout", "--workers"},
