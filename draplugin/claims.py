@@ -6,13 +6,11 @@ Pure: the claim as the API server returns it (a plain dict) in, a :class:`ClaimA
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
 
-from kubernetes.utils import parse_quantity
-
-from gpushare.contract.dra import parse_device_name
+from gpushare.contract.dra import parse_device_name, parse_memory_bytes
 from gpushare.contract.errors import ContractError, quoted
 from gpushare.contract.names import DRA_CAPACITY_MEMORY, DRA_DRIVER
 
@@ -67,16 +65,6 @@ def _field(obj: Any, key: str, where: str, kind: type, required: bool = True) ->
     return value
 
 
-def _memory_bytes(raw: Any, where: str) -> int:
-    try:
-        amount = parse_quantity(raw) if isinstance(raw, str | int) and not isinstance(raw, bool) else None
-    except ValueError:
-        amount = None
-    if amount is None or amount != amount.to_integral_value() or amount <= 0:
-        raise ClaimError(f"{where}: {quoted(raw)} is not a positive whole number of bytes")
-    return int(Decimal(amount))
-
-
 def _share(raw: Any, where: str) -> AllocatedShare:
     device = _field(raw, "device", where, str)
     try:
@@ -86,14 +74,36 @@ def _share(raw: Any, where: str) -> AllocatedShare:
     consumed = _field(raw, "consumedCapacity", where, dict)
     if DRA_CAPACITY_MEMORY not in consumed:
         raise ClaimError(f"{where}.consumedCapacity.{DRA_CAPACITY_MEMORY}: missing")
+    try:
+        memory_bytes = parse_memory_bytes(consumed[DRA_CAPACITY_MEMORY])
+    except ContractError as exc:
+        raise ClaimError(f"{where}.consumedCapacity.{DRA_CAPACITY_MEMORY}: {exc}") from None
     share_id = _field(raw, "shareID", where, str, required=False)
     return AllocatedShare(
         request=_field(raw, "request", where, str),
         device=device,
         index=index,
-        memory_bytes=_memory_bytes(consumed[DRA_CAPACITY_MEMORY], f"{where}.consumedCapacity.{DRA_CAPACITY_MEMORY}"),
+        memory_bytes=memory_bytes,
         share_id=share_id,
     )
+
+
+def driver_shares(claim: Mapping[str, Any], where: str, pool: str | None = None) -> list[tuple[str, AllocatedShare]]:
+    """Each allocation result of driver ``gpu.gpushare.io`` in ``claim``'s ``status.allocation`` (only
+    those in ``pool`` when given), with its pool: the node whose card it is. ``where`` names the claim
+    in a :class:`ClaimError`."""
+    allocation = _field(claim.get("status"), "allocation", f"{where}: status", dict)
+    devices = _field(allocation, "devices", f"{where}: status.allocation", dict)
+    results = _field(devices, "results", f"{where}: status.allocation.devices", list)
+    shares = []
+    for i, raw in enumerate(results):
+        at = f"{where}: status.allocation.devices.results[{i}]"
+        if _field(raw, "driver", at, str) != DRA_DRIVER:
+            continue
+        in_pool = _field(raw, "pool", at, str)
+        if pool is None or in_pool == pool:
+            shares.append((in_pool, _share(raw, at)))
+    return shares
 
 
 def claim_allocation(claim: dict[str, Any], ref: ClaimRef, node: str) -> ClaimAllocation:
@@ -103,15 +113,7 @@ def claim_allocation(claim: dict[str, Any], ref: ClaimRef, node: str) -> ClaimAl
     uid = (claim.get("metadata") or {}).get("uid") if isinstance(claim, dict) else None
     if uid != ref.uid:
         raise ClaimError(f"{where}: metadata.uid is {quoted(uid)}, the claim was replaced")
-    allocation = _field(claim.get("status"), "allocation", f"{where}: status", dict)
-    devices = _field(allocation, "devices", f"{where}: status.allocation", dict)
-    results = _field(devices, "results", f"{where}: status.allocation.devices", list)
-    shares = []
-    for i, raw in enumerate(results):
-        at = f"{where}: status.allocation.devices.results[{i}]"
-        if _field(raw, "driver", at, str) != DRA_DRIVER or _field(raw, "pool", at, str) != node:
-            continue
-        shares.append(_share(raw, at))
+    shares = [share for _, share in driver_shares(claim, where, node)]
     if not shares:
         raise ClaimError(
             f"{where}: status.allocation.devices.results has no device of driver {DRA_DRIVER} in pool {node}"

@@ -16,12 +16,21 @@ prepares claims allocated from it:
 
 from __future__ import annotations
 
+from decimal import Decimal
+from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
+
 from gpushare.contract.errors import ContractError, quoted
 from gpushare.contract.names import DRA_DEVICE_PREFIX
 
 
 class DraDeviceNameError(ContractError):
     """A device name that is not ``card-<NVML index>``."""
+
+
+class DraMemoryError(ContractError):
+    """A ``memory`` quantity (a device's capacity, a claim's consumption) that is not whole bytes."""
 
 
 def format_device_name(index: int) -> str:
@@ -38,3 +47,15 @@ def parse_device_name(name: str) -> int:
     if digits == name or not canonical:
         raise DraDeviceNameError(f"device name {quoted(name)} is not {DRA_DEVICE_PREFIX}<NVML index>")
     return int(digits)
+
+
+def parse_memory_bytes(raw: Any) -> int:
+    """A ``memory`` quantity as the API server writes it (``80Gi``, ``8589934592``) in bytes; a positive
+    whole number of them, else :class:`DraMemoryError`."""
+    try:
+        amount = parse_quantity(raw) if isinstance(raw, str | int) and not isinstance(raw, bool) else None
+    except ValueError:
+        amount = None
+    if amount is None or amount != amount.to_integral_value() or amount <= 0:
+        raise DraMemoryError(f"{quoted(raw)} is not a positive whole number of bytes")
+    return int(Decimal(amount))
