@@ -102,14 +102,15 @@ def render_summary(cluster: ClusterView) -> str:
     """One row per node: each card's allocated/total in the node's unit, pending, and the node total."""
     if not cluster.nodes:
         return "\n".join(["no node has gpushare GPUs", *_footer(cluster)])
-    width = max(len(n.cards) for n in cluster.nodes)
+    # a column per card index any node has (a node whose cards are split between the two ways lacks some)
+    indexes = sorted({c.index for n in cluster.nodes for c in n.cards})
     with_pending = any(n.pending_pods for n in cluster.nodes)
-    header = ["NAME", "IPADDRESS", "UNIT", *(f"GPU{i}(Allocated/Total)" for i in range(width))]
+    header = ["NAME", "IPADDRESS", "UNIT", *(f"GPU{i}(Allocated/Total)" for i in indexes)]
     header += ["PENDING(Allocated)"] if with_pending else []
     rows = [[*header, "GPU Memory(Allocated/Total)", "MODEL", "LIMITS"]]
     for node in cluster.nodes:
-        by_index = sorted(node.cards, key=lambda c: c.index)
-        cells = [_card_cell(c) for c in by_index] + ["-"] * (width - len(by_index))
+        by_index = {c.index: c for c in node.cards}
+        cells = [_card_cell(by_index[i]) if i in by_index else "-" for i in indexes]
         row = [node.name, node.address, node.unit.name, *cells]
         row += [_pending_cell(node)] if with_pending else []
         total = f"{node.allocated}/{node.total} ({percent(node.allocated, node.total)})"

@@ -242,3 +242,12 @@ def test_inspect_shows_dra_cards_and_claims_read_from_a_real_api_server(capsys: 
         (line,) = err.splitlines()
         assert line.startswith("gpushare inspect: cards of the DRA driver gpu.gpushare.io not shown: list ")
         assert "API server answered 403" in line and "forbidden" in line
+
+
+def test_summary_columns_are_the_cards_indexes_when_a_node_lacks_some() -> None:
+    # card 0 of "mixed" is the DRA driver's, so its inventory lists card 1 alone
+    nodes = [node("mixed", "10.0.0.1", [T4]), node("full", "10.0.0.2", simulated_cards("full", "2xT4:15360"))]
+    table = rows(render_summary(inspect(nodes, [], [], [])))
+    assert table["NAME"][3:5] == ["GPU0(Allocated/Total)", "GPU1(Allocated/Total)"]
+    assert table["mixed"][3:5] == ["-", "0/15"]
+    assert table["full"][3:5] == ["0/15", "0/15"]
