@@ -22,13 +22,14 @@ matched. Lists of peers would need list-typed attributes, alpha (``DRAListTypeAt
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
 from gpushare.cards import Card
-from gpushare.contract.dra import format_device_name
+from gpushare.contract.dra import format_device_name, parse_device_name, parse_memory_bytes
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import (
     DRA_API_VERSION,
@@ -52,7 +53,21 @@ MAX_NAME = 253
 
 
 class ResourceSliceError(ContractError):
-    """Cards, a node name or a generation that can't make a valid ResourceSlice."""
+    """Cards, a node name or a generation that can't make a valid ResourceSlice, or a live slice whose
+    devices can't be read back."""
+
+
+@dataclass(frozen=True, slots=True)
+class OfferedCard:
+    """A card as a ResourceSlice of the driver offers it, read back (:func:`offered_cards`)."""
+
+    device: str
+    index: int
+    uuid: str
+    model: str
+    memory_bytes: int
+    #: ``requestPolicy.default`` of its memory: one of the node's memory units, in bytes (None when unset)
+    unit_bytes: int | None
 
 
 def _mib(mib: int) -> str:
@@ -197,3 +212,39 @@ def device_changes(live: Mapping[str, Any] | None, desired: Mapping[str, Any]) -
         elif before[name] != after[name]:
             changes.append(f"changes {name}")
     return changes
+
+
+def _string_attribute(device: Mapping[str, Any], name: str) -> str:
+    value = ((device.get("attributes") or {}).get(name) or {}).get("string")
+    return value if isinstance(value, str) else ""
+
+
+def _read(where: str, parse: Callable[[Any], int], raw: Any) -> int:
+    try:
+        return parse(raw)
+    except ContractError as exc:
+        raise ResourceSliceError(f"{where}: {exc}") from None
+
+
+def _offered_card(device: Any, where: str) -> OfferedCard:
+    if not isinstance(device, Mapping):
+        raise ResourceSliceError(f"{where}: {device!r} is not an object")
+    memory = (device.get("capacity") or {}).get(DRA_CAPACITY_MEMORY) or {}
+    default = (memory.get("requestPolicy") or {}).get("default")
+    at = f"{where}.capacity.{DRA_CAPACITY_MEMORY}"
+    return OfferedCard(
+        device=device.get("name"),
+        index=_read(f"{where}.name", parse_device_name, device.get("name")),
+        uuid=_string_attribute(device, DRA_ATTR_UUID),
+        model=_string_attribute(device, DRA_ATTR_MODEL),
+        memory_bytes=_read(f"{at}.value", parse_memory_bytes, memory.get("value")),
+        unit_bytes=None if default is None else _read(f"{at}.requestPolicy.default", parse_memory_bytes, default),
+    )
+
+
+def offered_cards(live: Mapping[str, Any]) -> tuple[OfferedCard, ...]:
+    """The cards a live slice of the driver offers (the inverse of :func:`resource_slice`), or a
+    :class:`ResourceSliceError` naming the slice, the device and the field that can't be read."""
+    name = (live.get("metadata") or {}).get("name", "?")
+    devices = (live.get("spec") or {}).get("devices") or []
+    return tuple(_offered_card(d, f"ResourceSlice {name}: spec.devices[{i}]") for i, d in enumerate(devices))

@@ -19,6 +19,10 @@ prepares claims allocated from it:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from decimal import Decimal
+from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
 
 from gpushare.contract.errors import ContractError, quoted
 from gpushare.contract.names import CDI_ANNOTATION_PREFIX, DRA_CDI_KIND, DRA_DEVICE_PREFIX
@@ -26,6 +30,10 @@ from gpushare.contract.names import CDI_ANNOTATION_PREFIX, DRA_CDI_KIND, DRA_DEV
 
 class DraDeviceNameError(ContractError):
     """A device name that is not ``card-<NVML index>``."""
+
+
+class DraMemoryError(ContractError):
+    """A ``memory`` quantity (a device's capacity, a claim's consumption) that is not whole bytes."""
 
 
 def format_device_name(index: int) -> str:
@@ -56,3 +64,15 @@ def claim_cdi_devices(cdi_devices: Iterable[str], annotations: Mapping[str, str]
     )
     ours = (name for name in (*cdi_devices, *annotated) if name.startswith(f"{DRA_CDI_KIND}="))
     return tuple(dict.fromkeys(ours))
+
+
+def parse_memory_bytes(raw: Any) -> int:
+    """A ``memory`` quantity as the API server writes it (``80Gi``, ``8589934592``) in bytes; a positive
+    whole number of them, else :class:`DraMemoryError`."""
+    try:
+        amount = parse_quantity(raw) if isinstance(raw, str | int) and not isinstance(raw, bool) else None
+    except ValueError:
+        amount = None
+    if amount is None or amount != amount.to_integral_value() or amount <= 0:
+        raise DraMemoryError(f"{quoted(raw)} is not a positive whole number of bytes")
+    return int(Decimal(amount))

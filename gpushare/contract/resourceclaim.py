@@ -7,16 +7,13 @@ slices in the node's memory unit) or a :class:`ClaimError` naming the claim and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
-
-from kubernetes.utils import parse_quantity
 
 from gpushare.cards import Card
 from gpushare.contract.allocation import CardSlice
-from gpushare.contract.dra import parse_device_name
+from gpushare.contract.dra import parse_device_name, parse_memory_bytes
 from gpushare.contract.errors import ContractError, quoted
 from gpushare.contract.names import DRA_CAPACITY_MEMORY, DRA_DRIVER
 
@@ -74,16 +71,6 @@ def _field(obj: Any, key: str, where: str, kind: type, required: bool = True) ->
     return value
 
 
-def _memory_bytes(raw: Any, where: str) -> int:
-    try:
-        amount = parse_quantity(raw) if isinstance(raw, str | int) and not isinstance(raw, bool) else None
-    except ValueError:
-        amount = None
-    if amount is None or amount != amount.to_integral_value() or amount <= 0:
-        raise ClaimError(f"{where}: {quoted(raw)} is not a positive whole number of bytes")
-    return int(Decimal(amount))
-
-
 def _share(raw: Any, where: str) -> AllocatedShare:
     device = _field(raw, "device", where, str)
     try:
@@ -93,36 +80,48 @@ def _share(raw: Any, where: str) -> AllocatedShare:
     consumed = _field(raw, "consumedCapacity", where, dict)
     if DRA_CAPACITY_MEMORY not in consumed:
         raise ClaimError(f"{where}.consumedCapacity.{DRA_CAPACITY_MEMORY}: missing")
+    try:
+        memory_bytes = parse_memory_bytes(consumed[DRA_CAPACITY_MEMORY])
+    except ContractError as exc:
+        raise ClaimError(f"{where}.consumedCapacity.{DRA_CAPACITY_MEMORY}: {exc}") from None
     share_id = _field(raw, "shareID", where, str, required=False)
     return AllocatedShare(
         request=_field(raw, "request", where, str),
         device=device,
         index=index,
-        memory_bytes=_memory_bytes(consumed[DRA_CAPACITY_MEMORY], f"{where}.consumedCapacity.{DRA_CAPACITY_MEMORY}"),
+        memory_bytes=memory_bytes,
         share_id=share_id,
     )
+
+
+def driver_shares(claim: Mapping[str, Any], where: str, pool: str | None = None) -> list[tuple[str, AllocatedShare]]:
+    """Each allocation result of driver ``gpu.gpushare.io`` in ``claim``'s ``status.allocation`` (only
+    those in ``pool`` when given), with its pool: the node whose card it is. ``where`` names the claim
+    in a :class:`ClaimError`."""
+    allocation = _field(claim.get("status"), "allocation", f"{where}: status", dict)
+    devices = _field(allocation, "devices", f"{where}: status.allocation", dict)
+    results = _field(devices, "results", f"{where}: status.allocation.devices", list)
+    shares = []
+    for i, raw in enumerate(results):
+        at = f"{where}: status.allocation.devices.results[{i}]"
+        if _field(raw, "driver", at, str) != DRA_DRIVER:
+            continue
+        in_pool = _field(raw, "pool", at, str)
+        if pool is None or in_pool == pool:
+            shares.append((in_pool, _share(raw, at)))
+    return shares
 
 
 def node_shares(claim: dict[str, Any], where: str, node: str) -> tuple[AllocatedShare, ...]:
     """The shares of this node's cards (pool ``node``) that ``claim`` was allocated from driver
     ``gpu.gpushare.io``: none when it was allocated only other drivers' devices or another node's.
     ``where`` names the claim in errors."""
-    status = claim.get("status") if isinstance(claim, dict) else None
-    allocation = _field(status, "allocation", f"{where}: status", dict)
-    devices = _field(allocation, "devices", f"{where}: status.allocation", dict)
-    results = _field(devices, "results", f"{where}: status.allocation.devices", list)
-    shares = []
-    for i, raw in enumerate(results):
-        at = f"{where}: status.allocation.devices.results[{i}]"
-        if _field(raw, "driver", at, str) != DRA_DRIVER or _field(raw, "pool", at, str) != node:
-            continue
-        shares.append(_share(raw, at))
-    return tuple(shares)
+    return tuple(share for _, share in driver_shares(claim, where, node))
 
 
 def claim_allocation(claim: dict[str, Any], ref: ClaimRef, node: str) -> ClaimAllocation:
     """The shares of this node's cards (pool ``node``) that ``claim`` was allocated from driver
-    ``gpu.gpushare.io``, at least one. The claim must still be the one kubelet asked about (same UID)."""
+    ``gpu.gpushare.io``. The claim must still be the one kubelet asked about (same UID)."""
     where = f"ResourceClaim {ref}"
     uid = (claim.get("metadata") or {}).get("uid") if isinstance(claim, dict) else None
     if uid != ref.uid:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from gpushare.contract.units import MemoryUnit
-from gpushare.inspection.views import CardView, ClusterView, NodeView
+from gpushare.inspection.views import DEVICE_PLUGIN, CardView, ClaimView, ClusterView, NodeView
 
 K = TypeVar("K")
 
@@ -29,7 +29,9 @@ def percent(part: int, whole: int) -> str:
 
 
 def _card_cell(card: CardView) -> str:
-    flags = [f for f, on in (("unhealthy", not card.healthy), ("over-committed", card.overcommitted)) if on]
+    """``allocated/total``, then the way the card is offered unless it is the device plugin's, and its troubles."""
+    flags = [card.way] if card.way != DEVICE_PLUGIN else []
+    flags += [f for f, on in (("unhealthy", not card.healthy), ("over-committed", card.overcommitted)) if on]
     cell = f"{card.allocated}/{card.total}"
     return f"{cell} ({', '.join(flags)})" if flags else cell
 
@@ -83,6 +85,7 @@ def _footer(cluster: ClusterView) -> list[str]:
         if node.capacity_note:
             lines.append(f"note: node {node.name}: {node.capacity_note}")
         lines.extend(f"warning: node {node.name}: {problem}" for problem in node.problems)
+    lines.extend(f"warning: {problem}" for problem in cluster.problems)
     if cluster.unscheduled:
         lines.append(f"{cluster.unscheduled} pod(s) requesting GPUs are not bound to a node yet")
     return lines
@@ -99,14 +102,15 @@ def render_summary(cluster: ClusterView) -> str:
     """One row per node: each card's allocated/total in the node's unit, pending, and the node total."""
     if not cluster.nodes:
         return "\n".join(["no node has gpushare GPUs", *_footer(cluster)])
-    width = max(len(n.cards) for n in cluster.nodes)
+    # a column per card index any node has (a node whose cards are split between the two ways lacks some)
+    indexes = sorted({c.index for n in cluster.nodes for c in n.cards})
     with_pending = any(n.pending_pods for n in cluster.nodes)
-    header = ["NAME", "IPADDRESS", "UNIT", *(f"GPU{i}(Allocated/Total)" for i in range(width))]
+    header = ["NAME", "IPADDRESS", "UNIT", *(f"GPU{i}(Allocated/Total)" for i in indexes)]
     header += ["PENDING(Allocated)"] if with_pending else []
     rows = [[*header, "GPU Memory(Allocated/Total)", "MODEL", "LIMITS"]]
     for node in cluster.nodes:
-        by_index = sorted(node.cards, key=lambda c: c.index)
-        cells = [_card_cell(c) for c in by_index] + ["-"] * (width - len(by_index))
+        by_index = {c.index: c for c in node.cards}
+        cells = [_card_cell(by_index[i]) if i in by_index else "-" for i in indexes]
         row = [node.name, node.address, node.unit.name, *cells]
         row += [_pending_cell(node)] if with_pending else []
         total = f"{node.allocated}/{node.total} ({percent(node.allocated, node.total)})"
@@ -116,14 +120,23 @@ def render_summary(cluster: ClusterView) -> str:
     return "\n".join([table, rule, _cluster_total(cluster), *_footer(cluster)])
 
 
+def _claim_name(claim: ClaimView) -> str:
+    """A claim's row name in ``-d``, which no pod can have: ``resourceclaim/<name>``."""
+    return f"resourceclaim/{claim.name}"
+
+
 def _node_details(node: NodeView) -> str:
     cards = sorted(node.cards, key=lambda c: c.index)
     with_pending = node.pending_pods > 0
     header = ["NAME", "NAMESPACE", *(f"GPU{c.index}(Allocated)" for c in cards)]
-    rows = [header + (["PENDING(Allocated)"] if with_pending else [])]
+    header += ["PENDING(Allocated)"] if with_pending else []
+    rows = [header + (["RESERVED FOR"] if node.claims else [])]
     for pod in node.pods:
         row = [pod.name, pod.namespace, *(str(pod.units.get(c.index, 0)) for c in cards)]
         rows.append(row + ([str(pod.pending) if pod.is_pending else "0"] if with_pending else []))
+    for claim in node.claims:
+        row = [_claim_name(claim), claim.namespace, *(str(claim.units.get(c.index, 0)) for c in cards)]
+        rows.append(row + (["0"] if with_pending else []) + [", ".join(claim.users) or "-"])
     totals = ["Allocated/Total:", "", *(_card_cell(c) for c in cards)]
     rows.append(totals + ([_pending_cell(node)] if with_pending else []))
     lines = [
@@ -197,6 +210,13 @@ def _original_node_details(node: NodeView, unit: MemoryUnit) -> tuple[str, int, 
     for pod in node.pods:
         row = [pod.name, pod.namespace, *(str(_in_unit(pod.units.get(c.index, 0), node, unit)) for c in cards)]
         rows.append(row + ([str(_in_unit(pod.pending or 0, node, unit))] if with_pending else []))
+    for claim in node.claims:
+        row = [
+            _claim_name(claim),
+            claim.namespace,
+            *(str(_in_unit(claim.units.get(c.index, 0), node, unit)) for c in cards),
+        ]
+        rows.append(row + (["0"] if with_pending else []))
     used = _in_unit(node.allocated + node.pending, node, unit)
     total = _in_unit(node.total, node, unit)
     text = "\n".join(

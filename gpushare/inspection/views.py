@@ -6,20 +6,34 @@ inventory annotation but do advertise ``aliyun.com/gpu-mem`` (an original gpusha
 shown as :func:`gpushare.usage.inferred_inventory` sees them, with a note saying so.
 
 What each pod holds comes from :func:`gpushare.usage.node_usage`, as for every other component.
+
+Cards offered through the DRA driver ``gpu.gpushare.io`` (the node's ResourceSlice, read by
+:mod:`gpushare.inspection.dra`) are cards of their node too, in the node's unit, held by ResourceClaims
+instead of pods. A card belongs to one way at a time; one that both the inventory and the slice list is
+shown once, with what both ways allocated on it, and warned about.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
+from gpushare.advertiser.resourceslice import OfferedCard
 from gpushare.cards import ENFORCED, NOT_REPORTED
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_MEM
 from gpushare.contract.request import annotations_of, parse_pod_request, pod_key, requests_gpu
 from gpushare.contract.units import GIB, MemoryUnit
+from gpushare.inspection.dra import ClaimShare, DraCards
 from gpushare.usage import MIB, holds_resources, node_inventory, node_ledger, node_usage
+
+#: how a card is offered: through the device plugin and the extender (listed in the node's inventory),
+#: through the DRA driver (a device of the node's ResourceSlice), or, against the rule, both ways
+DEVICE_PLUGIN, DRA, BOTH_WAYS = "device plugin", "DRA", "DRA and device plugin"
+#: :attr:`CardView.memory_limits` of a card only the ResourceSlice lists, which says nothing of limits
+DRA_LIMITS = "not reported for cards offered through DRA"
+MIB_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +46,8 @@ class CardView:
     model: str = ""
     #: :data:`~gpushare.cards.ENFORCED` when the driver enforces memory limits on the card, else why not
     memory_limits: str = NOT_REPORTED
+    #: :data:`DEVICE_PLUGIN`, :data:`DRA` or :data:`BOTH_WAYS`
+    way: str = DEVICE_PLUGIN
 
     @property
     def limits_enforced(self) -> bool:
@@ -58,6 +74,17 @@ class PodView:
 
 
 @dataclass(frozen=True, slots=True)
+class ClaimView:
+    """One ResourceClaim holding DRA cards of a node: units per card index, and who uses it
+    (``status.reservedFor``: ``pod/<name>``)."""
+
+    namespace: str
+    name: str
+    users: tuple[str, ...]
+    units: Mapping[int, int]
+
+
+@dataclass(frozen=True, slots=True)
 class NodeView:
     """One node as ``inspect`` shows it. Every figure of its cards and pods is in ``unit``, the node's own
     (nodes may differ), so totals across nodes convert first (:meth:`ClusterView.totals`)."""
@@ -69,8 +96,10 @@ class NodeView:
     pods: tuple[PodView, ...]
     #: set when the cards were inferred from status.capacity: why, and what was assumed
     capacity_note: str | None = None
-    #: pods whose gpushare annotations or requests could not be read
+    #: pods whose gpushare annotations or requests could not be read, DRA allocations no card holds
     problems: tuple[str, ...] = ()
+    #: the ResourceClaims holding its DRA cards
+    claims: tuple[ClaimView, ...] = ()
 
     @property
     def total(self) -> int:
@@ -94,6 +123,8 @@ class ClusterView:
     nodes: tuple[NodeView, ...]
     #: pods that request GPUs but are not bound to any node yet
     unscheduled: int = 0
+    #: ResourceSlices and ResourceClaims that could not be read, claims on no node shown
+    problems: tuple[str, ...] = ()
 
     @property
     def common_unit(self) -> MemoryUnit:
@@ -117,15 +148,45 @@ def node_address(node: Mapping[str, Any]) -> str:
     return str(addresses[0].get("address")) if addresses and addresses[0].get("address") else "unknown"
 
 
-def build_node(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> NodeView | None:
-    """The node's view from the pods bound to it, or None when it has no gpushare cards."""
-    name = (node.get("metadata") or {}).get("name", "?")
+def build_node(
+    node: Mapping[str, Any],
+    pods: Iterable[Mapping[str, Any]],
+    offered: Sequence[OfferedCard] = (),
+    shares: Sequence[ClaimShare] = (),
+) -> NodeView | None:
+    """The node's view from the pods bound to it, the cards its ResourceSlice ``offered`` and the claims'
+    ``shares`` of them, or None when it has no gpushare cards."""
+    view = _device_plugin_view(node, pods, _slice_unit(offered) or GIB)
+    if not offered and not shares:
+        return view
+    if view is None:
+        view = NodeView(_name(node), node_address(node), _slice_unit(offered) or GIB, (), ())
+    return _with_dra(view, offered, shares)
+
+
+def _name(obj: Mapping[str, Any]) -> str:
+    return (obj.get("metadata") or {}).get("name", "?")
+
+
+def _slice_unit(offered: Sequence[OfferedCard]) -> MemoryUnit | None:
+    """The node's unit as its slice hands memory out (a card's ``requestPolicy.default``), for a node
+    whose inventory doesn't say."""
+    units = [c.unit_bytes for c in offered if c.unit_bytes and c.unit_bytes % MIB_BYTES == 0]
+    return MemoryUnit(units[0] // MIB_BYTES) if units else None
+
+
+def _device_plugin_view(
+    node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]], unit: MemoryUnit
+) -> NodeView | None:
+    """The node's inventory cards and its pods' holdings, or None when it has no inventory; ``unit``
+    when the inventory can't be read."""
+    name = _name(node)
     try:
         inventory = node_inventory(node)
     except ContractError as exc:
         advertised = (node.get("status") or {}).get("capacity") or {}
         if NODE_ANN_INVENTORY in annotations_of(node) or RESOURCE_MEM in advertised:
-            return NodeView(name, node_address(node), GIB, (), (), problems=(str(exc),))
+            return NodeView(name, node_address(node), unit, (), (), problems=(str(exc),))
         return None
     gpu_pods = [p for p in pods if (p.get("spec") or {}).get("nodeName") == name and requests_gpu(p)]
     try:
@@ -159,7 +220,59 @@ def build_node(node: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> No
     )
 
 
-def build_cluster(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> ClusterView:
+def _units(memory_bytes: int, unit: MemoryUnit) -> int:
+    """The units ``memory_bytes`` of a claim take: a part of a unit is not free for anyone else either."""
+    return -(-memory_bytes // (unit.mib * MIB_BYTES))
+
+
+def _with_dra(view: NodeView, offered: Sequence[OfferedCard], shares: Sequence[ClaimShare]) -> NodeView:
+    """``view`` with the node's DRA cards and the claims holding them; a claim on a device the slice
+    doesn't offer, and a card offered both ways, are warned about."""
+    unit_bytes = view.unit.mib * MIB_BYTES
+    devices = {c.device for c in offered}
+    problems: list[str] = []
+    held: dict[int, int] = {}
+    claims: dict[str, ClaimView] = {}
+    for share in shares:
+        units = _units(share.memory_bytes, view.unit)
+        users = f" ({', '.join(share.users)})" if share.users else ""
+        if share.device not in devices:
+            problems.append(
+                f"ResourceClaim {share.key}{users} holds {view.unit.describe(units)} of device {share.device}, "
+                "which the node's ResourceSlice doesn't offer (a card leaves it while unhealthy); not counted "
+                "on any card"
+            )
+            continue
+        held[share.index] = held.get(share.index, 0) + units
+        claim = claims.setdefault(share.key, ClaimView(share.namespace, share.name, share.users, {}))
+        claims[share.key] = replace(claim, units={**claim.units, share.index: units})
+    cards = {c.index: c for c in view.cards}
+    both = [c.index for c in offered if c.index in cards]
+    for card in offered:
+        units = held.get(card.index, 0)
+        if (listed := cards.get(card.index)) is not None:
+            cards[card.index] = replace(listed, allocated=listed.allocated + units, way=BOTH_WAYS)
+        else:
+            total = card.memory_bytes // unit_bytes
+            cards[card.index] = CardView(card.index, total, units, True, card.model, DRA_LIMITS, DRA)
+    if both:
+        problems.append(
+            f"{', '.join(f'GPU{i}' for i in both)} offered both through the device plugin (the node's inventory) "
+            "and through DRA (its ResourceSlice): the extender counts only pods and the scheduler's DRA "
+            "allocator only claims, so together they can over-commit a card"
+        )
+    return replace(
+        view,
+        cards=tuple(sorted(cards.values(), key=lambda c: c.index)),
+        claims=tuple(sorted(claims.values(), key=lambda c: (c.namespace, c.name))),
+        problems=view.problems + tuple(problems),
+    )
+
+
+def build_cluster(
+    nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]], dra: DraCards | None = None
+) -> ClusterView:
+    """Every node with gpushare cards; with ``dra``, their DRA cards and claims too."""
     pods = list(pods)
     by_node: dict[str, list[Mapping[str, Any]]] = {}
     unscheduled = 0
@@ -169,7 +282,21 @@ def build_cluster(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str
             by_node.setdefault(node_name, []).append(pod)
         elif holds_resources(pod) and requests_gpu(pod):
             unscheduled += 1
-    views = [build_node(n, by_node.get((n.get("metadata") or {}).get("name", ""), [])) for n in nodes]
+    dra = dra or DraCards({}, ())
+    views, names = [], set()
+    for node in nodes:
+        name = _name(node)
+        names.add(name)
+        shares = [s for s in dra.shares if s.node == name]
+        views.append(build_node(node, by_node.get(name, []), dra.offered.get(name, ()), shares))
+    elsewhere = [
+        f"ResourceClaim {s.key} holds {MIB.describe(_units(s.memory_bytes, MIB))} of device {s.device} in pool "
+        f"{s.node}, which is no node of the cluster"
+        for s in dra.shares
+        if s.node not in names
+    ]
     return ClusterView(
-        nodes=tuple(sorted((v for v in views if v is not None), key=lambda v: v.name)), unscheduled=unscheduled
+        nodes=tuple(sorted((v for v in views if v is not None), key=lambda v: v.name)),
+        unscheduled=unscheduled,
+        problems=dra.problems + tuple(elsewhere),
     )

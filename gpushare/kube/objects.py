@@ -60,6 +60,18 @@ def get_resource_claim(api: client.ApiClient, namespace: str, name: str) -> dict
     )
 
 
+def list_resource_slices(api: client.ApiClient, field_selector: str) -> list[dict[str, Any]]:
+    """The ResourceSlices (resource.k8s.io/v1) ``field_selector`` picks (``spec.driver``, ``spec.nodeName``)."""
+    reply = call("list ResourceSlices", client.ResourceV1Api(api).list_resource_slice, field_selector=field_selector)
+    return reply.get("items") or []
+
+
+def list_resource_claims(api: client.ApiClient) -> list[dict[str, Any]]:
+    """Every ResourceClaim (resource.k8s.io/v1) of every namespace."""
+    reply = call("list ResourceClaims", client.ResourceV1Api(api).list_resource_claim_for_all_namespaces)
+    return reply.get("items") or []
+
+
 MERGE_PATCH = "application/merge-patch+json"
 
 

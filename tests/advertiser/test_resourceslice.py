@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from gpushare.advertiser.resourceslice import ResourceSliceError, device_changes, resource_slice, slice_current
+from gpushare.advertiser.resourceslice import (
+    OfferedCard,
+    ResourceSliceError,
+    device_changes,
+    offered_cards,
+    resource_slice,
+    slice_current,
+)
 
 from gpushare.cards import Card
 from gpushare.contract.dra import DraDeviceNameError, format_device_name, parse_device_name
@@ -156,3 +163,32 @@ def test_device_names_round_trip_and_bad_ones_are_refused() -> None:
             parse_device_name(bad)
     with pytest.raises(DraDeviceNameError):
         format_device_name(-1)
+
+
+def test_the_cards_a_slice_offers_read_back_in_bytes_with_the_nodes_unit() -> None:
+    cards = simulated_cards("n1", SPEC)
+    live = resource_slice("n1", cards, MemoryUnit(512), 1)
+    live["spec"]["devices"][0]["capacity"]["memory"]["value"] = "80Gi"  # how the API server spells 81920Mi
+    assert offered_cards(live) == tuple(
+        OfferedCard(f"card-{c.index}", c.index, c.uuid, c.model, c.memory_mib << 20, 512 << 20) for c in cards
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field", "fault"),
+    [
+        (("name",), "gpu0", "name", "device name 'gpu0' is not card-<NVML index>"),
+        (("capacity", "memory", "value"), "lots", "capacity.memory.value", "'lots' is not a positive whole number"),
+        (("capacity", "memory", "requestPolicy", "default"), "0", "capacity.memory.requestPolicy.default", "'0' is"),
+        (("capacity",), None, "capacity.memory.value", "None is not a positive whole number of bytes"),
+    ],
+)
+def test_a_device_that_cannot_be_read_is_named(path: tuple[str, ...], value: object, field: str, fault: str) -> None:
+    live = resource_slice("n1", simulated_cards("n1", SPEC), GIB, 1)
+    device = live["spec"]["devices"][1]
+    for key in path[:-1]:
+        device = device[key]
+    device[path[-1]] = value
+    with pytest.raises(ResourceSliceError) as err:
+        offered_cards(live)
+    assert str(err.value).startswith(f"ResourceSlice n1-gpu.gpushare.io: spec.devices[1].{field}: {fault}")

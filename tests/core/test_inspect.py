@@ -4,19 +4,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kubernetes import client
-from podfactory import gpu_pod
+from support.inspecting import mem, node, placed, pod, rows
 
 from gpushare.cards import ENFORCED
 from gpushare.cli import main
 from gpushare.contract import names
-from gpushare.contract.allocation import CardSlice, format_allocation
-from gpushare.contract.inventory import format_inventory
-from gpushare.contract.names import ANN_ALLOCATION, ANN_MEM_IDX, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
-from gpushare.contract.units import GIB, MemoryUnit
+from gpushare.contract.names import ANN_ALLOCATION, ANN_MEM_IDX, RESOURCE_COUNT, RESOURCE_MEM
+from gpushare.contract.units import MemoryUnit
 from gpushare.gpus.simulated import SIMULATED_LIMITS, simulated_cards
 from gpushare.inspection.render import render_details, render_summary
 from gpushare.inspection.views import build_cluster
@@ -28,42 +25,6 @@ BIG[1] = BIG[1].with_health(False)
 # node "small": two 16 GiB cards counted in 512 MiB units (32 each)
 SMALL = simulated_cards("small", "2xV100-16GB:16384")
 HALF_GIB = MemoryUnit(512)
-
-
-def node(name: str, ip: str, cards: Any = None, unit: MemoryUnit = GIB, capacity: dict | None = None) -> dict:
-    annotations = {NODE_ANN_INVENTORY: format_inventory(cards, unit)} if cards is not None else {}
-    return {
-        "metadata": {"name": name, "annotations": annotations},
-        "status": {
-            "addresses": [{"type": "Hostname", "address": name}, {"type": "InternalIP", "address": ip}],
-            "capacity": capacity or {},
-        },
-    }
-
-
-def pod(
-    name: str,
-    node_name: str | None,
-    containers: dict[str, dict[str, str]],
-    annotations: dict | None = None,
-    phase: str = "Pending",
-) -> dict:
-    specs = [{"name": n, "resources": {"limits": limits}} for n, limits in containers.items()]
-    return gpu_pod(
-        name, specs, node=node_name, namespace="team", uid=f"uid-{name}", phase=phase, extra_annotations=annotations
-    )
-
-
-def mem(units: int, count: int | None = None) -> dict[str, str]:
-    return {RESOURCE_MEM: str(units), **({RESOURCE_COUNT: str(count)} if count else {})}
-
-
-def placed(**containers: list[tuple[Any, int]]) -> dict[str, str]:
-    allocation = {
-        name: tuple(CardSlice(card.index, card.uuid, units) for card, units in slices)
-        for name, slices in containers.items()
-    }
-    return {ANN_ALLOCATION: format_allocation(allocation)}
 
 
 def cluster_objects() -> tuple[list[dict], list[dict]]:
@@ -90,15 +51,6 @@ def cluster_objects() -> tuple[list[dict], list[dict]]:
         pod("web", "cpu-only", {"main": {}}),
     ]
     return nodes, pods
-
-
-def rows(text: str) -> dict[str, list[str]]:
-    """Table rows keyed by their first cell, split on the two-space column gap."""
-    return {
-        line.split()[0]: [cell.strip() for cell in line.split("  ") if cell.strip()]
-        for line in text.splitlines()
-        if line.strip()
-    }
 
 
 def test_summary_shows_each_card_in_its_nodes_unit() -> None:

@@ -5,7 +5,7 @@ from support.draclaims import NODE, REF, claim, result
 
 from gpushare.contract.dra import claim_cdi_devices, format_device_name, parse_device_name
 from gpushare.contract.errors import ContractError
-from gpushare.contract.resourceclaim import AllocatedShare, ClaimError, claim_allocation
+from gpushare.contract.resourceclaim import AllocatedShare, ClaimError, claim_allocation, driver_shares
 
 
 def test_a_share_of_one_card_gives_card_request_share_and_memory() -> None:
@@ -27,6 +27,13 @@ def test_results_of_other_drivers_and_other_nodes_are_left_out() -> None:
     other_node = result(device="card-1", pool="node-b")
     got = claim_allocation(claim(other_driver, other_node, result(device="card-0")), REF, NODE)
     assert [s.device for s in got.shares] == ["card-0"]
+
+
+def test_every_node_s_results_of_the_driver_come_with_their_pool() -> None:
+    other_driver = {**result(device="gpu-0"), "driver": "gpu.nvidia.com"}
+    raw = claim(other_driver, result(device="card-1", pool="node-b"), result(device="card-0"))
+    got = driver_shares(raw, "ResourceClaim ns/claim-1")
+    assert [(pool, share.device) for pool, share in got] == [("node-b", "card-1"), (NODE, "card-0")]
 
 
 def test_a_first_available_subrequest_belongs_to_its_request() -> None:

@@ -22,13 +22,14 @@ def real_api_unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def real_api_server() -> Iterator[RealCluster]:
+def real_api_server(rbac: bool = False) -> Iterator[RealCluster]:
     """etcd and kube-apiserver alone (see :meth:`RealCluster.start_api_server`), stopped and removed on the
-    way out; skips the test when they can't run here."""
+    way out; skips the test when they can't run here. With ``rbac`` it authorizes with RBAC and the
+    gpushare components' accounts have deploy/rbac.yaml's roles (``real.kubeconfig_of(account)``)."""
     if reason := real_api_unavailable():
         pytest.skip(f"no real kube-apiserver here: {reason}")
     workdir = Path(tempfile.mkdtemp(prefix="gs-api-", dir="/tmp"))
-    real = RealCluster((), workdir)
+    real = RealCluster((), workdir, rbac=rbac)
     try:
         real.start_api_server()
         yield real
