@@ -48,26 +48,27 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import yaml
-from gpushare.deviceplugin.devices import count_replicas
 from kubernetes import client
+from nodeless import (
+    NAMESPACE,
+    RUN_LABEL,
+    create_nodes,
+    delete_run_pods,
+    pod_body,
+    scheduler_config,
+    start_extender,
+    start_scheduler,
+)
 from profiling import sampled, top
 from prometheus_client.parser import text_string_to_metric_families
 from realbench import real_cluster
 
-from gpushare.contract.inventory import format_inventory
-from gpushare.contract.names import ANN_ALLOCATION, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
-from gpushare.contract.units import GIB
-from gpushare.gpus.simulated import simulated_cards
+from gpushare.contract.names import ANN_ALLOCATION, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.kube.watch import WatchCache
 from gpushare.sandbox.binaries import KUBE_VERSION
-from gpushare.sandbox.configfiles import SCHEDULER_CONFIG, render_scheduler_config
-from gpushare.sandbox.controlplane import scheduler_argv
-from gpushare.sandbox.launch import ClusterError, Process, free_port, http_status, loopback_get, wait_for
+from gpushare.sandbox.launch import ClusterError, Process, http_status, loopback_get, wait_for
 from gpushare.sandbox.realcluster import RealCluster
 
-NAMESPACE = "default"
-RUN_LABEL = "gpushare-bench-run"
 #: (gpu-mem, gpu-count) the pods ask for, in turn: mostly shared cards, a few two-card pods
 SHAPES = ((1, 0), (2, 0), (4, 0), (8, 0), (2, 0), (16, 0), (8, 2), (4, 0))
 BIND_TIMEOUT = 600.0
@@ -76,62 +77,9 @@ SETUPS = ("scheduler alone", "with extender")
 CALLERS = ("system:kube-scheduler", "gpushare-extender")
 
 
-def node_body(name: str, gpus: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A node as the advertiser and kubelet (with the device plugin registered) leave it: the object,
-    then its status."""
-    cards = simulated_cards(name, gpus)
-    resources = {
-        "cpu": "64",
-        "memory": "512Gi",
-        "pods": "110",
-        RESOURCE_MEM: str(sum(GIB.units_of(card.memory_mib) for card in cards)),
-        RESOURCE_COUNT: str(sum(count_replicas(card, GIB) for card in cards)),
-    }
-    node = {
-        "metadata": {
-            "name": name,
-            "labels": {"kubernetes.io/hostname": name},
-            "annotations": {NODE_ANN_INVENTORY: format_inventory(cards, GIB)},
-        }
-    }
-    status = {
-        "capacity": resources,
-        "allocatable": resources,
-        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "benchmark node"}],
-    }
-    return node, {"status": status}
-
-
-def pod_body(name: str, run: str, shape: tuple[int, int]) -> dict[str, Any]:
+def shape_limits(shape: tuple[int, int]) -> dict[str, str]:
     mem, count = shape
-    limits = {"cpu": "100m", "memory": "64Mi"}
-    if mem:
-        limits[RESOURCE_MEM] = str(mem)
-    if count:
-        limits[RESOURCE_COUNT] = str(count)
-    return {
-        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {RUN_LABEL: run}},
-        "spec": {
-            "containers": [{"name": "main", "image": "busybox:1.36", "resources": {"limits": limits}}],
-            "terminationGracePeriodSeconds": 0,
-        },
-    }
-
-
-def scheduler_config(cluster: RealCluster, extender_url: str | None, qps: float) -> str:
-    """The sandbox's scheduler configuration, without its extender block when ``extender_url`` is None."""
-    rendered = yaml.safe_load(
-        render_scheduler_config(
-            cluster.kubeconfig_of("system:kube-scheduler"),
-            extender_url or "http://127.0.0.1:1",
-            "default-scheduler",
-            yaml.safe_load(SCHEDULER_CONFIG.read_text()),
-            client_rate=(qps, int(qps)),
-        )
-    )
-    if extender_url is None:
-        del rendered["extenders"]
-    return yaml.safe_dump(rendered, sort_keys=False)
+    return {name: str(n) for name, n in ((RESOURCE_MEM, mem), (RESOURCE_COUNT, count)) if n}
 
 
 class BindTimes:
@@ -217,25 +165,19 @@ def run_once(
     """Create the pods, start kube-scheduler, wait for every binding; pods bound per second, and the
     audited requests (with ``--calls``) from the scheduler's start to the pods' deletion."""
     names = [f"{run}-{i:04d}" for i in range(args.pods)]
-    list(pool.map(lambda i: core.create_namespaced_pod(NAMESPACE, pod_body(names[i], run, SHAPES[i % len(SHAPES)])),
-                  range(args.pods)))  # fmt: skip
+    bodies = [pod_body(names[i], run, shape_limits(SHAPES[i % len(SHAPES)])) for i in range(args.pods)]
+    list(pool.map(lambda body: core.create_namespaced_pod(NAMESPACE, body), bodies))
     bound = BindTimes()
     watch = WatchCache(cluster.api, "pods", label_selector=f"{RUN_LABEL}={run}")
     watch.add_listener(bound)
     watch.start()
     watch.wait_synced(60)
-    config = cluster.workdir / f"scheduler-{run}.yaml"
-    config.write_text(scheduler_config(cluster, extender.url if extender else None, args.qps))
     offset = cluster.audit_log.stat().st_size if args.calls else 0
     verbs_before = extender.verb_seconds() if extender else {}
     with extender.sampled(run) if extender else contextlib.nullcontext():
-        port = free_port()
         open_paths = ("/debug/pprof/profile",) if args.pprof else ()
-        scheduler = Process(
-            f"kube-scheduler-{run}",
-            scheduler_argv(config, port, open_paths),
-            cluster.workdir / f"kube-scheduler-{run}.log",
-        ).start()
+        config = scheduler_config(cluster, extender.url if extender else None, args.qps)
+        scheduler, port = start_scheduler(cluster, run, config, open_paths)
         profiles = []
         if args.pprof:
             wait_for(
@@ -280,26 +222,8 @@ def run_once(
                   if ANN_ALLOCATION in (p.metadata.annotations or {})]  # fmt: skip
         if len(placed) != args.pods:
             raise ClusterError(f"run {run}: only {len(placed)} of {args.pods} pods carry the extender's allocation")
-    core.delete_collection_namespaced_pod(NAMESPACE, label_selector=f"{RUN_LABEL}={run}", grace_period_seconds=0)
-    wait_for(
-        lambda: not core.list_namespaced_pod(NAMESPACE, label_selector=f"{RUN_LABEL}={run}", limit=1).items,
-        120,
-        f"the pods of run {run} to be deleted",
-        0.5,
-    )
+    delete_run_pods(core, run)
     return bound.rate(), calls
-
-
-def create_nodes(core: client.CoreV1Api, pool: ThreadPoolExecutor, first: int, last: int, gpus: str) -> None:
-    def create(i: int) -> None:
-        node, status = node_body(f"node-{i:05d}", gpus)
-        core.create_node(node)
-        core.patch_node_status(node["metadata"]["name"], status)
-        # the API server's admission taints every new node not-ready; kube-controller-manager's
-        # node lifecycle controller (off here) would lift it once kubelet reports Ready
-        core.patch_node(node["metadata"]["name"], {"spec": {"taints": None}})
-
-    list(pool.map(create, range(first, last)))
 
 
 def report_calls(calls: dict[str, Counter[str]], pods: int) -> None:
@@ -316,22 +240,12 @@ def measure(
 ) -> str:
     """Both setups, ``--rounds`` times, with an extender started on the cluster as it now is (as one
     deployed on a running cluster starts); the medians."""
-    port = free_port()
     pinned = ["taskset", "--cpu-list", str(args.extender_cpu)] if args.pin else []
-    process = Process(
-        f"extender-{size}",
-        [*pinned, sys.executable, "-m", "gpushare.cli", "extender", "--port", str(port),
-         *(["--policy", args.policy] if args.policy else []),
-         "--kubeconfig", str(cluster.kubeconfig_of("gpushare-extender"))],
-        cluster.workdir / f"extender-{size}.log",
-    ).start()  # fmt: skip
-    extender = Extender(process, f"http://127.0.0.1:{port}", args.profile)
+    process, url = start_extender(cluster, f"extender-{size}", args.policy, pinned)
+    extender = Extender(process, url, args.profile)
     rates: dict[str, list[float]] = {setup: [] for setup in SETUPS}
     calls: dict[str, Counter[str]] = {setup: Counter() for setup in SETUPS}
     try:
-        wait_for(
-            lambda: process.check() or http_status(f"{extender.url}/readyz") == 200, 300, "the extender to be ready"
-        )
         for round_ in range(args.rounds):
             order = SETUPS if round_ % 2 == 0 else SETUPS[::-1]
             for setup in order:
@@ -392,7 +306,7 @@ def main() -> int:
             created = 0
             for size in sizes:
                 started = time.monotonic()
-                create_nodes(core, pool, created, size, args.gpus)
+                create_nodes(core, pool, [(f"node-{i:05d}", args.gpus) for i in range(created, size)])
                 created = size
                 print(f"{size} nodes ({args.gpus}) in {time.monotonic() - started:.0f}s", flush=True)
                 summary.append(measure(cluster, core, pool, args, size))

@@ -13,9 +13,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from gpushare.advertiser.resourceslice import resource_slice
-from kubernetes import client, utils
+from kubernetes import client
 from kubernetes.client.rest import ApiException
-from support.realapi import real_api_server
+from support.realapi import dra_api_server
 
 from gpushare.contract.names import DRA_CAPACITY_MEMORY, DRA_DRIVER
 from gpushare.contract.units import GIB
@@ -92,10 +92,8 @@ def test_claims_ask_for_the_drivers_memory_and_attributes() -> None:
 
 @pytest.fixture(scope="module")
 def real_api() -> Iterator[client.ApiClient]:
-    with real_api_server() as real:
-        real.wait_default_service_account("default")
-        utils.create_from_yaml(real.api, str(DEPLOY / "dra" / "deviceclass.yaml"))
-        yield real.api
+    with dra_api_server() as api:
+        yield api
 
 
 def dry_run(api: client.ApiClient, doc: dict[str, Any]) -> None:

@@ -9,9 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kubernetes import client, utils
 
 from gpushare.sandbox import binaries
 from gpushare.sandbox.realcluster import RealCluster
+
+DEVICE_CLASS = Path(__file__).resolve().parents[2] / "deploy" / "dra" / "deviceclass.yaml"
 
 
 def real_api_unavailable() -> str | None:
@@ -36,3 +39,13 @@ def real_api_server(rbac: bool = False) -> Iterator[RealCluster]:
     finally:
         real.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def dra_api_server() -> Iterator[client.ApiClient]:
+    """:func:`real_api_server` with gpushare's DeviceClass (``deploy/dra/deviceclass.yaml``) applied, ready
+    for claims in namespace ``default``."""
+    with real_api_server() as real:
+        real.wait_default_service_account("default")
+        utils.create_from_yaml(real.api, str(DEVICE_CLASS))
+        yield real.api
