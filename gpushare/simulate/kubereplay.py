@@ -30,8 +30,8 @@ from typing import Any
 from gpushare.cards import Card
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import DRA_CAPACITY_MEMORY, DRA_DRIVER, RESOURCE_COUNT, RESOURCE_MEM
+from gpushare.contract.resourceclaim import ClaimRef, claim_allocation
 from gpushare.contract.units import GIB
-from gpushare.draplugin.claims import ClaimRef, claim_allocation
 from gpushare.simulate.replay import arrival_order
 from gpushare.simulate.trace import MILLI_PER_CARD, TracePod
 from gpushare.usage import node_inventory, node_ledger, node_usage
