@@ -13,7 +13,7 @@ from typing import Any
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import DRA_DRIVER
 from gpushare.contract.request import pod_key
-from gpushare.contract.resourceclaim import ClaimError, driver_requests
+from gpushare.contract.resourceclaim import ClaimError, asks_driver, driver_requests
 from gpushare.inspection.dra import ClaimShare, claim_shares, offered_by_pool
 from gpushare.kube.watch import WatchCache
 from gpushare.placement.dra import DraCard, DraRequest
@@ -99,9 +99,10 @@ class DraView:
             return tuple(DraCard(c.device, c.capacity, self._used.get((node, c.device), 0), c.unit) for c in offered)
 
     def requests(self, pod: Mapping[str, Any]) -> tuple[DraRequest, ...]:
-        """What kube-scheduler will allocate for the pod's claims: every request of each, when all of its
-        claims are in the cache, not allocated yet and ask only this driver's cards by memory (see
-        :func:`driver_requests`); else a ClaimError naming the pod and the claim."""
+        """What kube-scheduler will allocate of this driver's cards for the pod's claims: every request
+        of each claim that asks for them, when all of the pod's claims are in the cache and those are
+        not allocated yet and ask only this driver's cards by memory (see :func:`driver_requests`);
+        else a ClaimError naming the pod and the claim. None asked for: ()."""
         key, namespace = pod_key(pod), (pod.get("metadata") or {}).get("namespace") or ""
         if not self.synced:
             raise ClaimError(f"pod {key}: the ResourceSlices and ResourceClaims are not listed yet")
@@ -111,6 +112,8 @@ class DraView:
             where = f"pod {key}: ResourceClaim {namespace}/{name}"
             if claim is None:
                 raise ClaimError(f"{where} is not in the cache yet")
+            if not asks_driver(claim):
+                continue
             if (claim.get("status") or {}).get("allocation"):
                 raise ClaimError(f"{where} is allocated already")
             requests += [DraRequest(ask.count, ask.memory_bytes) for ask in driver_requests(claim, where)]

@@ -176,6 +176,20 @@ class DeviceAsk:
     memory_bytes: int
 
 
+def asks_driver(claim: Mapping[str, Any]) -> bool:
+    """Whether a request of ``claim`` (or one of its ``firstAvailable`` subrequests) names DeviceClass
+    ``gpu.gpushare.io``."""
+    requests = ((claim.get("spec") or {}).get("devices") or {}).get("requests") or []
+    asked = (
+        alternative.get("deviceClassName")
+        for request in requests
+        if isinstance(request, dict)
+        for alternative in [request.get("exactly") or {}, *(request.get("firstAvailable") or [])]
+        if isinstance(alternative, dict)
+    )
+    return DRA_DRIVER in asked
+
+
 def driver_requests(claim: Mapping[str, Any], where: str) -> tuple[DeviceAsk, ...]:
     """Each request of ``claim``'s ``spec.devices.requests`` when every one is an ``exactly`` request of
     DeviceClass ``gpu.gpushare.io`` for ``capacity.requests.memory`` of a count of cards, without

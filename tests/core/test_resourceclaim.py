@@ -9,6 +9,7 @@ from gpushare.contract.resourceclaim import (
     AllocatedShare,
     ClaimError,
     DeviceAsk,
+    asks_driver,
     claim_allocation,
     driver_requests,
     driver_shares,
@@ -128,3 +129,11 @@ def test_a_request_that_can_t_be_predicted_is_named_with_its_field(request_: dic
     with pytest.raises(ClaimError, match=r"^claim ns/c: spec\.devices\.requests\[0\]") as err:
         driver_requests(claim_spec(request_), "claim ns/c")
     assert field in str(err.value)
+
+
+def test_a_claim_asks_the_driver_when_a_request_or_an_alternative_names_its_class() -> None:
+    other = exactly(deviceClassName="nic.example.com")
+    alternatives = {"name": "gpu", "firstAvailable": [other["exactly"], exactly()["exactly"]]}
+    assert asks_driver(claim_spec(other, alternatives))
+    assert not asks_driver(claim_spec(other))
+    assert not asks_driver({"metadata": {"name": "c"}})

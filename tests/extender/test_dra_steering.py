@@ -13,6 +13,7 @@ from gpushare.advertiser.resourceslice import resource_slice
 from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.verbs import host_prioritize_result
+from gpushare.extender.wire import Raw
 from podfactory import container, gpu_pod
 from support.draclaims import claim, result
 from support.extender import host_scores
@@ -60,9 +61,12 @@ def cache() -> ClusterCache:
     return cache
 
 
-def scores(cache: ClusterCache, pod: dict[str, Any]) -> dict[str, int]:
-    reply = host_prioritize_result(PlacementEngine(cache, "fgdfit"), {"Pod": pod, "NodeNames": NAMES})
+def scores_of(reply: Raw | list[dict[str, Any]]) -> dict[str, int]:
     return host_scores(reply if isinstance(reply, list) else json.loads(reply.text), NAMES)
+
+
+def scores(cache: ClusterCache, pod: dict[str, Any]) -> dict[str, int]:
+    return scores_of(host_prioritize_result(PlacementEngine(cache, "fgdfit"), {"Pod": pod, "NodeNames": NAMES}))
 
 
 def test_a_dra_pod_goes_where_the_allocator_s_card_is_left_fullest(
@@ -93,7 +97,7 @@ def test_a_claim_too_big_for_a_node_s_free_cards_scores_zero_there(cache: Cluste
     [
         ([], "ResourceClaim ns/missing is not in the cache yet"),
         ([pending_claim("missing", selectors=[{"cel": {"expression": "true"}}])], "selectors"),
-        ([{**claim(result(pool="empty"), name="missing"), "spec": {}}], "is allocated already"),
+        ([{**pending_claim("missing"), "status": claim(result(pool="empty"))["status"]}], "is allocated already"),
     ],
 )
 def test_claims_that_can_t_be_predicted_score_zero_everywhere_and_say_why(
@@ -111,3 +115,13 @@ def test_before_the_slices_and_claims_are_listed_a_dra_pod_scores_zero() -> None
     cache.dra.slices.apply(slice_of("busy"))
     cache.dra.claims.apply(pending_claim("want"))
     assert set(scores(cache, dra_pod("want")).values()) == {0}
+
+
+def test_a_pod_whose_claims_ask_other_drivers_is_scored_as_a_pod_without_gpus(cache: ClusterCache) -> None:
+    nic = pending_claim("nic", deviceClassName="nic.example.com")
+    cache.dra.claims.apply(nic)
+    plain = gpu_pod("p", [container("main")], node=None, namespace="ns")
+    engine = PlacementEngine(cache, "fgdfit")
+    expected = host_prioritize_result(engine, {"Pod": plain, "NodeNames": NAMES})
+    assert scores(cache, dra_pod("nic")) == scores_of(expected)
+    assert max(scores_of(expected).values()) == 10  # the host policy scored it, not the DRA path's zeros
