@@ -1,4 +1,5 @@
-"""Where the real kube-scheduler places the same GPU pods through gpushare's extender and through DRA.
+"""Where the real kube-scheduler places the same GPU pods through gpushare's extender, through DRA, and
+through DRA with the extender's prioritize steering the node.
 
     python benchmarks/dra_replay.py [--trace gpushare40] [--pods 300] [--seed 42] [--card-gib 32]
                                     [--nodes "12*8xV100-32GB:32768;8*8xA100-80GB:81920;4*4xT4-16GB:15360"]
@@ -25,8 +26,12 @@ marked it Unschedulable, and nobody leaves, as in the paper's replay.
   is its claim's ``status.allocation.devices.results`` (pool, device, ``consumedCapacity.memory``). A
   whole-card claim lists the card sizes smallest first (``--whole-cards largest``: largest first), and
   kube-scheduler prefers nodes where an earlier one fits: the only say a claim has in where it goes.
+- **DRA+prio** (DRA + extender prioritize): the same claims; kube-scheduler with only
+  ``deploy/scheduler-config.yaml``'s ``prioritize-host`` entry (no filter, no bind), pointing at the
+  extender started for the run, which scores each node by how tightly the allocator's first fit there
+  packs its cards (:mod:`gpushare.placement.dra`).
 
-Each run ends with the pods (and claims) deleted; with ``--rounds`` the order of the two ways alternates
+Each run ends with the pods (and claims) deleted; with ``--rounds`` the order of the ways rotates
 from round to round and the table shows medians. Fragmentation is measured on the cards: free memory on
 cards already partly used, and free memory on cards that can't take one card's worth of the median ask
 left Pending (the pods left Pending by either way, pooled, so both are measured against the same ask).
@@ -81,7 +86,10 @@ from gpushare.simulate.kubereplay import (
 )
 from gpushare.simulate.trace import TraceError, load_pods
 
-WAYS = ("extender", "DRA")
+WAYS = ("extender", "DRA", "DRA+prio")
+#: the ways that place pods through ResourceClaims; the ways that run the extender
+CLAIM_WAYS = ("DRA", "DRA+prio")
+EXTENDER_WAYS = ("extender", "DRA+prio")
 DEFAULT_NODES = "12*8xV100-32GB:32768;8*8xA100-80GB:81920;4*4xT4-16GB:15360"
 DEVICE_CLASS = REPO / "deploy" / "dra" / "deviceclass.yaml"
 #: how long one pod may wait for kube-scheduler's decision (binding, or Unschedulable)
@@ -180,11 +188,10 @@ class Replay:
         try:
             watch.wait_synced(60)
             url = None
-            if way == "extender":
+            if way in EXTENDER_WAYS:
                 extender, url = nodeless.start_extender(self.cluster, f"extender-{run}", self.policy)
-            scheduler, _ = nodeless.start_scheduler(
-                self.cluster, run, nodeless.scheduler_config(self.cluster, url, QPS)
-            )
+            config = nodeless.scheduler_config(self.cluster, url, QPS, host_only=way in CLAIM_WAYS)
+            scheduler, _ = nodeless.start_scheduler(self.cluster, run, config)
             started = time.monotonic()
             for ask in asks:
                 self.submit(way, run, ask)
@@ -192,7 +199,7 @@ class Replay:
             seconds = time.monotonic() - started
             pods = list_pods(self.cluster.api, label_selector=f"{RUN_LABEL}={run}")
             bound = {p["metadata"]["name"] for p in pods if (p.get("spec") or {}).get("nodeName")}
-            if way == "extender":
+            if way not in CLAIM_WAYS:
                 shares = extender_shares(list_nodes(self.cluster.api), pods)
             else:
                 claims = call(
@@ -212,7 +219,7 @@ class Replay:
         return result
 
     def submit(self, way: str, run: str, ask: GpuAsk) -> None:
-        if way == "extender":
+        if way not in CLAIM_WAYS:
             self.core.create_namespaced_pod(NAMESPACE, nodeless.pod_body(ask.pod, run, extender_limits(ask)))
             return
         claim = {
@@ -276,17 +283,20 @@ def figures(runs: Mapping[str, Run], reference: GpuAsk | None, sizes: Sequence[i
 
 def table(rounds: Sequence[dict[str, dict[str, float]]]) -> str:
     """The medians over rounds (those with a figure: a round with no pod left Pending has no median
-    Pending ask), both ways side by side and their ratio."""
+    Pending ask), the ways side by side and each DRA way's ratio to the extender."""
     width = max(len(row) for row in rounds[0])
-    lines = [f"{'':{width}}  {WAYS[0]:>9}  {WAYS[1]:>9}  {'DRA/ext':>8}"]
+    ratios = [f"{way}/ext" for way in CLAIM_WAYS]
+    lines = [f"{'':{width}}  " + "  ".join([*(f"{way:>9}" for way in WAYS), *(f"{r:>13}" for r in ratios)])]
     for row in rounds[0]:
         known = [r[row] for r in rounds if not any(math.isnan(v) for v in r[row].values())]
         if not known:
-            lines.append(f"{row:{width}}  {'-':>9}  {'-':>9}  {'-':>8}")
+            lines.append(f"{row:{width}}  " + "  ".join([f"{'-':>9}"] * len(WAYS) + [f"{'-':>13}"] * len(ratios)))
             continue
-        ext, dra = (statistics.median(r[way] for r in known) for way in WAYS)
-        ratio = f"{dra / ext:8.2f}" if ext else f"{'-':>8}"
-        lines.append(f"{row:{width}}  {ext:9.1f}  {dra:9.1f}  {ratio}")
+        medians = {way: statistics.median(r[way] for r in known) for way in WAYS}
+        ext = medians["extender"]
+        cells = [*(f"{medians[way]:9.1f}" for way in WAYS)]
+        cells += [f"{medians[way] / ext:13.2f}" if ext else f"{'-':>13}" for way in CLAIM_WAYS]
+        lines.append(f"{row:{width}}  " + "  ".join(cells))
     return "\n".join(lines)
 
 
@@ -308,7 +318,7 @@ def describe(asks: Sequence[GpuAsk], cards: Mapping[str, Sequence[Card]], nodes:
 def replay_rounds(
     args: argparse.Namespace, nodes: Sequence[tuple[str, str]], asks: Sequence[GpuAsk]
 ) -> list[dict[str, dict[str, float]]]:
-    """Both ways ``--rounds`` times on one cluster, their order alternating; each round's figures."""
+    """Every way ``--rounds`` times on one cluster, their order rotating; each round's figures."""
     rounds = []
     with real_cluster(
         "gs-dra-", (), args.keep, scheduler_names=(), controllers=("*", "-node-lifecycle-controller")
@@ -319,8 +329,9 @@ def replay_rounds(
         replay = Replay(cluster, cards, asks, args)
         for round_ in range(args.rounds):
             runs = {}
-            for way in WAYS if round_ % 2 == 0 else WAYS[::-1]:
-                runs[way] = replay.run(way, f"r{round_}-{way.lower()}")
+            shift = round_ % len(WAYS)
+            for way in WAYS[shift:] + WAYS[:shift]:
+                runs[way] = replay.run(way, f"r{round_}-{way.lower().replace('+', '-')}")
                 out = runs[way].outcome
                 print(
                     f"round {round_ + 1} {way}: {len(out.placed)} placed, {len(out.pending)} Pending, "
@@ -341,7 +352,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=42, help="the arrival order's seed (the paper's shuffle)")
     parser.add_argument("--card-gib", type=int, default=32, help="GiB of the card a trace pod's share is of")
     parser.add_argument("--nodes", default=DEFAULT_NODES, help="COUNT*CARDS groups separated by ';'")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of both ways, order alternating; medians")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of every way, order rotating; medians")
     parser.add_argument("--policy", default="", help=f"the extender's placement policy (default {DEFAULT_POLICY})")
     parser.add_argument(
         "--whole-cards",

@@ -84,8 +84,9 @@ def pod_body(name: str, run: str, gpu_limits: Mapping[str, str], claim: str | No
     return {"metadata": {"name": name, "namespace": NAMESPACE, "labels": {RUN_LABEL: run}}, "spec": spec}
 
 
-def scheduler_config(cluster: RealCluster, extender_url: str | None, qps: float) -> str:
-    """The sandbox's scheduler configuration, without its extender block when ``extender_url`` is None."""
+def scheduler_config(cluster: RealCluster, extender_url: str | None, qps: float, host_only: bool = False) -> str:
+    """The sandbox's scheduler configuration, without its extender block when ``extender_url`` is None;
+    with ``host_only``, only the extender entry that prioritizes every pod (no filter, no bind)."""
     rendered = yaml.safe_load(
         render_scheduler_config(
             cluster.kubeconfig_of("system:kube-scheduler"),
@@ -97,6 +98,8 @@ def scheduler_config(cluster: RealCluster, extender_url: str | None, qps: float)
     )
     if extender_url is None:
         del rendered["extenders"]
+    elif host_only:
+        rendered["extenders"] = [e for e in rendered["extenders"] if "filterVerb" not in e and "bindVerb" not in e]
     return yaml.safe_dump(rendered, sort_keys=False)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare.extender.asks import PodAsk, host_amounts, read_ask
+from gpushare.extender.dra import DraView
 from gpushare.extender.fences import Fences
 from gpushare.extender.holds import NodeHolds
 from gpushare.extender.inflight import InFlight
@@ -119,6 +120,9 @@ class ClusterCache:
         self.nodes = WatchCache(api, "nodes")
         self.pods = WatchCache(api, "pods")
         self.configmaps = WatchCache(api, "configmaps", namespace=FENCE_CONFIGMAP_NAMESPACE)
+        #: the DRA driver's cards and claims; not part of readiness (clusters without resource.k8s.io/v1
+        #: never list them): a DRA pod asked about before they are listed scores 0 everywhere
+        self.dra = DraView(api)
         self._lock = threading.RLock()
         self._counter = itertools.count(1)
         self._generation: dict[str, int] = {}
@@ -157,11 +161,13 @@ class ClusterCache:
         self.nodes.start()
         self.pods.start()
         self.configmaps.start()
+        self.dra.start()
 
     def stop(self) -> None:
         self.nodes.stop()
         self.pods.stop()
         self.configmaps.stop()
+        self.dra.stop()
 
     @property
     def synced(self) -> bool:

@@ -22,7 +22,9 @@ from gpushare.extender.wire import NodeNames, Raw, candidate_names, check_victim
 from gpushare import placement
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import ANN_RETRY
+from gpushare.contract.request import pod_key
 from gpushare.kube.events import EventRecorder
+from gpushare.placement.dra import dra_scores, predict
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +213,15 @@ def prioritize_result(engine: PlacementEngine, body: Any) -> Raw | list[dict[str
 
 
 def host_prioritize_result(engine: PlacementEngine, body: Any) -> Raw | list[dict[str, Any]]:
-    """Scores for a pod WITHOUT GPUs (kube-scheduler asks about every pod here): under a policy that
-    weighs CPU and memory, the nodes where its CPU and memory would strand the least GPU and that have
-    the least idle GPU score highest; a node the extender has no cards for counts as having no idle GPU.
-    GPU pods, and policies that don't weigh CPU, get 0 everywhere (the GPU entry scores GPU pods)."""
+    """Scores for a pod WITHOUT GPUs (kube-scheduler asks about every pod here). A pod whose
+    ResourceClaims ask for this driver's cards is scored by :func:`_dra_scores`. Otherwise, under a
+    policy that weighs CPU and memory, the nodes where its CPU and memory would strand the least GPU and
+    that have the least idle GPU score highest; a node the extender has no cards for counts as having no
+    idle GPU. GPU pods, and policies that don't weigh CPU, get 0 everywhere (the GPU entry scores GPU
+    pods)."""
+    dra = _dra_scores(engine, request_pod(body), candidate_names(body)[0])
+    if dra is not None:
+        return dra
     ask, names, demands, policy_name, policy = _prioritize_args(engine, body)
     if demands or policy is None or not policy.uses_host:
         return names.priorities(np.zeros(len(names), dtype=np.int64))
@@ -223,6 +230,39 @@ def host_prioritize_result(engine: PlacementEngine, body: Any) -> Raw | list[dic
     if len(names):
         best = int(np.argmax(scores))
         log.info("host prioritize pod %s: node %s scores best of %d", ask.key, names.names[best], len(names))
+    return names.priorities(scores)
+
+
+def _dra_scores(engine: PlacementEngine, pod: Mapping[str, Any], names: NodeNames) -> Raw | list[dict[str, Any]] | None:
+    """Scores for a pod whose ResourceClaims ask kube-scheduler's DRA allocator for this driver's cards:
+    per node, the cards the allocator would take there (its first fit), the nodes where they are left
+    with the least free memory scoring highest (:func:`gpushare.placement.dra.dra_scores`). 0 everywhere
+    when the claims can't be predicted (not listed yet, allocated already, selectors...); None for a pod
+    without claims of this driver."""
+    if not (pod.get("spec") or {}).get("resourceClaims"):
+        return None
+    try:
+        requests = engine.cache.dra.requests(pod)
+    except ContractError as exc:
+        log.info("DRA prioritize: 0 on every node: %s", exc)  # the error names the pod
+        return names.priorities(np.zeros(len(names), dtype=np.int64))
+    if not requests:
+        return None
+    fits = [predict(engine.cache.dra.cards(name), requests) for name in names.names]
+    scores = dra_scores(fits)
+    best = int(np.argmax(scores)) if len(names) else 0
+    fit = fits[best] if len(names) else None
+    if fit is None:
+        log.info("DRA prioritize pod %s: its claims fit on none of %d node(s)", pod_key(pod), len(names))
+    else:
+        log.info(
+            "DRA prioritize pod %s: node %s scores best of %d, the allocator would take %s there (%d MiB left)",
+            pod_key(pod),
+            names.names[best],
+            len(names),
+            ", ".join(fit.devices),
+            fit.left >> 20,
+        )
     return names.priorities(scores)
 
 

@@ -71,19 +71,23 @@ def _field(obj: Any, key: str, where: str, kind: type, required: bool = True) ->
     return value
 
 
+def _memory(capacity: Mapping[str, Any], where: str) -> int:
+    """The ``memory`` of a capacity map (``where`` names the map), in bytes."""
+    if DRA_CAPACITY_MEMORY not in capacity:
+        raise ClaimError(f"{where}.{DRA_CAPACITY_MEMORY}: missing")
+    try:
+        return parse_memory_bytes(capacity[DRA_CAPACITY_MEMORY])
+    except ContractError as exc:
+        raise ClaimError(f"{where}.{DRA_CAPACITY_MEMORY}: {exc}") from None
+
+
 def _share(raw: Any, where: str) -> AllocatedShare:
     device = _field(raw, "device", where, str)
     try:
         index = parse_device_name(device)
     except ContractError as exc:
         raise ClaimError(f"{where}.device: {exc}") from None
-    consumed = _field(raw, "consumedCapacity", where, dict)
-    if DRA_CAPACITY_MEMORY not in consumed:
-        raise ClaimError(f"{where}.consumedCapacity.{DRA_CAPACITY_MEMORY}: missing")
-    try:
-        memory_bytes = parse_memory_bytes(consumed[DRA_CAPACITY_MEMORY])
-    except ContractError as exc:
-        raise ClaimError(f"{where}.consumedCapacity.{DRA_CAPACITY_MEMORY}: {exc}") from None
+    memory_bytes = _memory(_field(raw, "consumedCapacity", where, dict), f"{where}.consumedCapacity")
     share_id = _field(raw, "shareID", where, str, required=False)
     return AllocatedShare(
         request=_field(raw, "request", where, str),
@@ -160,3 +164,54 @@ def _slice(allocation: ClaimAllocation, share: AllocatedShare, by_index: dict[in
             f"{where}: consumedCapacity.memory {units * unit_mib} MiB exceeds the card's {card.memory_mib} MiB"
         )
     return CardSlice(index=card.index, uuid=card.uuid, units=units)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceAsk:
+    """One request of a claim for this driver's cards: ``count`` distinct cards with ``memory_bytes`` of
+    each."""
+
+    request: str
+    count: int
+    memory_bytes: int
+
+
+def asks_driver(claim: Mapping[str, Any]) -> bool:
+    """Whether a request of ``claim`` (or one of its ``firstAvailable`` subrequests) names DeviceClass
+    ``gpu.gpushare.io``."""
+    requests = ((claim.get("spec") or {}).get("devices") or {}).get("requests") or []
+    asked = (
+        alternative.get("deviceClassName")
+        for request in requests
+        if isinstance(request, dict)
+        for alternative in [request.get("exactly") or {}, *(request.get("firstAvailable") or [])]
+        if isinstance(alternative, dict)
+    )
+    return DRA_DRIVER in asked
+
+
+def driver_requests(claim: Mapping[str, Any], where: str) -> tuple[DeviceAsk, ...]:
+    """Each request of ``claim``'s ``spec.devices.requests`` when every one is an ``exactly`` request of
+    DeviceClass ``gpu.gpushare.io`` for ``capacity.requests.memory`` of a count of cards, without
+    selectors; else a :class:`ClaimError` naming the claim (``where``) and the field it can't read."""
+    devices = _field(claim.get("spec"), "devices", f"{where}: spec", dict)
+    requests = _field(devices, "requests", f"{where}: spec.devices", list)
+    return tuple(_device_ask(raw, f"{where}: spec.devices.requests[{i}]") for i, raw in enumerate(requests))
+
+
+def _device_ask(raw: Any, where: str) -> DeviceAsk:
+    if isinstance(raw, dict) and "exactly" not in raw:
+        raise ClaimError(f"{where}: not an exactly request ({', '.join(sorted(raw)) or 'empty'})")
+    exactly = _field(raw, "exactly", where, dict)
+    at = f"{where}.exactly"
+    if (cls := _field(exactly, "deviceClassName", at, str)) != DRA_DRIVER:
+        raise ClaimError(f"{at}.deviceClassName: {quoted(cls)} is not {DRA_DRIVER}")
+    if (mode := exactly.get("allocationMode", "ExactCount")) != "ExactCount":
+        raise ClaimError(f"{at}.allocationMode: {quoted(mode)} is not ExactCount")
+    if exactly.get("selectors"):
+        raise ClaimError(f"{at}.selectors: a request with selectors can't be predicted")
+    count = exactly.get("count", 1)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ClaimError(f"{at}.count: {quoted(count)} is not a positive whole number")
+    requested = _field(_field(exactly, "capacity", at, dict), "requests", f"{at}.capacity", dict)
+    return DeviceAsk(_field(raw, "name", where, str), count, _memory(requested, f"{at}.capacity.requests"))

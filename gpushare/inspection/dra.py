@@ -59,7 +59,7 @@ def _pool(live: Mapping[str, Any]) -> str:
     return pool if isinstance(pool, str) else ""
 
 
-def _offered(slices: Iterable[Mapping[str, Any]]) -> tuple[dict[str, tuple[OfferedCard, ...]], list[str]]:
+def offered_by_pool(slices: Iterable[Mapping[str, Any]]) -> tuple[dict[str, tuple[OfferedCard, ...]], list[str]]:
     """Each pool's cards, from its slices of the newest generation (the scheduler ignores older ones)."""
     by_pool: dict[str, list[Mapping[str, Any]]] = {}
     for live in slices:
@@ -86,7 +86,7 @@ def _users(claim: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(sorted(users))
 
 
-def _claim_shares(claim: Mapping[str, Any]) -> list[ClaimShare]:
+def claim_shares(claim: Mapping[str, Any]) -> list[ClaimShare]:
     """The claim's shares of the driver's devices, one per device (its results there summed); [] while
     it is not allocated."""
     meta = claim.get("metadata") or {}
@@ -106,11 +106,11 @@ def _claim_shares(claim: Mapping[str, Any]) -> list[ClaimShare]:
 def dra_cards(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str, Any]]) -> DraCards:
     """The driver's slices and the cluster's claims (any driver's: the others are left out) as ``inspect``
     shows them."""
-    offered, problems = _offered(slices)
+    offered, problems = offered_by_pool(slices)
     shares: list[ClaimShare] = []
     for claim in claims:
         try:
-            shares.extend(_claim_shares(claim))
+            shares.extend(claim_shares(claim))
         except ContractError as exc:
             problems.append(f"{exc}; the claim is not shown")
     return DraCards(offered=offered, shares=tuple(shares), problems=tuple(problems))

@@ -37,14 +37,14 @@ def _rv(obj: dict[str, Any]) -> int:
 
 
 class WatchCache:
-    """An in-memory mirror of pods, nodes, ResourceSlices or one namespace's ConfigMaps, kept by LIST then WATCH,
-    re-listing after 410 Gone and reconnecting with back-off after an outage. ``connected`` tells
-    whether it is currently live."""
+    """An in-memory mirror of pods, nodes, ResourceSlices, ResourceClaims or one namespace's ConfigMaps,
+    kept by LIST then WATCH, re-listing after 410 Gone and reconnecting with back-off after an outage.
+    ``connected`` tells whether it is currently live."""
 
     def __init__(
         self,
         api: client.ApiClient,
-        kind: Literal["pods", "nodes", "configmaps", "resourceslices"],
+        kind: Literal["pods", "nodes", "configmaps", "resourceslices", "resourceclaims"],
         *,
         namespace: str | None = None,
         field_selector: str | None = None,
@@ -145,6 +145,8 @@ class WatchCache:
     def _list_fn(self) -> Callable[..., Any]:
         if self._kind == "resourceslices":
             return client.ResourceV1Api(self._api).list_resource_slice
+        if self._kind == "resourceclaims":
+            return client.ResourceV1Api(self._api).list_resource_claim_for_all_namespaces
         core = client.CoreV1Api(self._api)
         if self._kind == "configmaps":
             return functools.partial(core.list_namespaced_config_map, self._namespace)

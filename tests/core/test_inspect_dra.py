@@ -235,13 +235,11 @@ def test_inspect_shows_dra_cards_and_claims_read_from_a_real_api_server(capsys: 
         assert table["resourceclaim/big"] == ["resourceclaim/big", "team", "76", "0", "-"]
         assert table["web"] == ["web", "team", "0", "4"]
 
-        # the extender's account may read nodes and pods, not the DRA objects
+        # the extender's account reads nodes, pods, and the DRA slices and claims it steers DRA pods by
         assert main(["inspect", "--kubeconfig", str(real.kubeconfig_of(EXTENDER_USER))]) == 0
         out, err = capsys.readouterr()
-        assert rows(out)["mixed"][3:5] == ["4/15", "4/15 (26%)"]
-        (line,) = err.splitlines()
-        assert line.startswith("gpushare inspect: cards of the DRA driver gpu.gpushare.io not shown: list ")
-        assert "API server answered 403" in line and "forbidden" in line
+        assert rows(out)["mixed"][3:6] == ["84/80 (DRA, over-committed)", "4/15", "88/95 (92%)"]
+        assert err == ""
 
 
 def test_summary_columns_are_the_cards_indexes_when_a_node_lacks_some() -> None:

@@ -5,7 +5,15 @@ from support.draclaims import NODE, REF, claim, result
 
 from gpushare.contract.dra import claim_cdi_devices, format_device_name, parse_device_name
 from gpushare.contract.errors import ContractError
-from gpushare.contract.resourceclaim import AllocatedShare, ClaimError, claim_allocation, driver_shares
+from gpushare.contract.resourceclaim import (
+    AllocatedShare,
+    ClaimError,
+    DeviceAsk,
+    asks_driver,
+    claim_allocation,
+    driver_requests,
+    driver_shares,
+)
 
 
 def test_a_share_of_one_card_gives_card_request_share_and_memory() -> None:
@@ -88,3 +96,44 @@ def test_claim_cdi_devices_are_found_in_the_cri_field_and_in_cdi_annotations_onc
     found = claim_cdi_devices(["nvidia.com/gpu=GPU-aaaa", ours, "gpu.gpushare.io/gpu=0"], annotations)
     assert found == (ours, again)
     assert claim_cdi_devices(["nvidia.com/gpu=GPU-aaaa"], {}) == ()
+
+
+def claim_spec(*requests: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"namespace": "ns", "name": "c"}, "spec": {"devices": {"requests": list(requests)}}}
+
+
+def exactly(name: str = "gpu", **fields: Any) -> dict[str, Any]:
+    body = {"deviceClassName": "gpu.gpushare.io", "capacity": {"requests": {"memory": "8Gi"}}, **fields}
+    return {"name": name, "exactly": body}
+
+
+def test_a_claim_s_requests_give_count_and_memory_of_each_card() -> None:
+    got = driver_requests(claim_spec(exactly(), exactly("two", allocationMode="ExactCount", count=2)), "claim ns/c")
+    assert got == (DeviceAsk("gpu", 1, 8 << 30), DeviceAsk("two", 2, 8 << 30))
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        ({"name": "gpu", "firstAvailable": []}, "not an exactly request (firstAvailable, name)"),
+        ({"name": "gpu", "exactly": None}, "spec.devices.requests[0].exactly: None is not an object"),
+        (exactly(deviceClassName="gpu.nvidia.com"), "exactly.deviceClassName: 'gpu.nvidia.com'"),
+        (exactly(allocationMode="All"), "exactly.allocationMode"),
+        (exactly(selectors=[{"cel": {"expression": "true"}}]), "exactly.selectors"),
+        (exactly(count=0), "exactly.count"),
+        (exactly(capacity={"requests": {}}), "exactly.capacity.requests.memory: missing"),
+        (exactly(capacity={"requests": {"memory": "lots"}}), "exactly.capacity.requests.memory: 'lots'"),
+    ],
+)
+def test_a_request_that_can_t_be_predicted_is_named_with_its_field(request_: dict[str, Any], field: str) -> None:
+    with pytest.raises(ClaimError, match=r"^claim ns/c: spec\.devices\.requests\[0\]") as err:
+        driver_requests(claim_spec(request_), "claim ns/c")
+    assert field in str(err.value)
+
+
+def test_a_claim_asks_the_driver_when_a_request_or_an_alternative_names_its_class() -> None:
+    other = exactly(deviceClassName="nic.example.com")
+    alternatives = {"name": "gpu", "firstAvailable": [other["exactly"], exactly()["exactly"]]}
+    assert asks_driver(claim_spec(other, alternatives))
+    assert not asks_driver(claim_spec(other))
+    assert not asks_driver({"metadata": {"name": "c"}})

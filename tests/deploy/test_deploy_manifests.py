@@ -46,6 +46,12 @@ EXTENDER_GRANTS = {
     *core_grants("events", "create", "patch"),
     # the original gpushare's fenced cards, only in kube-system
     *core_grants("configmaps", "get", "list", "watch"),
+    # the DRA driver's cards and the claims on them, to steer DRA pods' nodes
+    *{
+        ("resource.k8s.io", resource, verb)
+        for resource in ("resourceslices", "resourceclaims")
+        for verb in ("list", "watch")
+    },
 }
 
 

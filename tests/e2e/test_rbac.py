@@ -28,7 +28,13 @@ GRANTED = {
         "update resourceslices.resource.k8s.io",
         "get resourceclaims.resource.k8s.io",
     ),
-    EXTENDER: ("create pods/binding", "patch nodes", "watch nodes"),
+    EXTENDER: (
+        "create pods/binding",
+        "patch nodes",
+        "watch nodes",
+        "watch resourceslices.resource.k8s.io",
+        "watch resourceclaims.resource.k8s.io",
+    ),
 }
 #: what each identity must be refused, asked the same way
 REFUSED = {
@@ -39,7 +45,7 @@ REFUSED = {
         "update resourceclaims.resource.k8s.io/status",
         "delete resourceslices.resource.k8s.io",
     ),
-    EXTENDER: ("delete pods", "get secrets"),
+    EXTENDER: ("delete pods", "get secrets", "update resourceclaims.resource.k8s.io/status"),
 }
 
 
