@@ -189,7 +189,8 @@ class Replay:
             watch.wait_synced(60)
             url = None
             if way in EXTENDER_WAYS:
-                extender, url = nodeless.start_extender(self.cluster, f"extender-{run}", self.policy)
+                steering = ["--dra-steering"] if way in CLAIM_WAYS else []
+                extender, url = nodeless.start_extender(self.cluster, f"extender-{run}", self.policy, flags=steering)
             config = nodeless.scheduler_config(self.cluster, url, QPS, host_only=way in CLAIM_WAYS)
             scheduler, _ = nodeless.start_scheduler(self.cluster, run, config)
             started = time.monotonic()

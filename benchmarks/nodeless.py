@@ -117,15 +117,15 @@ def start_scheduler(
 
 
 def start_extender(
-    cluster: RealCluster, name: str, policy: str = "", wrapper: Sequence[str] = ()
+    cluster: RealCluster, name: str, policy: str = "", wrapper: Sequence[str] = (), flags: Sequence[str] = ()
 ) -> tuple[Process, str]:  # fmt: skip
-    """The extender (``policy``, its default if empty) watching the cluster, once ready, and its URL;
-    ``wrapper`` runs it (e.g. ``taskset``)."""
+    """The extender (``policy``, its default if empty; more ``flags``) watching the cluster, once ready,
+    and its URL; ``wrapper`` runs it (e.g. ``taskset``)."""
     port = free_port()
     process = Process(
         name,
         [*wrapper, sys.executable, "-m", "gpushare.cli", "extender", "--port", str(port),
-         *(["--policy", policy] if policy else []),
+         *(["--policy", policy] if policy else []), *flags,
          "--kubeconfig", str(cluster.kubeconfig_of("gpushare-extender"))],
         cluster.workdir / f"{name}.log",
     ).start()  # fmt: skip

@@ -116,13 +116,14 @@ def placement_cards(
 
 
 class ClusterCache:
-    def __init__(self, api: Any) -> None:
+    def __init__(self, api: Any, dra_steering: bool = False) -> None:
         self.nodes = WatchCache(api, "nodes")
         self.pods = WatchCache(api, "pods")
         self.configmaps = WatchCache(api, "configmaps", namespace=FENCE_CONFIGMAP_NAMESPACE)
-        #: the DRA driver's cards and claims; not part of readiness (clusters without resource.k8s.io/v1
-        #: never list them): a DRA pod asked about before they are listed scores 0 everywhere
-        self.dra = DraView(api)
+        #: with ``dra_steering``, the DRA driver's cards and claims; not part of readiness (clusters without
+        #: resource.k8s.io/v1 never list them): a DRA pod asked about before they are listed scores 0
+        #: everywhere. Without, the extender neither watches them nor scores DRA pods as such.
+        self.dra = DraView(api) if dra_steering else None
         self._lock = threading.RLock()
         self._counter = itertools.count(1)
         self._generation: dict[str, int] = {}
@@ -161,13 +162,15 @@ class ClusterCache:
         self.nodes.start()
         self.pods.start()
         self.configmaps.start()
-        self.dra.start()
+        if self.dra is not None:
+            self.dra.start()
 
     def stop(self) -> None:
         self.nodes.stop()
         self.pods.stop()
         self.configmaps.stop()
-        self.dra.stop()
+        if self.dra is not None:
+            self.dra.stop()
 
     @property
     def synced(self) -> bool:

@@ -49,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"refuse gangs with more members than this (default: {MAX_GANG_MEMBERS}); "
         "the work of a member's filter grows with its gang's size",
     )
+    parser.add_argument(
+        "--dra-steering",
+        action="store_true",
+        help="also score the nodes for pods whose ResourceClaims ask the DRA driver gpu.gpushare.io (from the "
+        "prioritize-host entry): the node where the allocator's first fit leaves the least memory free wins; "
+        "watches every ResourceSlice of the driver and every ResourceClaim (docs/dra.md, Placement)",
+    )
     add_metrics_host_flag(parser, "--health-host")
     limits = parser.add_argument_group("limits")
     limits.add_argument(
@@ -95,4 +102,4 @@ def serving(args: argparse.Namespace) -> Serving:
 def run(args: argparse.Namespace) -> int:
     from gpushare.extender.wiring import run_extender
 
-    return run_extender(args.kubeconfig, args.policy or "", serving(args), args.max_gang_members)
+    return run_extender(args.kubeconfig, args.policy or "", serving(args), args.max_gang_members, args.dra_steering)

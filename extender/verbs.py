@@ -213,8 +213,8 @@ def prioritize_result(engine: PlacementEngine, body: Any) -> Raw | list[dict[str
 
 
 def host_prioritize_result(engine: PlacementEngine, body: Any) -> Raw | list[dict[str, Any]]:
-    """Scores for a pod WITHOUT GPUs (kube-scheduler asks about every pod here). A pod whose
-    ResourceClaims ask for this driver's cards is scored by :func:`_dra_scores`. Otherwise, under a
+    """Scores for a pod WITHOUT GPUs (kube-scheduler asks about every pod here). With ``--dra-steering``,
+    a pod whose ResourceClaims ask for this driver's cards is scored by :func:`_dra_scores`. Otherwise, under a
     policy that weighs CPU and memory, the nodes where its CPU and memory would strand the least GPU and
     that have the least idle GPU score highest; a node the extender has no cards for counts as having no
     idle GPU. GPU pods, and policies that don't weigh CPU, get 0 everywhere (the GPU entry scores GPU
@@ -238,17 +238,18 @@ def _dra_scores(engine: PlacementEngine, pod: Mapping[str, Any], names: NodeName
     per node, the cards the allocator would take there (its first fit), the nodes where they are left
     with the least free memory scoring highest (:func:`gpushare.placement.dra.dra_scores`). 0 everywhere
     when the claims can't be predicted (not listed yet, allocated already, selectors...); None for a pod
-    without claims of this driver."""
-    if not (pod.get("spec") or {}).get("resourceClaims"):
+    without claims of this driver, and without ``--dra-steering``."""
+    view = engine.cache.dra
+    if view is None or not (pod.get("spec") or {}).get("resourceClaims"):
         return None
     try:
-        requests = engine.cache.dra.requests(pod)
+        requests = view.requests(pod)
     except ContractError as exc:
         log.info("DRA prioritize: 0 on every node: %s", exc)  # the error names the pod
         return names.priorities(np.zeros(len(names), dtype=np.int64))
     if not requests:
         return None
-    fits = [predict(engine.cache.dra.cards(name), requests) for name in names.names]
+    fits = [predict(view.cards(name), requests) for name in names.names]
     scores = dra_scores(fits)
     best = int(np.argmax(scores)) if len(names) else 0
     fit = fits[best] if len(names) else None

@@ -64,11 +64,12 @@ def start_extender(
     host: str | None = None,
     serving: Serving | None = None,
     max_gang_members: int = MAX_GANG_MEMBERS,
+    dra_steering: bool = False,
 ) -> RunningExtender:
     serving = serving or Serving(port, host=host)
     host = serving.host or ("0.0.0.0" if serving.tls is not None else "127.0.0.1")
     policy = policy or placement.DEFAULT_POLICY
-    cache = ClusterCache(api)
+    cache = ClusterCache(api, dra_steering)
     try:
         engine = PlacementEngine(cache, policy)
     except ValueError as exc:
@@ -121,13 +122,22 @@ SWITCH_INTERVAL = 0.001
 
 
 def run_extender(
-    kubeconfig: str | None, policy: str, serving: Serving, max_gang_members: int = MAX_GANG_MEMBERS
+    kubeconfig: str | None,
+    policy: str,
+    serving: Serving,
+    max_gang_members: int = MAX_GANG_MEMBERS,
+    dra_steering: bool = False,
 ) -> int:
     # A filter that arrives while a watch or a bind thread runs Python waits for the GIL up to the
     # switch interval, which set the verbs' p99 (docs/extender.md has the figures).
     sys.setswitchinterval(SWITCH_INTERVAL)
     running = start_extender(
-        load_api(kubeconfig), serving.port, policy, serving=serving, max_gang_members=max_gang_members
+        load_api(kubeconfig),
+        serving.port,
+        policy,
+        serving=serving,
+        max_gang_members=max_gang_members,
+        dra_steering=dra_steering,
     )
     try:
         wait_for_termination()

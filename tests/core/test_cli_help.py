@@ -49,6 +49,7 @@ FLAGS = {
     | {"--no-cri-shim", "--advertise-interval", "--dra", "--dra-cards", "--kubelet-root", "--cdi-dir"},
     "extender": HELP
     | {"--port", "--kubeconfig", "--policy", "--host", "--health-port", "--health-host", "--max-gang-members"}
+    | {"--dra-steering"}
     | {"--tls-cert", "--tls-key", "--client-ca", "--no-client-auth", "--max-body-bytes", "--read-timeout", "--workers"},
     "webhook": HELP | {"--port", "--host", "--tls-cert", "--tls-key", "--client-ca", "--trusted-user"},
 }

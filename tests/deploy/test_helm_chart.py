@@ -281,3 +281,9 @@ def test_the_guides_values_file_sets_the_image(tmp_path: Path) -> None:
     assert {c["image"] for spec in templates.values() for c in spec["containers"]} == {
         "registry.example/gpushare:0.1.0"
     }
+
+
+def test_the_dra_steering_value_is_the_extenders_flag_and_off_by_default() -> None:
+    (plain,) = pod_templates(render())["gpushare-extender"]["containers"]
+    (steering,) = pod_templates(render("extender.draSteering=true"))["gpushare-extender"]["containers"]
+    assert "--dra-steering" not in plain["args"] and "--dra-steering" in steering["args"]

@@ -54,7 +54,7 @@ def dra_pod(*claims: str) -> dict[str, Any]:
 def cache() -> ClusterCache:
     """Two nodes with two 32 GiB DRA cards each, 20 GiB of ``busy``'s card-0 held by a claim; a third
     node without a slice."""
-    cache = listed(ClusterCache(None))
+    cache = listed(ClusterCache(None, dra_steering=True))
     for node in ("empty", "busy"):
         cache.dra.slices.apply(slice_of(node))
     cache.dra.claims.apply(claim(result(device="card-0", memory="20Gi", pool="busy"), name="held"))
@@ -111,7 +111,7 @@ def test_claims_that_can_t_be_predicted_score_zero_everywhere_and_say_why(
 
 
 def test_before_the_slices_and_claims_are_listed_a_dra_pod_scores_zero() -> None:
-    cache = ClusterCache(None)
+    cache = ClusterCache(None, dra_steering=True)
     cache.dra.slices.apply(slice_of("busy"))
     cache.dra.claims.apply(pending_claim("want"))
     assert set(scores(cache, dra_pod("want")).values()) == {0}
@@ -125,3 +125,12 @@ def test_a_pod_whose_claims_ask_other_drivers_is_scored_as_a_pod_without_gpus(ca
     expected = host_prioritize_result(engine, {"Pod": plain, "NodeNames": NAMES})
     assert scores(cache, dra_pod("nic")) == scores_of(expected)
     assert max(scores_of(expected).values()) == 10  # the host policy scored it, not the DRA path's zeros
+
+
+def test_without_dra_steering_a_dra_pod_is_scored_as_a_pod_without_gpus_and_nothing_is_watched() -> None:
+    cache = ClusterCache(None)
+    assert cache.dra is None
+    engine = PlacementEngine(cache, "fgdfit")
+    plain = gpu_pod("p", [container("main")], node=None, namespace="ns")
+    expected = host_prioritize_result(engine, {"Pod": plain, "NodeNames": NAMES})
+    assert scores(cache, dra_pod("want")) == scores_of(expected)
