@@ -97,10 +97,10 @@ def cluster() -> Iterator[RealCluster]:
         plain_schedulers=(PLAIN_SCHEDULER,),
         dra_nodes={DRA_NODE: "all", MIXED_NODE: "1"},
     )
-    real.start()
     try:
+        real.start()
         yield real
-    finally:
+    finally:  # a cluster that failed to start is stopped and removed too
         real.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
