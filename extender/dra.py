@@ -13,10 +13,10 @@ from typing import Any
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import DRA_DRIVER
 from gpushare.contract.request import pod_key
-from gpushare.contract.resourceclaim import ClaimError, asks_driver, driver_requests
+from gpushare.contract.resourceclaim import ClaimError, DeviceAsk, asks_driver, driver_requests
 from gpushare.inspection.dra import ClaimShare, claim_shares, offered_by_pool
 from gpushare.kube.watch import WatchCache
-from gpushare.placement.dra import DraCard, DraRequest
+from gpushare.placement.dra import DraCard
 from gpushare.usage import pod_claim_names
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class DraView:
                 self._offered[node] = offered
             return tuple(DraCard(c.device, c.capacity, self._used.get((node, c.device), 0), c.unit) for c in offered)
 
-    def requests(self, pod: Mapping[str, Any]) -> tuple[DraRequest, ...]:
+    def requests(self, pod: Mapping[str, Any]) -> tuple[DeviceAsk, ...]:
         """What kube-scheduler will allocate of this driver's cards for the pod's claims: every request
         of each claim that asks for them, when all of the pod's claims are in the cache and those are
         not allocated yet and ask only this driver's cards by memory (see :func:`driver_requests`);
@@ -106,7 +106,7 @@ class DraView:
         key, namespace = pod_key(pod), (pod.get("metadata") or {}).get("namespace") or ""
         if not self.synced:
             raise ClaimError(f"pod {key}: the ResourceSlices and ResourceClaims are not listed yet")
-        requests: list[DraRequest] = []
+        requests: list[DeviceAsk] = []
         for name in pod_claim_names(pod):
             claim = self.claims.get(name, namespace)
             where = f"pod {key}: ResourceClaim {namespace}/{name}"
@@ -116,5 +116,5 @@ class DraView:
                 continue
             if (claim.get("status") or {}).get("allocation"):
                 raise ClaimError(f"{where} is allocated already")
-            requests += [DraRequest(ask.count, ask.memory_bytes) for ask in driver_requests(claim, where)]
+            requests += driver_requests(claim, where)
         return tuple(requests)

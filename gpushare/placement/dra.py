@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpushare.contract.resourceclaim import DeviceAsk
 from gpushare.placement.batch import batch_scores
 
 
@@ -34,14 +35,6 @@ class DraCard:
 
 
 @dataclass(frozen=True, slots=True)
-class DraRequest:
-    """One ``exactly`` request of a claim: ``count`` devices with ``memory`` bytes of each."""
-
-    count: int
-    memory: int
-
-
-@dataclass(frozen=True, slots=True)
 class DraFit:
     """The devices the allocator would take on a node (one per device a request takes, in request
     order) and the bytes left free on them afterwards."""
@@ -50,17 +43,17 @@ class DraFit:
     left: int
 
 
-def predict(cards: Sequence[DraCard], requests: Sequence[DraRequest]) -> DraFit | None:
+def predict(cards: Sequence[DraCard], requests: Sequence[DeviceAsk]) -> DraFit | None:
     """The allocator's first fit of ``requests`` on a node's ``cards`` (in slice order), or None when
     one of them finds too few devices with room."""
     free = {card.device: card.capacity - card.used for card in cards}
     taken: list[str] = []
     for request in requests:
-        chosen = [c for c in cards if free[c.device] >= c.consumed(request.memory)][: request.count]
+        chosen = [c for c in cards if free[c.device] >= c.consumed(request.memory_bytes)][: request.count]
         if len(chosen) < request.count:
             return None
         for card in chosen:
-            free[card.device] -= card.consumed(request.memory)
+            free[card.device] -= card.consumed(request.memory_bytes)
         taken += [card.device for card in chosen]
     return DraFit(tuple(taken), sum(free[device] for device in dict.fromkeys(taken)))
 
