@@ -16,8 +16,7 @@ from gpushare.contract.allocation import CardSlice
 from gpushare.contract.dra import parse_device_name, parse_memory_bytes
 from gpushare.contract.errors import ContractError, quoted
 from gpushare.contract.names import DRA_CAPACITY_MEMORY, DRA_DRIVER
-
-MIB = 1 << 20
+from gpushare.contract.units import MIB_BYTES
 
 
 class ClaimError(ContractError):
@@ -153,7 +152,7 @@ def _slice(allocation: ClaimAllocation, share: AllocatedShare, by_index: dict[in
     card = by_index.get(share.index)
     if card is None:
         raise ClaimError(f"{where}: no card with index {share.index} on this node")
-    unit_bytes = unit_mib * MIB
+    unit_bytes = unit_mib * MIB_BYTES
     units, rest = divmod(share.memory_bytes, unit_bytes)
     if rest or units == 0:
         raise ClaimError(

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from gpushare.contract.errors import ContractError, quoted
 
+#: bytes in one MiB (what the API server's quantities and NVML's limits count in)
+MIB_BYTES = 1 << 20
 _UNIT_RE = re.compile(r"^(?:(GiB)|(MiB)|([1-9][0-9]*)MiB)$")
 
 
@@ -19,6 +21,10 @@ class MemoryUnit:
     @property
     def name(self) -> str:
         return format_unit(self)
+
+    @property
+    def bytes(self) -> int:
+        return self.mib * MIB_BYTES
 
     def units_of(self, memory_mib: int) -> int:
         """Whole units in ``memory_mib`` (rounded down: a partial unit can't be handed out)."""

@@ -24,7 +24,7 @@ from gpushare.cards import ENFORCED, NOT_REPORTED
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_MEM
 from gpushare.contract.request import annotations_of, parse_pod_request, pod_key, requests_gpu
-from gpushare.contract.units import GIB, MemoryUnit
+from gpushare.contract.units import GIB, MIB_BYTES, MemoryUnit
 from gpushare.inspection.dra import ClaimShare, DraCards
 from gpushare.usage import MIB, holds_resources, node_inventory, node_ledger, node_usage
 
@@ -33,7 +33,6 @@ from gpushare.usage import MIB, holds_resources, node_inventory, node_ledger, no
 DEVICE_PLUGIN, DRA, BOTH_WAYS = "device plugin", "DRA", "DRA and device plugin"
 #: :attr:`CardView.memory_limits` of a card only the ResourceSlice lists, which says nothing of limits
 DRA_LIMITS = "not reported for cards offered through DRA"
-MIB_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,13 +221,13 @@ def _device_plugin_view(
 
 def _units(memory_bytes: int, unit: MemoryUnit) -> int:
     """The units ``memory_bytes`` of a claim take: a part of a unit is not free for anyone else either."""
-    return -(-memory_bytes // (unit.mib * MIB_BYTES))
+    return -(-memory_bytes // unit.bytes)
 
 
 def _with_dra(view: NodeView, offered: Sequence[OfferedCard], shares: Sequence[ClaimShare]) -> NodeView:
     """``view`` with the node's DRA cards and the claims holding them; a claim on a device the slice
     doesn't offer, and a card offered both ways, are warned about."""
-    unit_bytes = view.unit.mib * MIB_BYTES
+    unit_bytes = view.unit.bytes
     devices = {c.device for c in offered}
     problems: list[str] = []
     held: dict[int, int] = {}

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpushare.cards import Card
-from gpushare.contract.units import MemoryUnit
+from gpushare.contract.units import MIB_BYTES, MemoryUnit
 from gpushare.gpus.backend import MemoryLimitError
 from gpushare.memlimits.cgroups import CgroupLayout, cgroup_dir
-from gpushare.memlimits.policy import MIB, Limit, pod_limits
+from gpushare.memlimits.policy import Limit, pod_limits
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,9 @@ class PodLimiter:
                 return (
                     f"{who}: {_card(limit)}: the driver did not set the pod's memory limit on cgroup {directory}: {exc}"
                 )
-            log.info("%s: %s limited to %d MiB in cgroup %s", who, _card(limit), limit.hard_bytes // MIB, directory)
+            log.info(
+                "%s: %s limited to %d MiB in cgroup %s", who, _card(limit), limit.hard_bytes // MIB_BYTES, directory
+            )
         return None
 
 

@@ -22,9 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpushare.cards import Card
-from gpushare.contract.units import MemoryUnit
-
-MIB = 1 << 20
+from gpushare.contract.units import MIB_BYTES, MemoryUnit
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +35,7 @@ class Limit:
     hard_bytes: int
 
     def __str__(self) -> str:
-        return f"card {self.index} ({self.uuid}) {self.hard_bytes // MIB} MiB"
+        return f"card {self.index} ({self.uuid}) {self.hard_bytes // MIB_BYTES} MiB"
 
 
 def pod_limits(held: Mapping[str, int], cards: Sequence[Card], unit: MemoryUnit) -> tuple[Limit, ...]:
@@ -51,6 +49,6 @@ def pod_limits(held: Mapping[str, int], cards: Sequence[Card], unit: MemoryUnit)
         units = held[card.uuid]
         if units <= 0 or units >= unit.units_of(card.memory_mib):
             continue
-        share = units * unit.mib * MIB
+        share = units * unit.bytes
         limits.append(Limit(card.index, card.uuid, soft_bytes=share, hard_bytes=share))
     return tuple(limits)

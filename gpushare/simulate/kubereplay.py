@@ -36,7 +36,7 @@ from gpushare.simulate.replay import arrival_order
 from gpushare.simulate.trace import MILLI_PER_CARD, TracePod
 from gpushare.usage import node_inventory, node_ledger, node_usage
 
-GIB_BYTES = GIB.mib << 20
+GIB_BYTES = GIB.bytes
 #: the claim's one request, which the pod's container names
 CLAIM_REQUEST = "gpu"
 #: the most ``firstAvailable`` subrequests one request may list (resource.k8s.io/v1)

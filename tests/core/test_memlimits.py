@@ -9,9 +9,9 @@ import pytest
 from gpushare.cards import ENFORCED, NOT_REPORTED, Card
 from gpushare.contract.errors import AnnotationError
 from gpushare.contract.inventory import format_inventory, parse_inventory
-from gpushare.contract.units import GIB, MemoryUnit
+from gpushare.contract.units import GIB, MIB_BYTES, MemoryUnit
 from gpushare.memlimits.cgroups import HYBRID, V1, V2, cgroup_dir, detect_layout, given_root, unified_path
-from gpushare.memlimits.policy import MIB, pod_limits
+from gpushare.memlimits.policy import pod_limits
 
 # /proc/self/mountinfo lines, as each layout shows them
 CGROUP2 = "35 24 0:30 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 rw,nsdelegate\n"
@@ -86,7 +86,7 @@ def test_each_shared_card_of_a_two_card_pod_gets_its_own_limit_and_a_whole_card_
 
 def test_the_unit_sets_the_bytes() -> None:
     (limit,) = pod_limits({T4.uuid: 3}, (T4,), MemoryUnit(512))
-    assert limit.hard_bytes == 3 * 512 * MIB
+    assert limit.hard_bytes == 3 * 512 * MIB_BYTES
 
 
 def test_a_card_off_the_node_is_an_error() -> None:

@@ -20,7 +20,6 @@ from support.waiting import wait_until
 from gpushare.cards import ENFORCED
 from gpushare.contract.names import ANN_REQUIRE_MEMORY_LIMIT, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.request import parse_pod_request
-from gpushare.memlimits.policy import MIB
 from gpushare.sandbox.nvmllimits import NO_LIMIT, Limits, clear_limits, read_limits
 from gpushare.sandbox.realcluster import RealCluster
 from gpushare.usage import held_units, pod_allocation
@@ -51,7 +50,7 @@ def expected(pods: Pods, name: str) -> Limits:
     limits: Limits = {c.uuid: NO_LIMIT for c in cards}
     for card in cards:
         if 0 < held.get(card.uuid, 0) < unit.units_of(card.memory_mib):
-            share = held[card.uuid] * unit.mib * MIB
+            share = held[card.uuid] * unit.bytes
             limits[card.uuid] = (share, share)
     return limits
 
