@@ -189,6 +189,12 @@ def slice_current(live: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     return _comparable(live.get("spec") or {}) == _comparable(desired.get("spec") or {})
 
 
+def live_pool(live: Mapping[str, Any]) -> str:
+    """The pool (the node) a live slice belongs to ("" when it names none)."""
+    pool = ((live.get("spec") or {}).get("pool") or {}).get("name")
+    return pool if isinstance(pool, str) else ""
+
+
 def live_generation(live: Mapping[str, Any]) -> int:
     """The pool generation of a live slice (0 when it has none)."""
     generation = ((live.get("spec") or {}).get("pool") or {}).get("generation")

@@ -10,6 +10,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from gpushare.advertiser.resourceslice import live_pool
+
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import DRA_DRIVER
 from gpushare.contract.request import pod_key
@@ -58,7 +60,7 @@ class DraView:
         return self.slices.synced and self.claims.synced
 
     def _on_slice(self, kind: str, live: Mapping[str, Any]) -> None:
-        pool = ((live.get("spec") or {}).get("pool") or {}).get("name") or ""
+        pool = live_pool(live)
         with self._lock:
             held = self._slices.setdefault(pool, {})
             if kind == "DELETED":

@@ -13,7 +13,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.advertiser.resourceslice import OfferedCard, ResourceSliceError, live_generation, offered_cards
+from gpushare.advertiser.resourceslice import (
+    OfferedCard,
+    ResourceSliceError,
+    live_generation,
+    live_pool,
+    offered_cards,
+)
 from gpushare.contract.errors import ContractError
 from gpushare.contract.resourceclaim import AllocatedShare, driver_shares
 
@@ -54,16 +60,11 @@ class DraCards:
         )
 
 
-def _pool(live: Mapping[str, Any]) -> str:
-    pool = ((live.get("spec") or {}).get("pool") or {}).get("name")
-    return pool if isinstance(pool, str) else ""
-
-
 def offered_by_pool(slices: Iterable[Mapping[str, Any]]) -> tuple[dict[str, tuple[OfferedCard, ...]], list[str]]:
     """Each pool's cards, from its slices of the newest generation (the scheduler ignores older ones)."""
     by_pool: dict[str, list[Mapping[str, Any]]] = {}
     for live in slices:
-        by_pool.setdefault(_pool(live), []).append(live)
+        by_pool.setdefault(live_pool(live), []).append(live)
     offered: dict[str, tuple[OfferedCard, ...]] = {}
     problems = []
     for pool, lives in by_pool.items():
