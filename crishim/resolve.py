@@ -360,9 +360,10 @@ class Resolver:
                 pod = self._pods.pod(target.namespace, target.pod, target.uid)
             except KubeError as exc:
                 problem = exc
+        inventory = NodeInventory(self._unit, tuple(cards))
         held = dict(found.pod_held or {})
         if not held and pod is not None:
-            counted, _ = pod_cards(pod, NodeInventory(self._unit, tuple(cards)), self._pods.ledger().get(target.uid))
+            counted, _ = pod_cards(pod, inventory, self._pods.ledger().get(target.uid))
             held = dict(counted.held) if counted is not None else {}
         if not held and problem is not None and not found.dra_devices:
             log.warning("%s: %s; its memory limits are taken from its annotations", target, problem)
@@ -376,14 +377,14 @@ class Resolver:
                     held[part.uuid] = held.get(part.uuid, 0) + part.units
         for part in found.slices:
             held[part.uuid] = max(held.get(part.uuid, 0), part.units)
-        for uuid, units in self._dra_held(found, pod, problem, cards).items():
+        for uuid, units in self._dra_held(found, pod, problem, inventory).items():
             held[uuid] = held.get(uuid, 0) + units
         return held
 
     def _dra_held(
-        self, found: Resolution, pod: Mapping[str, Any] | None, problem: KubeError | None, cards: Sequence[Card]
+        self, found: Resolution, pod: Mapping[str, Any] | None, problem: KubeError | None, inventory: NodeInventory
     ) -> dict[str, int]:
-        """What the pod holds through its ResourceClaims; see :meth:`pod_held`."""
+        """What the pod holds through its ResourceClaims on ``inventory``'s cards; see :meth:`pod_held`."""
         devices = ", ".join(found.dra_devices)
         if self._pods is None or pod is None:
             if not found.dra_devices:
@@ -397,7 +398,7 @@ class Resolver:
                 claims[name] = self._pods.resource_claim(found.target.namespace, name)
             except KubeError as exc:
                 raise ClaimError(str(exc)) from None
-        held = dra_held(pod, claims, self._pods.node, NodeInventory(self._unit, tuple(cards)))
+        held = dra_held(pod, claims, self._pods.node, inventory)
         if found.dra_devices and not held:
             raise ClaimError(
                 f"CDI device(s) {devices}, but the pod's ResourceClaims ({', '.join(names) or 'none'}) hold no card "
