@@ -282,12 +282,14 @@ def build_cluster(
         elif holds_resources(pod) and requests_gpu(pod):
             unscheduled += 1
     dra = dra or DraCards({}, ())
+    shares: dict[str, list[ClaimShare]] = {}
+    for share in dra.shares:
+        shares.setdefault(share.node, []).append(share)
     views, names = [], set()
     for node in nodes:
         name = _name(node)
         names.add(name)
-        shares = [s for s in dra.shares if s.node == name]
-        views.append(build_node(node, by_node.get(name, []), dra.offered.get(name, ()), shares))
+        views.append(build_node(node, by_node.get(name, []), dra.offered.get(name, ()), shares.get(name, [])))
     elsewhere = [
         f"ResourceClaim {s.key} holds {MIB.describe(_units(s.memory_bytes, MIB))} of device {s.device} in pool "
         f"{s.node}, which is no node of the cluster"
