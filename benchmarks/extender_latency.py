@@ -1,6 +1,7 @@
 """Extender latency at scale: filter+prioritize per pod over 5,000 nodes x 8 cards, and bind throughput.
 
     python benchmarks/extender_latency.py [--nodes 5000] [--running 10000] [--pods 300] [--policy fgd]
+        [--scrapers 4]
 
 Everything runs as deployed: the API stand-in and the extender are separate processes
 (``gpushare apiserver``, ``gpushare extender``); nodes and pods live in the stand-in, the extender watches
@@ -13,6 +14,11 @@ demand shape is then asked once untimed (a running scheduler has seen every comm
 first answers are reported separately as the cold figure. Then ``--pods`` pods go through filter,
 prioritize and bind one after another; each bind changes one node, whose memoised answers the next pod
 recomputes.
+
+With ``--scrapers N``, the pods go in rounds of ``--round`` pods, every other round while N scrapers
+(another process, at the lowest CPU priority) read the extender's /metrics over and over on its health
+port, as Prometheus does and as anyone who reaches that port can; filter+prioritize is reported for the
+rounds with and without them, side by side, so both see the same machine, and so is the extender's CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import contextlib
 import http.client
 import json
 import logging
+import multiprocessing
+import os
 import random
 import shutil
 import socket
@@ -143,6 +151,47 @@ def schedule(verbs: Verbs, pod: dict[str, Any], names: list[str]) -> tuple[float
     return spent_filter, spent_prioritize, best
 
 
+def scrape(port: int, scrapers: int, stop: Any, scrapes: Any) -> None:
+    """``scrapers`` threads reading /metrics over keep-alive connections until ``stop`` is set; the
+    number of scrapes is added to ``scrapes``. Runs in a process of its own at the lowest priority, so
+    that reading the replies takes no core from the extender and the process that times the verbs, as
+    when Prometheus runs on another machine."""
+    os.nice(19)
+
+    def loop() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        while not stop.is_set():
+            conn.request("GET", "/metrics")
+            conn.getresponse().read()
+            with scrapes.get_lock():
+                scrapes.value += 1
+
+    threads = [threading.Thread(target=loop) for _ in range(scrapers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+@contextlib.contextmanager
+def scraping(port: int, scrapers: int) -> Any:
+    """``scrapers`` concurrent scrapers of the health port while the block runs (none: nothing); yields
+    a counter of the scrapes done."""
+    context = multiprocessing.get_context("spawn")
+    stop, scrapes = context.Event(), context.Value("i", 0)
+    if not scrapers:
+        yield scrapes
+        return
+    proc = context.Process(target=scrape, args=(port, scrapers, stop, scrapes), daemon=True)
+    proc.start()
+    wait_for(lambda: scrapes.value >= scrapers, "the scrapers' first replies")
+    try:
+        yield scrapes
+    finally:
+        stop.set()
+        proc.join(60)
+
+
 def report(label: str, samples: list[float]) -> None:
     p50, p99 = statistics.median(samples) * 1e3, percentile(samples, 0.99) * 1e3
     print(f"{label:>20} {p50:8.2f} {p99:8.2f} {max(samples) * 1e3:8.2f}")
@@ -155,6 +204,10 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=300, help="pods scheduled while measuring")
     parser.add_argument("--binds", type=int, default=200, help="pods for the bind-throughput runs")
     parser.add_argument("--policy", default="fgd")
+    parser.add_argument(
+        "--scrapers", type=int, default=0, help="also measure with this many concurrent /metrics scrapers"
+    )
+    parser.add_argument("--round", type=int, default=25, help="pods per round with --scrapers")
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs) afterwards")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -180,13 +233,13 @@ def main() -> int:
         placed = fill(core, names, uuids, args.running, rng)
         print(f"{args.nodes} nodes x 8 cards and {placed} running pods created in {time.perf_counter() - started:.1f}s")
 
-        port = free_port()
+        port, health_port = free_port(), free_port()
         started = time.perf_counter()
         extender_args = ("extender", "--port", str(port), "--kubeconfig", kubeconfig, "--policy", args.policy)
-        serve(stack, workdir / "extender.log", *extender_args)
+        extender = serve(stack, workdir / "extender.log", *extender_args, "--health-port", str(health_port))
         wait_for(lambda: ready(port), "the extender to become ready")
         print(f"extender ready in {time.perf_counter() - started:.1f}s")
-        return measure(args, api, core, names, placed, Verbs(port), rng)
+        return measure(args, api, core, names, placed, Verbs(port), rng, (health_port, extender.pid))
 
 
 def measure(
@@ -197,22 +250,40 @@ def measure(
     placed: int,
     verbs: Verbs,
     rng: random.Random,
+    extender: tuple[int, int],
 ) -> int:
+    """``extender``: its health port and its process id."""
+    health_port, pid = extender
     cold = []
     for i, shape in enumerate(SHAPES):
         spent = schedule(verbs, pending(api, core, f"w{i:02d}", shape), names)
         cold.append(spent[0] + spent[1])
     filters, prioritizes, totals = [], [], []
+    #: filter+prioritize by the number of scrapers running meanwhile
+    by_scrapers: dict[int, list[float]] = {0: [], args.scrapers: []}
+    #: the extender's CPU seconds and the wall seconds, by the number of scrapers
+    busy = {0: [0.0, 0.0], args.scrapers: [0.0, 0.0]}
+    scrapes = 0
     shapes, weights = list(SHAPES), list(SHAPES.values())
-    for i in range(args.pods):
-        pod = pending(api, core, f"p{i:05d}", rng.choices(shapes, weights)[0])
-        spent_filter, spent_prioritize, best = schedule(verbs, pod, names)
-        filters.append(spent_filter)
-        prioritizes.append(spent_prioritize)
-        totals.append(spent_filter + spent_prioritize)
-        if best is None or (error := verbs.bind(pod, best)):
-            print(f"pod {pod['metadata']['name']} not placed: {error if best else 'no node fits'}", file=sys.stderr)
-            return 1
+    step = args.round if args.scrapers else args.pods
+    for first in range(0, args.pods, step):
+        scrapers = args.scrapers if (first // step) % 2 else 0
+        with scraping(health_port, scrapers) as scraped:
+            cpu, wall = cpu_seconds(pid), time.perf_counter()
+            for i in range(first, min(first + step, args.pods)):
+                pod = pending(api, core, f"p{i:05d}", rng.choices(shapes, weights)[0])
+                spent_filter, spent_prioritize, best = schedule(verbs, pod, names)
+                filters.append(spent_filter)
+                prioritizes.append(spent_prioritize)
+                totals.append(spent_filter + spent_prioritize)
+                by_scrapers[scrapers].append(spent_filter + spent_prioritize)
+                if best is None or (error := verbs.bind(pod, best)):
+                    name = pod["metadata"]["name"]
+                    print(f"pod {name} not placed: {error if best else 'no node fits'}", file=sys.stderr)
+                    return 1
+            busy[scrapers][0] += cpu_seconds(pid) - cpu
+            busy[scrapers][1] += time.perf_counter() - wall
+            scrapes += scraped.value
 
     print(f"\n{args.nodes} nodes x 8 cards, {placed} running pods, policy {args.policy}, HTTP (NodeNames mode)")
     print(f"{'':>20} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
@@ -220,6 +291,12 @@ def measure(
     report(f"prioritize ({args.pods})", prioritizes)
     report(f"filter+prioritize ({args.pods})", totals)
     report(f"cold, 1st of shape ({len(cold)})", cold)
+    if args.scrapers:
+        print(f"\nfilter+prioritize in alternate rounds of {args.round} pods ({scrapes} scrapes in all)")
+        for scrapers, samples in by_scrapers.items():
+            report(f"{scrapers} scrapers ({len(samples)})", samples)
+        cores = {scrapers: f"{cpu / wall:.2f}" for scrapers, (cpu, wall) in busy.items()}
+        print(f"the extender's CPU, in cores, by scrapers: {cores}")
 
     batch = [pending(api, core, f"b{i:05d}", (4, 0)) for i in range(args.binds)]
     half = args.binds // 2
@@ -246,11 +323,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def serve(stack: contextlib.ExitStack, log: Path, *command: str | Path) -> None:
+def serve(stack: contextlib.ExitStack, log: Path, *command: str | Path) -> subprocess.Popen[bytes]:
     """Run one ``gpushare`` subcommand until the benchmark ends."""
     out = stack.enter_context(log.open("w"))
     proc = subprocess.Popen([sys.executable, "-m", "gpushare.cli", *map(str, command)], stdout=out, stderr=out)
     stack.callback(lambda: (proc.terminate(), proc.wait(10)))
+    return proc
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time the process has used, user and system (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 600.0) -> None:

@@ -18,7 +18,7 @@ from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE
 from gpushare.contract.units import GIB
 from gpushare.gpus.simulated import simulated_cards
 from gpushare.sandbox.configfiles import SCHEDULER_CONFIG, render_scheduler_config
-from gpushare.sandbox.controlplane import scheduler_argv
+from gpushare.sandbox.controlplane import SCHEDULER_FEATURE_GATES, scheduler_argv
 from gpushare.sandbox.launch import Process, free_port, http_status, wait_for
 from gpushare.sandbox.realcluster import RealCluster
 
@@ -104,15 +104,16 @@ def scheduler_config(cluster: RealCluster, extender_url: str | None, qps: float,
 
 
 def start_scheduler(
-    cluster: RealCluster, run: str, config: str, open_paths: Sequence[str] = ()
+    cluster: RealCluster, run: str, config: str, open_paths: Sequence[str] = (),
+    feature_gates: Sequence[str] = SCHEDULER_FEATURE_GATES,
 ) -> tuple[Process, int]:  # fmt: skip
-    """kube-scheduler with ``config`` (its file and log named after ``run``), and its secure port."""
+    """kube-scheduler with ``config`` (its file and log named after ``run``) and ``feature_gates`` (those
+    gpushare has operators set, unless told), and its secure port."""
     path = cluster.workdir / f"scheduler-{run}.yaml"
     path.write_text(config)
     port = free_port()
-    process = Process(
-        f"kube-scheduler-{run}", scheduler_argv(path, port, open_paths), cluster.workdir / f"kube-scheduler-{run}.log"
-    ).start()
+    argv = scheduler_argv(path, port, open_paths, feature_gates)
+    process = Process(f"kube-scheduler-{run}", argv, cluster.workdir / f"kube-scheduler-{run}.log").start()
     return process, port
 
 

@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,9 @@ _FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
 @contextlib.contextmanager
 def sampled(pid: int, out: Path, rate: int = 200) -> Iterator[None]:
     """py-spy samples ``pid`` (its non-idle threads) into ``out`` while the block runs."""
-    spy = shutil.which("py-spy")
+    # the one the `bench` extra put beside this Python (a venv's bin, which needn't be on PATH)
+    beside = Path(sys.executable).with_name("py-spy")
+    spy = str(beside) if os.access(beside, os.X_OK) else shutil.which("py-spy")
     if spy is None:
         raise SystemExit("py-spy is not installed: pip install -e '.[bench]'")
     proc = subprocess.Popen(

@@ -1,7 +1,8 @@
 """Which cards a container being created must get: read from the pod annotations kubelet passes in
 ``sandbox_config``, or, when those are missing or stale, from the pod itself through the API server.
 A container kubelet gave CDI devices of prepared DRA claims (kind ``gpu.gpushare.io/claim``) gets its
-cards from those claims instead: the runtime applies them.
+cards from those claims instead: the env of every card they name (:func:`gpushare.usage.dra_env`), read
+from the pod's claims, each of which must be reserved for the pod.
 
 The pure part (:func:`target_of`, :func:`plugin_view`, :func:`from_annotations`, :func:`from_pod`,
 :func:`from_dra`) works on plain values. :class:`Resolver` adds the node's pod cache: the API
@@ -48,7 +49,16 @@ from gpushare.kube.errors import KubeError, KubeNotFound
 from gpushare.kube.objects import get_node, get_pod, get_resource_claim
 from gpushare.pb import cri_pb2
 from gpushare.placement.demand import ANY_CARD, CardRule
-from gpushare.usage import card_by_minor, dra_held, node_ledger, node_usage, pod_allocation, pod_cards, pod_claim_names
+from gpushare.usage import (
+    card_by_minor,
+    dra_env,
+    dra_held,
+    node_ledger,
+    node_usage,
+    pod_allocation,
+    pod_cards,
+    pod_claim_names,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +67,8 @@ SOURCE_API = "API server"
 SOURCE_DRA = "ResourceClaims"
 #: the refusal reason of a container given cards both through DRA claims and the device plugin
 DRA_AND_DEVICE_PLUGIN = "dra-and-device-plugin"
+#: the refusal reason of a container whose CDI devices or ResourceClaims can't give it cards
+DRA_CLAIM = "dra-claim"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +129,8 @@ class Resolution:
     pod_held: Mapping[str, int] | None = None
     #: the CDI devices of DRA claims kubelet gave the container (its cards come from them, not ``slices``)
     dra_devices: tuple[str, ...] = ()
+    #: the GPU env of the cards those claims give the container (:func:`gpushare.usage.dra_env`)
+    dra_env: Mapping[str, str] | None = None
 
     @property
     def claim(self) -> Claim:
@@ -296,7 +310,7 @@ class Resolver:
         plugin = plugin_view(request.config)
         devices = claim_cdi_devices((d.name for d in request.config.CDI_devices), request.config.annotations)
         if devices:
-            return self._resolve_dra(target, devices, plugin)
+            return self._resolve_dra(target, devices, plugin, cards)
         found = from_annotations(target, request.sandbox_config.annotations, plugin, cards)
         if found is None:
             pod = self._api_pod(target, "no card assignment in sandbox_config")
@@ -319,25 +333,56 @@ class Resolver:
             return refuse(target, "no-assignment", f"{missing} and the pod is gone")
         return pod
 
-    def _resolve_dra(self, target: Target, devices: tuple[str, ...], plugin: PluginView) -> Resolution:
-        """A container with CDI devices of DRA claims: only the device plugin's env, which a pod spec
-        can set as well, needs the pod's spec to say whether it also asks the device plugin for a GPU."""
-        if not plugin.env_only:
-            return from_dra(target, devices, plugin, requests_plugin_gpu=False)
-        pod = self._api_pod(
-            target,
-            f"has CDI device(s) {', '.join(devices)} of ResourceClaims and the device plugin's env "
-            f"{ENV_MEM_CONTAINER}, which only its pod spec can explain",
-        )
+    def _resolve_dra(
+        self, target: Target, devices: tuple[str, ...], plugin: PluginView, cards: Sequence[Card]
+    ) -> Resolution:
+        """A container with CDI devices of DRA claims gets the env of every card they give it, read from
+        the pod's claims (:func:`gpushare.usage.dra_env`): a device that names no claim reserved for the
+        pod, or a claim another pod holds, refuses it. Only the device plugin's env, which a pod spec can
+        set as well, needs the pod's spec to say whether it also asks the device plugin for a GPU."""
+        listed = ", ".join(devices)
+        if plugin.env_only:
+            why = (
+                f"has CDI device(s) {listed} of ResourceClaims and the device plugin's env {ENV_MEM_CONTAINER}, "
+                "which only its pod spec can explain"
+            )
+        else:
+            found = from_dra(target, devices, plugin, requests_plugin_gpu=False)
+            if found.refusal is not None:
+                return found
+            why = f"needs its pod's ResourceClaims for CDI device(s) {listed}"
+        pod = self._api_pod(target, why)
         if isinstance(pod, Resolution):
             return pod
+        if plugin.env_only:
+            try:
+                container = parse_pod_request(pod).container(target.container)
+            except ContractError as exc:
+                return refuse(target, "bad-annotation", str(exc))
+            if container is None:
+                return refuse(target, "bad-annotation", "the pod from the API server has no such container")
+            found = from_dra(target, devices, plugin, requests_plugin_gpu=container.wants_gpu)
+            if found.refusal is not None:
+                return found
+        assert self._pods is not None  # _api_pod refused otherwise
         try:
-            container = parse_pod_request(pod).container(target.container)
-        except ContractError as exc:
-            return refuse(target, "bad-annotation", str(exc))
-        if container is None:
-            return refuse(target, "bad-annotation", "the pod from the API server has no such container")
-        return from_dra(target, devices, plugin, requests_plugin_gpu=container.wants_gpu)
+            env = dra_env(pod, self._claims(pod), devices, self._pods.node, NodeInventory(self._unit, tuple(cards)))
+        except ClaimError as exc:
+            return refuse(target, DRA_CLAIM, str(exc))
+        return replace(found, dra_env=env)
+
+    def _claims(self, pod: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """The pod's ResourceClaims by name (:func:`gpushare.usage.pod_claim_names`); ClaimError when one
+        can't be read."""
+        assert self._pods is not None
+        namespace = (pod.get("metadata") or {}).get("namespace", "default")
+        claims = {}
+        for name in pod_claim_names(pod):
+            try:
+                claims[name] = self._pods.resource_claim(namespace, name)
+            except KubeError as exc:
+                raise ClaimError(str(exc)) from None
+        return claims
 
     def pod_held(self, found: Resolution, annotations: Mapping[str, str], cards: Sequence[Card]) -> dict[str, int]:
         """Units ``found``'s pod holds per card UUID, which its memory limits are: what it holds through
@@ -350,8 +395,8 @@ class Resolver:
         least what it holds. Never less than the container's own cards.
 
         ClaimError (naming the claim or the pod's field at fault) when the pod's claims can't be read
-        or counted; for a container with DRA devices also when the pod can't be read or its claims
-        hold no card here: its limits are never guessed."""
+        or counted; for a container with DRA devices also when the pod can't be read: its limits are
+        never guessed."""
         target = found.target
         pod: Mapping[str, Any] | None = None
         problem: KubeError | None = None
@@ -391,20 +436,7 @@ class Resolver:
                 return {}
             why = "API lookups are disabled (--no-api-fetch)" if self._pods is None else problem or "the pod is gone"
             raise ClaimError(f"its ResourceClaims (CDI device(s) {devices}) can't be read: {why}")
-        names = pod_claim_names(pod)
-        claims = {}
-        for name in names:
-            try:
-                claims[name] = self._pods.resource_claim(found.target.namespace, name)
-            except KubeError as exc:
-                raise ClaimError(str(exc)) from None
-        held = dra_held(pod, claims, self._pods.node, inventory)
-        if found.dra_devices and not held:
-            raise ClaimError(
-                f"CDI device(s) {devices}, but the pod's ResourceClaims ({', '.join(names) or 'none'}) hold no card "
-                f"of node {self._pods.node}"
-            )
-        return held
+        return dra_held(pod, self._claims(pod), self._pods.node, inventory)
 
     def _check_capacity(self, found: Resolution, cards: Sequence[Card]) -> Resolution:
         if self._pods is None:  # --no-api-fetch: the operator chose to trust sandbox_config alone

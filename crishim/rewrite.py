@@ -5,8 +5,9 @@ refuse it.
 The device plugin can't tell pods apart in Allocate, so what it injected (its annotations and env) may
 belong to another pod. Whenever that differs from the assignment, every GPU-related part of the
 config is rebuilt from the assignment: env, annotations and, when enabled, device nodes and CDI names.
-A container whose cards come from DRA claims goes through as kubelet sent it: the runtime gives it
-its claims' cards and env from their CDI devices.
+A container whose cards come from DRA claims keeps its claims' CDI devices (the runtime applies them)
+and gets the GPU env of all their cards set here: each claim's CDI spec could only name its own cards,
+and the runtime would keep the last one's (see :func:`gpushare.usage.dra_env`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpushare.crishim.resolve import Resolution, plugin_view
+from gpushare.crishim.resolve import DRA_CLAIM, Resolution, plugin_view
 
 from gpushare.assignment import Refusal, check_assignment, describe
 from gpushare.cards import Card
@@ -103,6 +104,17 @@ def _no_gpu(config: cri_pb2.ContainerConfig, resolution: Resolution, options: Re
     )
 
 
+def _dra(config: cri_pb2.ContainerConfig, resolution: Resolution) -> Outcome:
+    """The container's config with the env of every card its claims give it, in place of whatever its
+    spec set for those variables."""
+    if resolution.dra_env is None:  # never forwarded without the env of its cards
+        return Outcome(refusal=Refusal(DRA_CLAIM, f"{resolution.target}: its ResourceClaims' cards were not resolved"))
+    fixed = cri_pb2.ContainerConfig()
+    fixed.CopyFrom(config)
+    with_env(fixed, dict(resolution.dra_env))
+    return Outcome(config=fixed)
+
+
 def rewrite(
     config: cri_pb2.ContainerConfig,
     resolution: Resolution,
@@ -113,7 +125,7 @@ def rewrite(
     if resolution.refusal is not None:
         return Outcome(refusal=resolution.refusal)
     if resolution.dra_devices:
-        return Outcome()
+        return _dra(config, resolution)
     if not resolution.wants_gpu:
         return _no_gpu(config, resolution, options)
     target, slices = resolution.target, resolution.slices

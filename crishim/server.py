@@ -74,19 +74,20 @@ class CreateContainerGuard:
             self._event(resolution.target, EVENT_REFUSED, refusal.message, "Warning")
             return Refuse(grpc.StatusCode.FAILED_PRECONDITION, refusal.message)
         if outcome.config is None:
-            if resolution.dra_devices:
-                log.info(
-                    "%s: GPU from its ResourceClaims (CDI device(s) %s), forwarded as kubelet sent it",
-                    resolution.target,
-                    ", ".join(resolution.dra_devices),
-                )
-            elif resolution.wants_gpu:
+            if resolution.wants_gpu:
                 log.info("%s: %s as assigned (%s)", resolution.target, describe(resolution.slices), resolution.source)
             return Forward(request)
         if outcome.reason:
             CORRECTIONS.labels(outcome.reason).inc()
             log.warning("corrected CreateContainer (%s): %s", outcome.reason, outcome.message)
             self._event(resolution.target, EVENT_CORRECTED, outcome.message, "Warning")
+        elif resolution.dra_env is not None:
+            log.info(
+                "%s: GPU from its ResourceClaims (CDI device(s) %s): %s",
+                resolution.target,
+                ", ".join(resolution.dra_devices),
+                " ".join(f"{k}={v}" for k, v in resolution.dra_env.items()),
+            )
         else:
             log.debug("%s requests no GPU: %s=%s", resolution.target, ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID)
         decoded.config.CopyFrom(outcome.config)

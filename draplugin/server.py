@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from gpushare.draplugin.cdi import DEFAULT_SPEC_DIR, remove_spec, write_spec
+from gpushare.draplugin.cdi import DEFAULT_SPEC_DIR, prepared_memory, remove_spec, write_spec
 from gpushare.draplugin.prepare import prepare_claim
 
 from gpushare.cards import Card
+from gpushare.contract.errors import ContractError
 from gpushare.contract.names import DRA_DRIVER
 from gpushare.contract.resourceclaim import ClaimError, ClaimRef
 from gpushare.kube.errors import KubeError
@@ -82,7 +83,9 @@ class RegistrationService(reg_grpc.RegistrationServicer):
 
 class DraService(pb_grpc.DRAPluginServicer):
     """Prepares each claim by writing its CDI spec; a claim that can't be prepared gets its own error
-    (kubelet retries it), the others are prepared regardless."""
+    (kubelet retries it), the others are prepared regardless. The specs written are the record of what
+    the prepared claims hold: read before each claim is prepared (one at a time), so that no card is
+    prepared past its memory, after a restart too."""
 
     def __init__(
         self, node: str, cards: Callable[[], Sequence[Card]], unit_mib: int, source: ClaimSource, cdi_dir: Path
@@ -92,6 +95,7 @@ class DraService(pb_grpc.DRAPluginServicer):
         self._unit_mib = unit_mib
         self._source = source
         self._cdi_dir = cdi_dir
+        self._lock = threading.Lock()
 
     def NodePrepareResources(
         self, request: pb.NodePrepareResourcesRequest, context: grpc.ServicerContext
@@ -105,9 +109,12 @@ class DraService(pb_grpc.DRAPluginServicer):
 
     def _prepare(self, ref: ClaimRef) -> pb.NodePrepareResourceResponse:
         try:
-            prepared = prepare_claim(self._source(ref), ref, self._node, self._cards(), self._unit_mib)
-            write_spec(self._cdi_dir, ref.uid, prepared.spec)
-        except (ClaimError, KubeError, OSError) as exc:
+            claim = self._source(ref)
+            with self._lock:
+                held = prepared_memory(self._cdi_dir)
+                prepared = prepare_claim(claim, ref, self._node, self._cards(), self._unit_mib, held)
+                write_spec(self._cdi_dir, ref.uid, prepared.spec)
+        except (ContractError, KubeError, OSError) as exc:
             message = str(exc) if isinstance(exc, ClaimError) else f"ResourceClaim {ref}: {exc}"
             log.error("not preparing %s", message)
             return pb.NodePrepareResourceResponse(error=message)

@@ -15,15 +15,15 @@ from functools import cached_property
 from typing import Any, TypeVar
 
 from gpushare.extender.podfit import InitOrder
-from kubernetes.utils import parse_quantity
 
 from gpushare import placement
 from gpushare.contract.cardrule import parse_card_rule
-from gpushare.contract.errors import ContractError
+from gpushare.contract.errors import ContractError, quoted
 from gpushare.contract.gang import Gang, parse_gang
 from gpushare.contract.names import ANN_POLICY, RESOURCE_CPU, RESOURCE_MEMORY
 from gpushare.contract.nodeselection import PodNodes, parse_pod_nodes
 from gpushare.contract.request import PodRequest, annotations_of, effective_request, parse_pod_request, pod_key
+from gpushare.contract.units import parse_host_quantity
 
 T = TypeVar("T")
 
@@ -53,9 +53,13 @@ class PodAsk:
     pod: Mapping[str, Any] = field(repr=False, compare=False)
 
     @cached_property
+    def host_read(self) -> tuple[int, int] | ContractError:
+        return _read(host_request, self.pod)
+
+    @property
     def host(self) -> tuple[int, int]:
         """(CPU milli, memory bytes) as kube-scheduler counts it."""
-        return host_request(self.pod)
+        return _value(self.host_read)
 
     @cached_property
     def nodes_read(self) -> PodNodes | ContractError:
@@ -127,23 +131,33 @@ def init_order(request: PodRequest) -> InitOrder:
     return InitOrder.of(demands, frozenset(c.name for c in request.containers if c.init))
 
 
-def host_amounts(resources: Mapping[str, Any] | None) -> tuple[int, int]:
-    """(CPU milli, memory bytes) of a requests or allocatable map; a missing or unreadable entry is 0."""
-    amounts = []
-    for name, scale in ((RESOURCE_CPU, 1000), (RESOURCE_MEMORY, 1)):
-        try:
-            amounts.append(int(parse_quantity((resources or {}).get(name, 0)) * scale))
-        except (ValueError, TypeError, ArithmeticError):
-            amounts.append(0)
-    return amounts[0], amounts[1]
+def host_amounts(resources: Mapping[str, Any] | None, where: str) -> tuple[int, int]:
+    """(CPU milli, memory bytes) of a requests or allocatable map (``where`` names it); a missing entry
+    is 0, and QuantityError names one that is unreadable or beyond
+    :data:`~gpushare.contract.units.HOST_LIMIT`."""
+    resources = resources or {}
+    return (
+        parse_host_quantity(resources.get(RESOURCE_CPU, 0), 1000, "millicores", f"{where}.{RESOURCE_CPU}"),
+        parse_host_quantity(resources.get(RESOURCE_MEMORY, 0), 1, "bytes", f"{where}.{RESOURCE_MEMORY}"),
+    )
 
 
 def host_request(pod: Mapping[str, Any]) -> tuple[int, int]:
     """The pod's (CPU milli, memory bytes) request as kube-scheduler counts it: per resource, the larger
-    of the app containers' sum and the largest init container."""
-    spec = pod.get("spec") or {}
-    apps = [host_amounts((c.get("resources") or {}).get("requests")) for c in spec.get("containers") or []]
-    inits = [host_amounts((c.get("resources") or {}).get("requests")) for c in spec.get("initContainers") or []]
+    of the app containers' sum and the largest init container. QuantityError, naming the pod, container
+    and field, for a request that can't be counted."""
+    spec, key = pod.get("spec") or {}, pod_key(pod)
+
+    def requests(containers: Any) -> list[tuple[int, int]]:
+        return [
+            host_amounts(
+                (c.get("resources") or {}).get("requests"),
+                f"pod {key} container {quoted(c.get('name') or '?')} resources.requests",
+            )
+            for c in containers or []
+        ]
+
+    apps, inits = requests(spec.get("containers")), requests(spec.get("initContainers"))
     return (
         effective_request((a[0] for a in apps), (i[0] for i in inits)),
         effective_request((a[1] for a in apps), (i[1] for i in inits)),

@@ -16,7 +16,11 @@ argument in full):
    node's ledger counts it for everyone else.
 A write whose answer was lost (a timeout while the API server paused) may still have landed; its retry
 then conflicts with its own success. So a failed binding is checked against what the pod now carries
-before it counts: bound here with our own annotations is taken as done, not as a failure.
+before it counts: bound here with our own annotations is taken as done, not as a failure. A binding that
+failed otherwise puts the pod's ledger entry back as it was before this attempt.
+A bind for a pod that is bound already (kube-scheduler binds a pod again when its first call timed out
+and its informer had not seen the binding yet, see :meth:`Binder.bind`) changes nothing: bound to this
+node it answers success, bound elsewhere, or with a bind of it under way in this replica, an error.
 Only pods that request a gpushare resource are bound, and only onto nodes whose cards fit them and that
 the pod's nodeSelector, required node affinity and tolerations allow, so the bind verb can't place a pod
 the filter would refuse.
@@ -141,6 +145,11 @@ class _Bind:
     where: str
     placed: _Placed | None = None
     error: BindError | None = None
+    #: the pod is bound to the node already: nothing is written, and the bind answers success
+    bound_here: bool = False
+    #: the ledger entry this attempt wrote, and the pod's entry before it (put back if the binding fails)
+    entry: PendingBind | None = None
+    previous: PendingBind | None = None
 
     @property
     def uid(self) -> str:
@@ -148,7 +157,7 @@ class _Bind:
 
     @property
     def decided(self) -> bool:
-        return self.placed is not None or self.error is not None
+        return self.placed is not None or self.error is not None or self.bound_here
 
 
 def _refuse(batch: list[_Bind], reason: str, message: Callable[[_Bind], str]) -> None:
@@ -200,13 +209,22 @@ class Binder:
             return len(self._waiting.get(node, ()))
 
     def bind(self, namespace: str, name: str, uid: str | None, node: str) -> None:
+        """Bind the pod to ``node``, or BindError for kube-scheduler.
+
+        kube-scheduler (``HTTPExtender.Bind``, pkg/scheduler/extender.go) turns a non-empty ``Error`` into
+        a failed binding cycle; its failure handler then requeues the pod unless its informer shows the
+        pod bound already (``handleSchedulingFailure``, pkg/scheduler/schedule_one.go). So a bind whose
+        answer timed out may be sent again, to the same node or, after a new scheduling cycle, another:
+        a pod bound here answers success and one bound elsewhere an error, both without a write."""
         where = f"pod {namespace}/{name} on node {node}"
         pod, ask = self._pod(namespace, name, uid, node)
         if uid and ask.uid != uid:
             BIND_FAILURES.labels(reason="uid-mismatch").inc()
             raise BindError(f"bind {where}: the pod was replaced (uid {quoted(uid)} is gone)")
+        if self._bound_before(pod, node, where):
+            return
         try:
-            demands = ask.demands
+            demands, _ = ask.demands, ask.host
         except ContractError as exc:
             BIND_FAILURES.labels(reason="bad-request").inc()
             raise BindError(f"bind to node {node}: {exc}") from None
@@ -223,8 +241,22 @@ class Binder:
                 self._record_batch(batch, node)
         if request.error is not None:
             raise request.error
+        if request.bound_here:
+            log.info("bind %s: the pod is bound to the node already; nothing written", where)
+            return
         assert request.placed is not None
-        self._create_binding(pod, node, request.placed, where)
+        self._create_binding(request, node)
+
+    def _bound_before(self, pod: Mapping[str, Any], node: str, where: str) -> bool:
+        """True when ``pod`` (as read) is bound to ``node`` already; BindError when it is bound to another."""
+        bound_to = (pod.get("spec") or {}).get("nodeName")
+        if not bound_to:
+            return False
+        if bound_to != node:
+            BIND_FAILURES.labels(reason="bound-elsewhere").inc()
+            raise BindError(f"bind {where}: the pod is bound to node {bound_to} already")
+        log.info("bind %s: the pod is bound to the node already; nothing written", where)
+        return True
 
     def _pod(self, namespace: str, name: str, uid: str | None, node: str) -> tuple[Mapping[str, Any], PodAsk]:
         """The pod and its ask from the watch cache when it has this uid (kube-scheduler names the pod it
@@ -282,15 +314,18 @@ class Binder:
             _refuse(batch, "kubelet-not-watching", lambda r: f"bind {r.where}: {refusal}")
             return True
         inventory = node_inventory(node_obj)
+        listed = self._cache.pods_on(node)
+        self._settle_bound(batch, node, node_obj, listed)
         pending = [r for r in batch if not r.decided]
         own = {r.uid for r in pending}
-        ledger, cards, _ = self.node_cards(
-            node_obj, inventory, own, self._cache.pods_on(node), self._cache.requests_on(node)
-        )
+        ledger, cards, _ = self.node_cards(node_obj, inventory, own, listed, self._cache.requests_on(node))
         recorded: list[_Bind] = []
         text = ""
         for request in pending:
             try:
+                if any(r.uid == request.uid for r in recorded):
+                    BIND_FAILURES.labels(reason="bind-under-way").inc()
+                    raise BindError(f"bind {request.where}: a bind of this pod is under way already")
                 placed = self._place(request, node, node_obj, inventory, ledger, cards)
             except BindError as exc:
                 request.error = exc
@@ -299,7 +334,9 @@ class Binder:
                 continue
             held = held_units(placed.allocation, request.ask.request)
             meta = request.pod["metadata"]
-            grown = {**ledger, request.uid: PendingBind(f"{meta['namespace']}/{meta['name']}", held, time.time())}
+            # at the annotation's precision, so that the entry read back compares equal to it
+            entry = PendingBind(f"{meta['namespace']}/{meta['name']}", held, round(time.time(), 3))
+            grown = {**ledger, request.uid: entry}
             grown_text = format_pending_binds(grown)
             if len(grown_text) > LEDGER_BYTES:
                 BIND_FAILURES.labels(reason="ledger-full").inc()
@@ -308,6 +345,7 @@ class Binder:
                     f"{len(grown_text)} bytes with {len(grown)} entries, more than the {LEDGER_BYTES} allowed"
                 )
                 continue
+            request.previous, request.entry = ledger.get(request.uid), entry
             ledger, text, cards = grown, grown_text, taking(cards, held)
             request.placed = placed
             self._cache.assume(request.uid, node, held)
@@ -318,6 +356,45 @@ class Binder:
             return True
         self._take_back(recorded)
         return False
+
+    def _settle_bound(
+        self, batch: list[_Bind], node: str, node_obj: Mapping[str, Any], listed: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """Decide the binds of ``batch`` whose pods are bound already, or have a bind under way in this
+        replica, before anything is placed: they are neither placed again nor left out of what the node's
+        cards hold. A pod the node's ``listed`` pods show is bound here; one in flight here, or with a bind
+        entry (not a gang hold) in the node's ledger, costs a read, since the cache may not show its
+        binding yet."""
+        on_node = {(p.get("metadata") or {}).get("uid") for p in listed}
+        busy = self._cache.assumed_uids()
+        try:
+            ledger: Ledger = node_ledger(node_obj)
+        except ContractError:
+            ledger = self._cache.trusted_ledger(node) or {}
+        for request in batch:
+            if request.decided:
+                continue
+            if request.uid in on_node:
+                request.bound_here = True
+                continue
+            entry = ledger.get(request.uid)
+            if request.uid not in busy and (entry is None or entry.gang):
+                continue
+            meta = request.pod["metadata"]
+            try:
+                pod = get_pod(self._api, meta["namespace"], meta["name"])
+                if (pod.get("metadata") or {}).get("uid") != request.uid:
+                    BIND_FAILURES.labels(reason="uid-mismatch").inc()
+                    raise BindError(f"bind {request.where}: the pod was replaced (uid {quoted(request.uid)} is gone)")
+                request.bound_here = self._bound_before(pod, node, request.where)
+                if not request.bound_here and request.uid in busy:
+                    BIND_FAILURES.labels(reason="bind-under-way").inc()
+                    raise BindError(f"bind {request.where}: a bind of this pod is under way already")
+            except KubeError as exc:
+                BIND_FAILURES.labels(reason="pod-unreadable").inc()
+                request.error = BindError(f"bind to node {node}: {exc}")
+            except BindError as exc:
+                request.error = exc
 
     def _place(
         self,
@@ -360,15 +437,8 @@ class Binder:
     def _swap(self, node: str, node_obj: Mapping[str, Any], ledger_text: str, recorded: list[_Bind]) -> bool:
         """Step 3 of the module doc: ``ledger_text`` (the ledger with the entries of ``recorded``) on the
         node, if it is still as ``node_obj``; False when it changed. Any other failure refuses the binds."""
-        sequence = int(annotations_of(node_obj).get(NODE_ANN_BIND_SEQUENCE) or 0) + 1
-        annotations = {NODE_ANN_BIND_SEQUENCE: str(sequence), NODE_ANN_PENDING_BINDS: ledger_text}
         try:
-            written = patch_node(
-                self._api,
-                node,
-                {"metadata": {"annotations": annotations}},
-                resource_version=(node_obj.get("metadata") or {}).get("resourceVersion"),
-            )
+            written = self._write_ledger(node, node_obj, ledger_text)
         except KubeConflict:
             log.info("bind of %d pod(s) onto node %s: the node changed meanwhile; placing again", len(recorded), node)
             return False
@@ -380,17 +450,41 @@ class Binder:
         self._cache.note_node(written)  # the next bind onto the node starts from this version
         return True
 
-    def _create_binding(self, pod: Mapping[str, Any], node: str, placed: _Placed, where: str) -> None:
-        """Step 4 of the module doc."""
+    def _write_ledger(self, node: str, node_obj: Mapping[str, Any], ledger_text: str) -> dict[str, Any]:
+        """``ledger_text`` as the node's ledger, with the bind counter one up, if the node is still at
+        ``node_obj``'s version (KubeConflict otherwise; ValueError for an unreadable counter)."""
+        sequence = int(annotations_of(node_obj).get(NODE_ANN_BIND_SEQUENCE) or 0) + 1
+        annotations = {NODE_ANN_BIND_SEQUENCE: str(sequence), NODE_ANN_PENDING_BINDS: ledger_text}
+        return patch_node(
+            self._api,
+            node,
+            {"metadata": {"annotations": annotations}},
+            resource_version=(node_obj.get("metadata") or {}).get("resourceVersion"),
+        )
+
+    def _create_binding(self, request: _Bind, node: str) -> None:
+        """Step 4 of the module doc. A binding that failed (409: the pod is bound already, by an earlier
+        bind whose answer was lost or by anyone else) puts the ledger back as it was before this attempt;
+        the pod bound to this node then answers success, otherwise the bind fails."""
+        pod, placed, where = request.pod, request.placed, request.where
+        assert placed is not None
         meta = pod["metadata"]
         namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
         try:
             bind_pod(self._api, namespace, name, uid, node, placed.annotations)
         except KubeError as exc:
-            if not self._bound(namespace, name, uid, node, placed.annotations):
-                BIND_FAILURES.labels(reason="binding").inc()
+            now = self._bound(namespace, name, uid, node, placed.annotations)
+            if now is not True:
                 self._cache.forget(uid)
-                raise BindError(f"bind {where}: creating the binding failed, assignment taken back: {exc}") from None
+                self._put_back(node, request)
+                if now == node:
+                    log.info("bind %s: the pod was bound to the node by an earlier bind; nothing changed", where)
+                    return
+                BIND_FAILURES.labels(reason="binding").inc()
+                elsewhere = f"; the pod is bound to node {now}" if now else ""
+                raise BindError(
+                    f"bind {where}: creating the binding failed, assignment taken back: {exc}{elsewhere}"
+                ) from None
             log.info("bind %s: the binding had been created before its answer was lost", where)
         cards = "; ".join(
             f"{c}: {', '.join(f'card {s.index} ({placed.unit.describe(s.units)})' for s in ss)}"
@@ -488,16 +582,45 @@ class Binder:
                 kept[uid] = unlisted[uid] = entry
         return kept, unlisted
 
-    def _bound(self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]) -> bool:
-        """Whether the pod (this uid) is bound to ``node`` with ``annotations`` (whose assume time is this
-        attempt's own) already."""
+    def _bound(
+        self, namespace: str, name: str, uid: str, node: str, annotations: Mapping[str, str]
+    ) -> bool | str | None:
+        """True when the pod (this uid) is bound to ``node`` with ``annotations`` (whose assume time is
+        this attempt's own) already; else the node it is bound to otherwise, or None (unbound, gone or
+        unreadable)."""
         try:
             pod = get_pod(self._api, namespace, name)
         except KubeError:
-            return False
+            return None
+        if (pod.get("metadata") or {}).get("uid") != uid:
+            return None
         current = annotations_of(pod)
-        return (
-            (pod.get("metadata") or {}).get("uid") == uid
-            and (pod.get("spec") or {}).get("nodeName") == node
-            and all(current.get(key) == value for key, value in annotations.items())
-        )
+        bound_to = (pod.get("spec") or {}).get("nodeName") or None
+        if bound_to == node and all(current.get(key) == value for key, value in annotations.items()):
+            return True
+        return bound_to
+
+    def _put_back(self, node: str, request: _Bind) -> None:
+        """Replace the ledger entry this attempt wrote for the pod with the one it had before (or none), by
+        compare-and-swap under the node's lock; an entry someone changed since is left as it is."""
+        uid, where = request.uid, request.where
+        with self.node_lock(node):
+            for _ in range(ATTEMPTS):
+                try:
+                    node_obj = get_node(self._api, node)
+                    ledger = node_ledger(node_obj)
+                    if ledger.get(uid) != request.entry:
+                        return
+                    rest = {other: e for other, e in ledger.items() if other != uid}
+                    if request.previous is not None:
+                        rest[uid] = request.previous
+                    written = self._write_ledger(node, node_obj, format_pending_binds(rest))
+                except KubeConflict:
+                    continue
+                except (KubeError, ValueError) as exc:  # ValueError: an unreadable ledger or bind counter
+                    log.warning("bind %s: putting the pod's ledger entry back failed: %s", where, exc)
+                    return
+                self._cache.note_node(written)
+                log.info("bind %s: the binding failed, the pod's ledger entry is as before", where)
+                return
+        log.warning("bind %s: putting the pod's ledger entry back failed: the node kept changing", where)

@@ -22,13 +22,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.extender.asks import PodAsk, host_amounts, read_ask
+from gpushare.extender.asks import PodAsk, read_ask
 from gpushare.extender.dra import DraView
 from gpushare.extender.fences import Fences
 from gpushare.extender.holds import NodeHolds
 from gpushare.extender.inflight import InFlight
 from gpushare.extender.workload import ObservedWorkload, PodShape
-from kubernetes.utils import parse_quantity
 
 from gpushare import placement
 from gpushare.contract.errors import ContractError
@@ -44,6 +43,7 @@ from gpushare.contract.names import (
 from gpushare.contract.nodeselection import NodeFacts, parse_node_facts
 from gpushare.contract.pending import Ledger, PendingBind
 from gpushare.contract.request import PodRequest, annotations_of
+from gpushare.contract.units import parse_host_quantity
 from gpushare.kube.watch import WatchCache
 from gpushare.usage import holds_resources, kubelet_refusal, node_inventory, node_ledger, node_usage
 
@@ -69,18 +69,36 @@ UNLIMITED = 1 << 60
 
 
 def pods_allocatable(node: Mapping[str, Any]) -> int:
-    """How many pods the node takes (``status.allocatable.pods``); ``UNLIMITED`` when it doesn't say."""
+    """How many pods the node takes (``status.allocatable.pods``); ``UNLIMITED`` when it doesn't say, or
+    gives a figure that can't be read or is beyond :data:`~gpushare.contract.units.HOST_LIMIT` (logged)."""
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    if RESOURCE_PODS not in allocatable:
+        return UNLIMITED
+    where = f"node {(node.get('metadata') or {}).get('name', '?')} status.allocatable.{RESOURCE_PODS}"
     try:
-        return int(parse_quantity(((node.get("status") or {}).get("allocatable") or {})[RESOURCE_PODS]))
-    except (KeyError, ValueError, TypeError, ArithmeticError):
+        return parse_host_quantity(allocatable[RESOURCE_PODS], 1, "pods", where)
+    except ContractError as exc:
+        log.warning("%s; the node's pods are not counted", exc)
         return UNLIMITED
 
 
 def host_allocatable(node: Mapping[str, Any]) -> tuple[int, int]:
-    """The node's allocatable (CPU milli, memory bytes); ``UNLIMITED`` for a figure the node doesn't give."""
+    """The node's allocatable (CPU milli, memory bytes); ``UNLIMITED`` for a figure the node doesn't give,
+    0 (logged) for one that can't be read or is beyond :data:`~gpushare.contract.units.HOST_LIMIT`:
+    no pod is weighed as fitting there by it."""
     allocatable = (node.get("status") or {}).get("allocatable") or {}
-    cpu, memory = host_amounts(allocatable)
-    return (cpu if RESOURCE_CPU in allocatable else UNLIMITED, memory if RESOURCE_MEMORY in allocatable else UNLIMITED)
+    where = f"node {(node.get('metadata') or {}).get('name', '?')} status.allocatable"
+    amounts = []
+    for name, scale, unit in ((RESOURCE_CPU, 1000, "millicores"), (RESOURCE_MEMORY, 1, "bytes")):
+        if name not in allocatable:
+            amounts.append(UNLIMITED)
+            continue
+        try:
+            amounts.append(parse_host_quantity(allocatable[name], scale, unit, f"{where}.{name}"))
+        except ContractError as exc:
+            log.warning("%s; taken as 0", exc)
+            amounts.append(0)
+    return amounts[0], amounts[1]
 
 
 def placement_cards(
@@ -271,6 +289,9 @@ class ClusterCache:
         ask = read_ask(pod)
         key, uid = ask.key, ask.uid
         node = (pod.get("spec") or {}).get("nodeName") or ""
+        if node and kind != "DELETED" and isinstance(ask.host_read, ContractError):
+            # the filter refuses such a pod; one bound nonetheless is left out of its node's CPU and memory
+            log.warning("%s; not counted in node %s's free CPU and memory", ask.host_read, node)
         with self._lock:
             previous = self._node_of_pod.pop(key, None)
             if previous is not None:
@@ -390,10 +411,11 @@ class ClusterCache:
             if held is None:
                 cpu, memory = self._allocatable.get(node, (UNLIMITED, UNLIMITED))
                 for key, pod in self._pods_by_node.get(node, {}).items():
-                    if holds_resources(pod):
-                        pod_cpu, pod_memory = self._pods[key][1].host
-                        cpu, memory = cpu - pod_cpu, memory - pod_memory
-                held = self._host_free[node] = (cpu, memory)
+                    host = self._pods[key][1].host_read
+                    if holds_resources(pod) and not isinstance(host, ContractError):  # see _on_pod
+                        cpu, memory = cpu - host[0], memory - host[1]
+                # however many pods the node lists, the figures stay within what the node matrix holds
+                held = self._host_free[node] = (max(cpu, -UNLIMITED), max(memory, -UNLIMITED))
             return held
 
     def pod_room(self, node: str) -> int:

@@ -19,6 +19,7 @@ from gpushare.extender.wire import NodeNames
 
 from gpushare import placement
 from gpushare.contract.errors import ContractError
+from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import ANN_POLICY
 from gpushare.placement.memo import CostMemo
 
@@ -47,6 +48,7 @@ class PlacementEngine:
         self.matrix = NodeMatrix(cache)
         self._lock = threading.Lock()
         self._fits: dict[tuple[str, int, OrderKey, placement.CardRule], placement.NoFit | None] = {}
+        self._empty_fits: dict[tuple[NodeInventory, OrderKey, placement.CardRule], bool] = {}
         self._costs: dict[tuple[str, int, OrderKey, placement.Policy, placement.CardRule], float] = {}
         self._batch_costs: dict[BatchKey, tuple[placement.Policy, CostMemo]] = {}
         self._learned: dict[str, placement.Policy] = {name: placement.POLICIES[name] for name in LEARNED}
@@ -123,6 +125,17 @@ class PlacementEngine:
             return placement.NoFit(f"node {view.name} {refusal}")
         key = (view.name, view.generation, order.key, rule)
         return _memoised(self._fits, key, lambda: order.fit(view.cards, view.inventory.unit.name, rule))
+
+    def fits_empty(
+        self, inventory: NodeInventory, order: podfit.InitOrder, rule: placement.CardRule = placement.ANY_CARD
+    ) -> bool:
+        """Whether the pod would fit on these cards were they all empty and healthy: if not, no pod ending
+        there and no preemption makes room for it, only other cards would."""
+        if inventory.inferred is not None and podfit.original_plugin_refusal(order.demands):
+            return False
+        empty = tuple(placement.CardCapacity.of(card, inventory.units_of(card)) for card in inventory.cards)
+        key = (inventory, order.key, rule)
+        return _memoised(self._empty_fits, key, lambda: order.fit(empty, inventory.unit.name, rule) is None)
 
     def cost(
         self,

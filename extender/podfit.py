@@ -33,8 +33,11 @@ class Way(Enum):
 
 
 def filter_way(ask: PodAsk, places_gangs: bool) -> Way:
-    """The one way filter decides for the pod; ContractError (naming the pod) when its request, card rule
-    or gang can't be read, or it is a gang member and this extender places no gangs (``places_gangs``)."""
+    """The one way filter decides for the pod; ContractError (naming the pod) when its request, CPU and
+    memory request, card rule or gang can't be read, or it is a gang member and this extender places no
+    gangs (``places_gangs``). A pod whose CPU or memory request can't be counted is refused even without
+    GPUs: no policy or gang plan could weigh it."""
+    _ = ask.host
     demands = ask.demands
     if not demands:
         return Way.EVERY_NODE

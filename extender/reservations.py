@@ -113,7 +113,7 @@ class GangIndex:
 def _planned(ask: PodAsk) -> PodAsk | str:
     """The member's ask when the planner can read what it needs of it, else why not."""
     try:
-        _ = (ask.demands, ask.rule, ask.nodes)  # each raises when it can't be read
+        _ = (ask.demands, ask.rule, ask.nodes, ask.host)  # each raises when it can't be read
     except ContractError as exc:
         return str(exc)
     return ask
@@ -201,6 +201,15 @@ class Gangs:
             missing = gang.minimum - present
             reason = f"gang {gang.name}: {present} of {gang.minimum} members present, waiting for {missing} more"
             return self._refuse(this, names, reason)
+        if unoffered := self._unoffered(waiting):
+            self._unstall(gang)
+            self._release(gang, held, waiting)
+            shown = ", ".join(unoffered[:3]) + (f" and {len(unoffered) - 3} more" if len(unoffered) > 3 else "")
+            reason = (
+                f"gang {gang.name}: {present} members present, {len(unoffered)} not offered any node by "
+                f"kube-scheduler yet ({shown}); the gang is planned once every member has been"
+            )
+            return self._refuse(this, names, reason)
         plan, problems = self._held_plan(gang, uid, len(bound), waiting, held) or self._plan(
             gang, this.ask, waiting, names, held
         )
@@ -227,6 +236,14 @@ class Gangs:
             this.ask.key, gang.key, spot.node, cards, placeable, present,
         )  # fmt: skip
         return [spot.node], {n: where for n in names if n != spot.node}, {}
+
+    def _unoffered(self, waiting: Sequence[MemberPod]) -> list[str]:
+        """The unbound members kube-scheduler has offered no node yet (by pod key): it calls the filter only
+        with the nodes that passed its own filters, so a member it never calls the filter for (say, one
+        asking for a resource no node has) may be unplaceable for reasons the extender can't see, and
+        the gang, all or nothing, is not planned without it."""
+        with self._lock:
+            return sorted(m.ask.key for m in waiting if not self._offered.get(m.ask.uid))
 
     def _refuse(self, this: MemberPod, names: Sequence[str], reason: str, resolvable: bool = False) -> Verdict:
         """No node. The reason goes in ``FailedNodes``, the only map kube-scheduler 1.20 reads, and unless
@@ -258,7 +275,7 @@ class Gangs:
         parsed, facts, view = _planned(member), self._cache.node_facts(node), self._cache.view(node)
         with self._lock:
             offered = self._offered.get(member.uid)
-        if isinstance(parsed, str) or facts is None or view is None or (offered is not None and node not in offered):
+        if isinstance(parsed, str) or facts is None or view is None or offered is None or node not in offered:
             return False
         healthy = {c.uuid for c in view.cards if c.healthy}
         return node_refusal(parsed.nodes, facts) is None and set(entry.held) <= healthy
@@ -276,8 +293,8 @@ class Gangs:
 
         Each member may go where its nodeSelector, node affinity and tolerations let it, and only to
         the nodes kube-scheduler offered for it at its last filter (``names`` for ``ask``'s); a member
-        not filtered yet, to any of those nodes and the ones the gang holds cards on. A hold on a node
-        the member may not go to is not kept: the member is planned afresh."""
+        not filtered yet, nowhere (:meth:`_unoffered` keeps such a gang from being planned). A hold on a
+        node the member may not go to is not kept: the member is planned afresh."""
         _, policy = self._engine.policy_for(ask)
         with self._lock:
             offered = {m.ask.uid: self._offered[m.ask.uid] for m in waiting if m.ask.uid in self._offered}
@@ -338,8 +355,7 @@ class Gangs:
             if parsed.nodes not in allowed_for:
                 allowed_for[parsed.nodes] = _allowed(parsed.nodes, facts)
             eligible, refusal = allowed_for[parsed.nodes]
-            where = offered.get(parsed.uid)
-            allowed = eligible if where is None else eligible & where
+            allowed = eligible & offered.get(parsed.uid, frozenset())
             if not allowed:
                 why = refusal if not eligible else "kube-scheduler offered it none of the nodes it may go to"
                 problems.append(f"pod {parsed.key} may go to none of {len(rooms)} node(s): {why}")

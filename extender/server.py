@@ -1,5 +1,6 @@
-"""The extender's HTTP server. Thin: parse, call the verb, answer. Bad input is a 400, a bug a logged 500;
-the connection handling (TLS, limits, timeouts, bounded workers) is :mod:`gpushare.tlshttp`'s."""
+"""The extender's HTTP server. Thin: parse, call the verb, answer. Bad input is a 400; a bug is a 500
+that :mod:`gpushare.tlshttp` logs, as it does the connection handling (TLS, limits, timeouts, bounded
+workers) and the JSON parsing."""
 
 from __future__ import annotations
 
@@ -13,15 +14,16 @@ from typing import Any
 from gpushare.extender.bind import Binder, BindError
 from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
-from gpushare.extender.metrics import CARD_ALLOCATED, CARD_TOTAL, VERB_LATENCY
+from gpushare.extender.metrics import VERB_LATENCY, CardGauges
 from gpushare.extender.reservations import Gangs
 from gpushare.extender.roomwaiters import RoomWaiters
 from gpushare.extender.verbs import filter_result, host_prioritize_result, preempt_result, prioritize_result
 from gpushare.extender.wire import BadRequest, encode
+from prometheus_client import generate_latest
 
 from gpushare.contract.errors import quoted
-from gpushare.observability import health_reply
-from gpushare.tlshttp import HttpServer, Limits, Reply, Request, ServerTLS
+from gpushare.observability import Exposition, health_reply
+from gpushare.tlshttp import HttpServer, Limits, Reply, Request, ServerTLS, parse_json
 from gpushare.usage import node_usage
 
 log = logging.getLogger(__name__)
@@ -92,15 +94,6 @@ def original_inspect(cache: ClusterCache, only: str | None = None) -> dict[str, 
     return {"nodes": nodes, **({"error": "; ".join(errors)} if errors else {})}
 
 
-def refresh_card_gauges(cache: ClusterCache) -> None:
-    for name in cache.node_names():
-        view = cache.view(name)
-        for card in view.cards if view else ():
-            labels = {"node": name, "card": str(card.index), "model": card.model}
-            CARD_ALLOCATED.labels(**labels).set(card.used)
-            CARD_TOTAL.labels(**labels).set(card.capacity)
-
-
 class ExtenderServer:
     """The verbs over HTTP(S). ``tls`` (with a client CA) is how kube-scheduler proves who it is;
     without it the server only listens on loopback."""
@@ -122,6 +115,13 @@ class ExtenderServer:
             raise ValueError(f"plain HTTP is only served on loopback, not on {host}; give a TLS certificate")
         self.cache = cache
         self._ready = ready
+        cards = CardGauges(cache)
+        #: the per-card gauges' text, megabytes at thousands of nodes, rendered at most once per
+        #: METRICS_MAX_AGE however many scrape; the registry's own metrics (verb counts and latencies, a
+        #: few kB) stay current in every scrape
+        card_text = Exposition(cards.exposition)
+        #: the /metrics body, for this port and the health port both
+        self.metrics = lambda: generate_latest() + card_text()
         self._routes: dict[str, Callable[[Any], Any]] = {
             "/filter": lambda body: filter_result(engine, body, gangs, binder.events, waiters),
             "/prioritize": lambda body: prioritize_result(engine, body),
@@ -150,9 +150,7 @@ class ExtenderServer:
             return Reply(404 if body.get("error") and not body["nodes"] else 200, json.dumps(body).encode())
         if path == "/inspect" or path.startswith("/inspect/"):
             return Reply(200, json.dumps(inspect_nodes(self.cache, path[len("/inspect/") :] or None)).encode())
-        if path == "/metrics":
-            refresh_card_gauges(self.cache)
-        code, content_type, body = health_reply(path, self._ready) or (404, "text/plain", b"not found\n")
+        code, content_type, body = health_reply(path, self._ready, self.metrics) or (404, "text/plain", b"not found\n")
         return Reply(code, body, content_type)
 
     def _verb(self, path: str, raw: bytes) -> Reply:
@@ -161,12 +159,9 @@ class ExtenderServer:
             return Reply(404, json.dumps({"Error": f"no such verb {quoted(path)}"}).encode())
         started = time.perf_counter()
         try:
-            reply = verb(json.loads(raw))
-        except ValueError as exc:  # undecodable JSON, a body of the wrong shape, a bad request
+            reply = verb(parse_json(raw))
+        except ValueError as exc:  # undecodable or too deep JSON, a body of the wrong shape, a bad request
             return Reply(400, json.dumps({"Error": f"bad request to {path}: {exc}"}).encode())
-        except Exception:
-            log.exception("%s failed", path)
-            return Reply(500, json.dumps({"Error": f"{path}: internal error; see the extender's log"}).encode())
         VERB_LATENCY.labels(verb=path.strip("/")).observe(time.perf_counter() - started)
         return Reply(200, encode(reply))
 

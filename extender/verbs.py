@@ -21,6 +21,7 @@ from gpushare.extender.wire import NodeNames, Raw, candidate_names, check_victim
 
 from gpushare import placement
 from gpushare.contract.errors import ContractError
+from gpushare.contract.keycheck import unknown_keys
 from gpushare.contract.names import ANN_RETRY
 from gpushare.contract.request import pod_key
 from gpushare.kube.events import EventRecorder
@@ -33,6 +34,8 @@ NO_GPU = placement.Shape(0, 0)
 
 #: the Event reason on a pod for which the extender refused every node it was offered
 REFUSAL_EVENT = "GPUUnschedulable"
+#: the Event reason on a pod with keys gpushare ignores although they look like its own (a typo)
+UNKNOWN_KEYS_EVENT = "GPUShareUnknownKeys"
 #: kube-scheduler truncates its FailedScheduling messages to this many characters
 EVENT_MESSAGE_LIMIT = 1024
 
@@ -51,6 +54,9 @@ def filter_result(
     can take no GPU pod for now, waits in ``waiters`` (gangs wait there by themselves), to be marked for a
     retry when room frees there."""
     pod = request_pod(body)
+    if events is not None and (unknown := unknown_keys(pod)):
+        message = limited("; ".join(k.message() for k in unknown))
+        events.record(pod, reason=UNKNOWN_KEYS_EVENT, message=message, type_="Warning")
     ask = read_ask(pod)
     names, nodes_mode = candidate_names(body)
     seen = waiters.seen() if waiters is not None else 0
@@ -88,7 +94,11 @@ def refusal_message(refused: Mapping[str, str], offered: int) -> str:
             continue
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         parts.append(f"node{'s' if len(names) > 1 else ''} {shown}: {reason}")
-    message = "; ".join(parts)
+    return limited("; ".join(parts))
+
+
+def limited(message: str) -> str:
+    """``message`` cut to kube-scheduler's length for an Event message."""
     return message if len(message) <= EVENT_MESSAGE_LIMIT else message[: EVENT_MESSAGE_LIMIT - 3] + "..."
 
 
@@ -136,21 +146,26 @@ def _verdict(
             others = [n for n in names.names if n not in kept]
     failed: dict[str, str] = {}
     unresolvable: dict[str, str] = {}
+    waits_on: set[str] = set()
     for name in others:
         view = engine.cache.view(name)
         if view is None:
             unresolvable[name] = engine.cache.problem(name) or f"node {name} can't be read"
+            waits_on.add(name)
             continue
         nofit = engine.fit(view, order, rule)
         if nofit is None:
             passing.append(name)
-        else:
+        elif engine.fits_empty(view.inventory, order, rule):
             failed[name] = nofit.reason
+            waits_on.add(name)
+        else:  # no room freed there can hold it: not worth a retry, nor a preemption
+            unresolvable[name] = nofit.reason
     return _Verdict(
         names if passing == names.names else NodeNames.of(passing),
         failed,
         unresolvable,
-        waits_on=frozenset(failed) | frozenset(unresolvable),
+        waits_on=frozenset(waits_on),
     )
 
 
@@ -188,10 +203,12 @@ def _prioritize_args(
     engine: PlacementEngine, body: Any
 ) -> tuple[PodAsk, NodeNames, tuple[placement.Demand, ...], str, placement.Policy | None]:
     """The pod's ask, the node names, its GPU demands and its policy (no demands and no policy when the
-    pod's request or policy can't be read: it then scores 0 everywhere, and filter says why)."""
+    pod's request, CPU and memory request or policy can't be read: it then scores 0 everywhere, and
+    filter says why)."""
     ask = read_ask(request_pod(body))
     names, _ = candidate_names(body)
     try:
+        _ = ask.host
         return ask, names, ask.demands, *engine.policy_for(ask)
     except ContractError:
         return ask, names, (), "", None

@@ -14,7 +14,7 @@ from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.reservations import Gangs
 from gpushare.extender.roomwaiters import RoomWaiters
-from gpushare.extender.server import ExtenderServer, refresh_card_gauges
+from gpushare.extender.server import ExtenderServer
 
 from gpushare import placement
 from gpushare.kube.transport import load_api
@@ -91,7 +91,7 @@ def start_extender(
     server.start()
     health = None
     if serving.health is not None:
-        health = serve_http(serving.health, settled.is_set, before_metrics=lambda: refresh_card_gauges(cache))
+        health = serve_http(serving.health, settled.is_set, server.metrics)
     log.info(
         "extender serving %s on %s port %d with policy %s",
         "HTTPS" if serving.tls is not None else "plain HTTP",

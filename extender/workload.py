@@ -49,9 +49,9 @@ class ObservedWorkload:
         try:
             shapes = tuple(d.shape for d in ask.demands) or (NO_GPU,)
             rule = ask.rule.without_topology()
+            cpu, memory = ask.host
         except ContractError:
             return
-        cpu, memory = ask.host
         entries = tuple((shape, cpu, memory, rule) for shape in shapes)
         self._pod_shapes.update(entries)
         self._pod_shapes_of_pod[key] = entries

@@ -21,6 +21,7 @@ from gpushare.extender import cmd as extender_cmd
 from gpushare.gpus.backend import InventoryError
 from gpushare.inspection import cmd as inspect_cmd
 from gpushare.kube.errors import KubeError
+from gpushare.process import interrupt_on_sigint
 from gpushare.sandbox import apiserver_cmd
 from gpushare.sandbox import cmd as sandbox_cmd
 from gpushare.settings import UsageError
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    interrupt_on_sigint()  # every long-running command stops on Ctrl-C, from its first line on
     try:
         return int(args.run(args))
     except (UsageError, InventoryError, KubeError) as exc:

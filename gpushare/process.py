@@ -27,8 +27,18 @@ def end_group(popen: subprocess.Popen[Any], timeout: float) -> None:
         popen.wait()
 
 
+def interrupt_on_sigint() -> None:
+    """Make SIGINT raise KeyboardInterrupt, explicitly: Python installs that handler only when SIGINT was
+    not ignored at start (the signal module's documentation), and a job started with ``cmd &`` from a
+    script inherits it ignored, so Ctrl-C and ``kill -INT`` would do nothing. Outside the main thread
+    (where handlers can't be set) it does nothing."""
+    if _main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def wait_for_termination() -> None:
-    """Block until SIGTERM (how Kubernetes stops a pod) or SIGINT."""
+    """Block until SIGTERM (how Kubernetes stops a pod) or SIGINT, whether or not SIGINT was inherited
+    ignored."""
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
@@ -52,12 +62,14 @@ def _main_thread() -> bool:
 @contextlib.contextmanager
 def signals_raise(signums: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
     """Within, each of ``signums`` raises :class:`Terminated` (Python's default for them ends the process
-    at once, skipping all clean-up); Ctrl-C raises KeyboardInterrupt as always."""
+    at once, skipping all clean-up); Ctrl-C raises KeyboardInterrupt, even where SIGINT was inherited
+    ignored (see :func:`interrupt_on_sigint`)."""
 
     def terminate(signum: int, _frame: object) -> None:
         raise Terminated(signum)
 
     previous = {signum: signal.signal(signum, terminate) for signum in signums}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:

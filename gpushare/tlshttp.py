@@ -18,10 +18,13 @@ aiohttp parses and writes HTTP; what it leaves to its user is kept here:
 - the handlers are synchronous, CPU-bound Python: each whole request goes to a fixed pool of workers
   (or, when the server's ``slow`` predicate picks it, to a pool of its own), which run the handler and
   nothing else, so a peer that sends slowly (or never finishes its handshake) holds a socket, never a
-  worker.
+  worker;
+- a JSON body is parsed by :func:`parse_json`, which refuses one nested deeper than ``MAX_JSON_DEPTH``
+  before the decoder recurses into it.
 
-What peers can provoke (refused connections, malformed requests) is logged at most once per
-``LOG_EVERY`` seconds, with a count.
+What peers can provoke (refused connections, malformed requests) and a handler's failures (a 500, one
+line naming the exception and where it was raised) are logged at most once per ``LOG_EVERY`` seconds
+for each kind, with a count.
 
 Why aiohttp rather than our own selector loop, which this replaced: one well-kept HTTP implementation
 instead of a hand-written parser, for about a quarter of a millisecond more per request. Measured side by
@@ -38,12 +41,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -55,7 +61,9 @@ from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from cryptography import x509
 
+from gpushare.contract import jsondepth
 from gpushare.contract.errors import quoted
+from gpushare.contract.jsondepth import MAX_JSON_DEPTH
 
 log = logging.getLogger(__name__)
 
@@ -215,25 +223,60 @@ class ServerTLS:
             return self._context
 
 
-class _Throttled:
-    """A log line for something peers can provoke at will: the first at once, then at most one per
-    ``every`` seconds, saying how many were left out. Used from the loop thread only."""
+class BadJSON(ValueError):
+    """A request body that isn't JSON or nests deeper than allowed; the message says which."""
 
-    def __init__(self, level: int, every: float = LOG_EVERY) -> None:
+
+def parse_json(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """A request's JSON body, as every JSON endpoint reads it: BadJSON (a ValueError, which the endpoints
+    answer with 400) when it isn't JSON or nests more than ``max_depth`` deep, refused before
+    ``json.loads`` can recurse into it. Its size is bounded before it is read (``Limits.max_body``)."""
+    try:
+        return jsondepth.loads(body, max_depth)
+    except jsondepth.TooDeep as exc:
+        raise BadJSON(f"the JSON body {exc}") from None
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise BadJSON(f"the body is not JSON: {exc}") from None
+
+
+class _Throttled:
+    """A log line for something that can recur at will: the first of each ``kind`` at once, then at most
+    one per ``every`` seconds, saying how many were left out. The ``kinds`` told longest ago are
+    forgotten first. Thread-safe."""
+
+    def __init__(self, level: int, every: float = LOG_EVERY, kinds: int = 64) -> None:
         self._level = level
         self._every = every
-        self._last = -every
-        self._left_out = 0
+        self._kinds = kinds
+        self._lock = threading.Lock()
+        #: kind -> when it was last told, and how many like it were left out since
+        self._told: OrderedDict[Hashable, tuple[float, int]] = OrderedDict()
 
-    def __call__(self, message: str, *args: object) -> None:
+    def __call__(self, message: str, *args: object, kind: Hashable = None) -> None:
         now = time.monotonic()
-        if now - self._last < self._every:
-            self._left_out += 1
-            return
-        if self._left_out:
-            message += f" ({self._left_out} more like it in the last {now - self._last:.0f} s)"
+        with self._lock:
+            last, left_out = self._told.get(kind, (-math.inf, 0))
+            if now - last < self._every:
+                self._told[kind] = (last, left_out + 1)
+                return
+            self._told[kind] = (now, 0)
+            self._told.move_to_end(kind)
+            if len(self._told) > self._kinds:
+                self._told.popitem(last=False)
+        if left_out:
+            message += f" ({left_out} more like it in the last {now - last:.0f} s)"
         log.log(self._level, message, *args)
-        self._last, self._left_out = now, 0
+
+
+def _failure(exc: BaseException) -> tuple[str, Hashable]:
+    """One line on a handler's exception (its type, message and where it was raised), and its kind: the
+    type and the place, so the same bug hit with different values is one kind."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return f"{type(exc).__name__}: {quoted(str(exc))}", type(exc)
+    last = frames[-1]
+    line = f"{type(exc).__name__}: {quoted(str(exc))} at {last.filename}:{last.lineno} in {last.name}"
+    return line, (type(exc), last.filename, last.lineno)
 
 
 def refusal(method: str, headers: Mapping[str, str], limits: Limits) -> tuple[int, str] | None:
@@ -422,6 +465,7 @@ class HttpServer:
         self._conn_of: dict[web.RequestHandler, _Conn] = {}
         self._log_full = _Throttled(logging.WARNING)
         self._log_refused = _Throttled(logging.INFO)
+        self._log_failed = _Throttled(logging.ERROR)
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving = threading.Event()
@@ -612,6 +656,7 @@ class HttpServer:
     def _work(self, request: Request) -> Reply:
         try:
             return self._handler(request)
-        except Exception:
-            log.exception("%s: %s %s failed", self.name, request.method, request.path)
+        except Exception as exc:
+            line, kind = _failure(exc)
+            self._log_failed("%s: %s %s failed: %s", self.name, request.method, quoted(request.path), line, kind=kind)
             return Reply(500, b'{"Error": "internal error; see the server log"}')

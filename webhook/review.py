@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare.contract.errors import quoted
+from gpushare.contract.keycheck import unknown_keys
 from gpushare.contract.names import protected_annotation
 from gpushare.contract.request import annotations_of, pod_key
 
@@ -27,6 +28,8 @@ class Verdict:
     uid: str
     allowed: bool
     message: str = ""
+    #: shown to whoever made the request (kubectl prints them), whether it is allowed or not
+    warnings: tuple[str, ...] = ()
 
 
 def touched(old: Mapping[str, str], new: Mapping[str, str]) -> list[str]:
@@ -54,8 +57,10 @@ def review(body: Any, trusted: Iterable[str] = DEFAULT_TRUSTED) -> Verdict:
         changed = touched(annotations_of(old or {}), annotations_of(new))
     except AttributeError:
         raise BadReview("metadata.annotations must be an object") from None
+    # the pod itself (not its status or binding): what the tenant wrote and gpushare would ignore
+    warnings = tuple(k.message() for k in unknown_keys(new, old)) if not request.get("subResource") else ()
     if not changed:
-        return Verdict(uid, True)
+        return Verdict(uid, True, warnings=warnings)
     subresource = request.get("subResource") or ""
     creating = request["operation"] == "CREATE"
     key = pod_key(new if creating else old or new)
@@ -70,6 +75,7 @@ def review(body: Any, trusted: Iterable[str] = DEFAULT_TRUSTED) -> Verdict:
         False,
         f"{quoted(user)} may not {what} with {quoted(', '.join(changed), limit=400)}: "
         "only the gpushare scheduler extender and node agent write them",
+        warnings,
     )
 
 
@@ -77,4 +83,6 @@ def response(verdict: Verdict) -> dict[str, Any]:
     reply: dict[str, Any] = {"uid": verdict.uid, "allowed": verdict.allowed}
     if not verdict.allowed:
         reply["status"] = {"code": 403, "reason": "Forbidden", "message": verdict.message}
+    if verdict.warnings:
+        reply["warnings"] = list(verdict.warnings)
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": reply}

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from gpushare.webhook.review import DEFAULT_TRUSTED, BadReview, response, review
 
 from gpushare.observability import health_reply
-from gpushare.tlshttp import DEFAULT_LIMITS, HttpServer, Limits, Reply, Request, ServerTLS
+from gpushare.tlshttp import DEFAULT_LIMITS, HttpServer, Limits, Reply, Request, ServerTLS, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class WebhookServer:
         if request.method != "POST" or request.path.rstrip("/") != PATH:
             return Reply(404, b"not found\n", "text/plain")
         try:
-            verdict = review(json.loads(request.body), self._trusted)
+            verdict = review(parse_json(request.body), self._trusted)
         except (ValueError, BadReview) as exc:
             return Reply(400, json.dumps({"error": f"bad AdmissionReview: {exc}"}).encode())
         if not verdict.allowed:

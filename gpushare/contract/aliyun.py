@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from gpushare.contract.errors import AnnotationError, quoted
 from gpushare.contract.names import ANN_FRAMEWORK_ALLOCATION, ANN_MEM_ASSUME_TIME, ANN_MEM_IDX
 from gpushare.contract.request import PodRequest
+from gpushare.contract.units import CARDS_LIMIT, bounded
 
 
 def parse_card_index(text: str, pod: str = "?") -> int:
@@ -18,7 +19,7 @@ def parse_card_index(text: str, pod: str = "?") -> int:
         raise AnnotationError(f"pod {pod} annotation {ANN_MEM_IDX}: {quoted(text)} is not an integer") from None
     if index < 0:
         raise AnnotationError(f"pod {pod} annotation {ANN_MEM_IDX}: {index} is negative")
-    return index
+    return bounded(index, CARDS_LIMIT, f"pod {pod} annotation {ANN_MEM_IDX}")
 
 
 def parse_assume_time(text: str, pod: str = "?") -> int:

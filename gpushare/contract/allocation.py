@@ -9,9 +9,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpushare.contract import jsondepth
 from gpushare.contract.errors import AnnotationError, json_object, quoted
 from gpushare.contract.names import ANN_ALLOCATION, ANN_ASSIGNED_CONTAINERS, RESOURCES
 from gpushare.contract.request import PodRequest
+from gpushare.contract.units import CARDS_LIMIT, UNITS_LIMIT, bounded
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -37,6 +39,8 @@ def _parse_slice(pod: str, container: str, raw: Any) -> CardSlice:
         raise AnnotationError(f"{where}: card uuid {quoted(uuid)} is not a GPU UUID")
     if not isinstance(units, int) or isinstance(units, bool) or units <= 0:
         raise AnnotationError(f"{where}: units {quoted(units)} on card {index} is not a positive integer")
+    bounded(index, CARDS_LIMIT, f"{where}: card index")
+    bounded(units, UNITS_LIMIT, f"{where}: units on card {index}")
     return CardSlice(index=index, uuid=uuid, units=units)
 
 
@@ -85,7 +89,7 @@ def parse_assigned_containers(text: str | None, pod: str = "?") -> dict[str, fro
         return {}
     where = f"pod {pod} annotation {ANN_ASSIGNED_CONTAINERS}"
     try:
-        raw = json.loads(text)
+        raw = jsondepth.loads(text)
     except ValueError:
         raise AnnotationError(f"{where}: not valid JSON") from None
     if not isinstance(raw, dict) or not all(

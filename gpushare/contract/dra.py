@@ -12,8 +12,9 @@ prepares claims allocated from it:
 - capacity ``memory``: the card's size in bytes, with ``allowMultipleAllocations: true`` and a
   ``requestPolicy`` whose step (and minimum and default) is the node's memory unit, so that every
   allocation's ``consumedCapacity.memory`` is a whole number of units;
-- a prepared claim's containers get CDI devices of kind ``gpu.gpushare.io/claim``
-  (:func:`claim_cdi_devices` finds them in what kubelet hands the runtime).
+- a prepared claim's containers get CDI devices of kind ``gpu.gpushare.io/claim``, one per request,
+  named ``<claim UID>-<request>`` (:func:`format_claim_cdi_device`, :func:`parse_claim_cdi_device`;
+  :func:`claim_cdi_devices` finds them in what kubelet hands the runtime).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from gpushare.contract.errors import ContractError, quoted
-from gpushare.contract.names import CDI_ANNOTATION_PREFIX, DRA_CDI_KIND, DRA_DEVICE_PREFIX
+from gpushare.contract.names import CDI_ANNOTATION_PREFIX, DRA_CDI_ENV_PREFIX, DRA_CDI_KIND, DRA_DEVICE_PREFIX
 
 
 class DraDeviceNameError(ContractError):
@@ -50,6 +51,50 @@ def parse_device_name(name: str) -> int:
     if digits == name or not canonical:
         raise DraDeviceNameError(f"device name {quoted(name)} is not {DRA_DEVICE_PREFIX}<NVML index>")
     return int(digits)
+
+
+def format_claim_cdi_device(uid: str, request: str) -> str:
+    """The fully qualified CDI device kubelet hands the runtime for request ``request`` of the claim with
+    UID ``uid``."""
+    return f"{DRA_CDI_KIND}={uid}-{request}"
+
+
+def parse_claim_cdi_device(device: str, uids: Iterable[str]) -> tuple[str, str] | None:
+    """(claim UID, request) of a CDI device of :func:`format_claim_cdi_device`, for the claim among
+    ``uids`` it names; None when it names none of them (or is of another kind). Claim UIDs are UUIDs of
+    one length, so at most one of them prefixes the name."""
+    name = device.removeprefix(f"{DRA_CDI_KIND}=")
+    if name == device:
+        return None
+    for uid in uids:
+        request = name.removeprefix(f"{uid}-")
+        if uid and request != name and request:
+            return uid, request
+    return None
+
+
+def format_claim_env_key(uid: str, request: str) -> str:
+    """The variable a claim's CDI device sets for ``request`` (request names are DNS labels)."""
+    return f"{DRA_CDI_ENV_PREFIX}{uid}_{request}".upper().replace("-", "_")
+
+
+def format_card_memory(held: Mapping[str, int]) -> str:
+    """``<card UUID>=<bytes>,...`` (sorted by UUID): what a prepared claim holds on each card."""
+    return ",".join(f"{uuid}={amount}" for uuid, amount in sorted(held.items()))
+
+
+def parse_card_memory(text: Any, where: str) -> dict[str, int]:
+    """The inverse of :func:`format_card_memory`; :class:`DraMemoryError` naming ``where`` when ``text``
+    is not that."""
+    if not isinstance(text, str) or not text:
+        raise DraMemoryError(f"{where}: {quoted(text)} is not <card UUID>=<bytes>,...")
+    held: dict[str, int] = {}
+    for part in text.split(","):
+        uuid, _, amount = part.partition("=")
+        if not uuid or uuid in held or not (amount.isascii() and amount.isdigit()) or int(amount) <= 0:
+            raise DraMemoryError(f"{where}: {quoted(part)} is not <card UUID>=<positive bytes>, once per card")
+        held[uuid] = int(amount)
+    return held
 
 
 def claim_cdi_devices(cdi_devices: Iterable[str], annotations: Mapping[str, str]) -> tuple[str, ...]:

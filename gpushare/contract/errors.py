@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from gpushare.contract import jsondepth
 
 
 class ContractError(ValueError):
@@ -33,9 +34,10 @@ def quoted(value: Any, limit: int = QUOTE_LIMIT) -> str:
 
 
 def json_object(text: str, where: str, expected: str) -> dict[str, Any]:
-    """Parse an annotation that must hold a JSON object; errors name the object and annotation."""
+    """Parse an annotation that must hold a JSON object; errors name the object and annotation. One nested
+    too deep is refused before the decoder recurses into it."""
     try:
-        raw = json.loads(text)
+        raw = jsondepth.loads(text)
     except (TypeError, ValueError) as exc:
         raise AnnotationError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):

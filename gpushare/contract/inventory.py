@@ -13,7 +13,7 @@ from typing import Any
 from gpushare.cards import NOT_REPORTED, Card
 from gpushare.contract.errors import AnnotationError, ContractError, json_object, quoted
 from gpushare.contract.names import NODE_ANN_INVENTORY
-from gpushare.contract.units import MemoryUnit, format_unit, parse_unit
+from gpushare.contract.units import CARDS_LIMIT, UNITS_LIMIT, MemoryUnit, bounded, format_unit, parse_unit
 
 INVENTORY_VERSION = 1
 
@@ -77,6 +77,9 @@ def _inventory_card(node: str, raw: Any) -> Card:
         raise AnnotationError(f"{where}: card entry {quoted(raw)} has an empty memoryLimits")
     if not card.uuid.startswith("GPU-") or card.index < 0 or card.memory_mib <= 0:
         raise AnnotationError(f"{where}: card entry {quoted(raw)} has an invalid uuid, index or memory")
+    bounded(card.memory_mib, UNITS_LIMIT, f"{where}: card {card.index} memoryMiB")
+    for field, number in (("index", card.index), ("minor", card.minor), ("numa", card.numa_node or 0)):
+        bounded(number, CARDS_LIMIT, f"{where}: card {card.index} {field}", low=-CARDS_LIMIT)
     return card
 
 
@@ -89,7 +92,9 @@ def parse_inventory(text: str, node: str = "?") -> NodeInventory:
         unit = parse_unit(str(raw.get("unit", "")))
     except ContractError as exc:
         raise AnnotationError(f"{where}: {exc}") from None
-    cards = tuple(_inventory_card(node, c) for c in raw.get("cards") or [])
+    listed = raw.get("cards") or []
+    bounded(len(listed), CARDS_LIMIT, f"{where}: the number of cards")
+    cards = tuple(_inventory_card(node, c) for c in listed)
     if len({c.uuid for c in cards}) != len(cards) or len({c.index for c in cards}) != len(cards):
         raise AnnotationError(f"{where}: the same card index or uuid appears twice")
     return NodeInventory(unit=unit, cards=tuple(sorted(cards, key=lambda c: c.index)))

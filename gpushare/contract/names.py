@@ -70,10 +70,30 @@ CARD_RULE_ANNOTATIONS = (
 PROTECTED_ANNOTATION_PREFIXES = ("gpushare.io/", "ALIYUN_COM_GPU_MEM_")
 #: protected by prefix, but the pod's owner chooses them
 TENANT_ANNOTATIONS = frozenset({ANN_POLICY, *CARD_RULE_ANNOTATIONS})
+#: protected without a prefix: the newer original extender's allocation
+PROTECTED_ANNOTATIONS = frozenset({ANN_FRAMEWORK_ALLOCATION})
+#: the pod annotations gpushare's extender and node agent write (the original gpushare's included)
+GPUSHARE_ANNOTATIONS = frozenset(
+    {
+        ANN_ALLOCATION,
+        ANN_ASSIGNED_CONTAINERS,
+        ANN_GANG_HOLD,
+        ANN_GANG_RETRY,
+        ANN_RETRY,
+        ANN_MEM_IDX,
+        ANN_MEM_POD,
+        ANN_MEM_DEV,
+        ANN_MEM_ASSIGNED,
+        ANN_MEM_ASSUME_TIME,
+        ANN_FRAMEWORK_ALLOCATION,
+    }
+)
+#: every pod annotation key gpushare reads or writes; any other under its prefixes is a mistake
+KNOWN_POD_ANNOTATIONS = TENANT_ANNOTATIONS | GPUSHARE_ANNOTATIONS
 
 
 def protected_annotation(key: str) -> bool:
-    return key == ANN_FRAMEWORK_ALLOCATION or (
+    return key in PROTECTED_ANNOTATIONS or (
         key.startswith(PROTECTED_ANNOTATION_PREFIXES) and key not in TENANT_ANNOTATIONS
     )
 
@@ -124,6 +144,8 @@ FIELD_NODE_NAME = "metadata.name"
 LABEL_GANG = "gpushare.io/gang"
 #: how many of the gang's members must be placeable at the same time before any is bound
 LABEL_GANG_MIN = "gpushare.io/gang-min"
+#: every pod label key gpushare reads
+KNOWN_POD_LABELS = frozenset({LABEL_GANG, LABEL_GANG_MIN})
 
 # --- labels kubelet puts on CRI sandboxes and containers ------------------------------------------
 
@@ -186,6 +208,13 @@ DRA_ATTR_NUMA = "numa"
 DRA_ATTR_NVLINK_CLIQUE = "nvlinkClique"
 #: device names in the node's ResourceSlice are ``card-<NVML index>`` (see :mod:`gpushare.contract.dra`)
 DRA_DEVICE_PREFIX = "card-"
+#: the one env variable a claim's CDI device sets (``GPUSHARE_CLAIM_<UID>_<REQUEST>``: the request's card
+#: UUIDs); the GPU env a container sees is set by the CRI shim over all its claims (gpushare/usage.py)
+DRA_CDI_ENV_PREFIX = "GPUSHARE_CLAIM_"
+#: annotations of a prepared claim's CDI spec: the claim (``<namespace>/<name>``) and the memory it holds
+#: on each card (``<card UUID>=<bytes>,...``), which the kubelet plugin sums before preparing another claim
+DRA_SPEC_ANN_CLAIM = "gpu.gpushare.io/claim"
+DRA_SPEC_ANN_MEMORY = "gpu.gpushare.io/memory"
 
 
 def dra_slice_name(node: str) -> str:

@@ -12,8 +12,10 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpushare.contract import jsondepth
 from gpushare.contract.errors import AnnotationError
 from gpushare.contract.names import NODE_ANN_PENDING_BINDS
+from gpushare.contract.units import UNITS_LIMIT
 
 #: how long a bind counts on its node while its pod is still unbound: far longer than a binding call may
 #: take (its timeout is 10 s); a bind whose binding failed is forgotten after it
@@ -57,7 +59,7 @@ def parse_pending_binds(text: str | None, node: str = "?") -> dict[str, PendingB
         return {}
     where = f"node {node} annotation {NODE_ANN_PENDING_BINDS}"
     try:
-        raw = json.loads(text)
+        raw = jsondepth.loads(text)
         ledger = {
             uid: PendingBind(
                 str(e["pod"]), {str(k): int(v) for k, v in e["held"].items()}, float(e["at"]), str(e.get("gang") or "")
@@ -68,6 +70,8 @@ def parse_pending_binds(text: str | None, node: str = "?") -> dict[str, PendingB
         raise LedgerError(f"{where}: expected an object of pod uid -> {{pod, held, at}}") from None
     if any(units <= 0 for entry in ledger.values() for units in entry.held.values()):
         raise LedgerError(f"{where}: a pod holds a non-positive number of units on a card")
+    if any(units > UNITS_LIMIT for entry in ledger.values() for units in entry.held.values()):
+        raise LedgerError(f"{where}: a pod holds more than the {UNITS_LIMIT} units allowed on a card")
     return ledger
 
 

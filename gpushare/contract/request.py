@@ -10,6 +10,7 @@ from typing import Any
 
 from gpushare.contract.errors import RequestError, quoted
 from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM, RESOURCES
+from gpushare.contract.units import CARDS_LIMIT, UNITS_LIMIT, QuantityError, bounded
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +92,8 @@ def annotations_of(pod: Mapping[str, Any]) -> Mapping[str, str]:
     return (pod.get("metadata") or {}).get("annotations") or {}
 
 
-def _parse_quantity(value: Any, where: str) -> int:
-    """Extended resources are whole numbers; accept ints and integral strings only."""
+def _parse_quantity(value: Any, where: str, limit: int) -> int:
+    """Extended resources are whole numbers; accept ints and integral strings only, up to ``limit``."""
     if isinstance(value, bool):
         raise RequestError(f"{where}: {quoted(value)} is not a whole number")
     if isinstance(value, int):
@@ -101,10 +102,12 @@ def _parse_quantity(value: Any, where: str) -> int:
         text = str(value).strip()
         if not re.fullmatch(r"[0-9]+", text):
             raise RequestError(f"{where}: {quoted(value)} is not a whole number")
+        if len(text.lstrip("0")) > len(str(limit)):  # too long to be within it: not made into a number
+            raise QuantityError(f"{where}: {quoted(value)} is more than the {limit} allowed")
         number = int(text)
     if number < 0:
         raise RequestError(f"{where}: {number} is negative")
-    return number
+    return bounded(number, limit, where)
 
 
 def _container_request(pod: str, spec: Mapping[str, Any], init: bool) -> ContainerRequest:
@@ -115,12 +118,12 @@ def _container_request(pod: str, spec: Mapping[str, Any], init: bool) -> Contain
     # Kubernetes defaults requests to limits for extended resources and forbids them differing.
     values = {r: limits.get(r, requests.get(r)) for r in RESOURCES}
     mem = (
-        _parse_quantity(values[RESOURCE_MEM], f"pod {pod} container {name} {RESOURCE_MEM}")
+        _parse_quantity(values[RESOURCE_MEM], f"pod {pod} container {name} {RESOURCE_MEM}", UNITS_LIMIT)
         if values[RESOURCE_MEM] is not None
         else 0
     )
     count = (
-        _parse_quantity(values[RESOURCE_COUNT], f"pod {pod} container {name} {RESOURCE_COUNT}")
+        _parse_quantity(values[RESOURCE_COUNT], f"pod {pod} container {name} {RESOURCE_COUNT}", CARDS_LIMIT)
         if values[RESOURCE_COUNT] is not None
         else 0
     )

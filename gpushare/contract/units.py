@@ -1,11 +1,69 @@
-"""The size of one ``aliyun.com/gpu-mem`` unit, and its spelling on the command line and in the inventory."""
+"""The size of one ``aliyun.com/gpu-mem`` unit, and its spelling on the command line and in the inventory;
+and the bounds on the numbers read from pods and nodes, checked where each is parsed.
+
+A number read from a pod or a node goes on into integer sums and numpy's int64 arrays (the extender's
+node matrix, the placement policies), where one too large raises OverflowError for every request that
+meets it, or wraps around unnoticed. The API server accepts far larger quantities (``cpu: 1e30``), so
+every parser of such a number checks it against the bound of its class here, and refuses a number
+beyond it with a :class:`QuantityError` naming the object and field. The object alone is then refused
+or flagged; nothing else is. The bounds leave room for sums: a node's figures add up thousands of pods'
+before they reach an array.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+from kubernetes.utils import parse_quantity
 
 from gpushare.contract.errors import ContractError, quoted
+
+#: CPU in millicores, memory in bytes, a node's pod count: 2**53 (CPU: 9 * 10**12 cores; memory: 8 PiB),
+#: which a float64 holds exactly, and which 1,024 of still sum within int64
+HOST_LIMIT = 1 << 53
+#: ``aliyun.com/gpu-mem`` units: a container's request, a node's total, what a card has or holds (in
+#: an inventory, an allocation annotation or the ledger), and a card's MiB; 2**32 (4 PiB in MiB)
+UNITS_LIMIT = 1 << 32
+#: ``aliyun.com/gpu-count`` and everything else that counts or numbers cards: a node's cards, a card's
+#: index, minor and NUMA node
+CARDS_LIMIT = 1 << 16
+
+
+class QuantityError(ContractError):
+    """A number read from a pod or node that is negative, unreadable, or beyond the bound of its class."""
+
+
+def bounded(number: int, limit: int, where: str, low: int = 0) -> int:
+    """``number``, or QuantityError (naming ``where``) when it is less than ``low`` (negative, by default)
+    or more than ``limit``."""
+    if number < low:
+        raise QuantityError(f"{where}: {quoted(number)} is " + ("negative" if low == 0 else f"less than {low}"))
+    if number > limit:
+        raise QuantityError(f"{where}: {quoted(number)} is more than the {limit} allowed")
+    return number
+
+
+def parse_host_quantity(value: Any, scale: int, unit: str, where: str) -> int:
+    """A Kubernetes quantity (``500m``, ``2Gi``, ``1e3``) in ``unit`` (``scale`` of them to one: 1000
+    millicores to a CPU), truncated, within :data:`HOST_LIMIT`; QuantityError naming ``where`` otherwise.
+    The bound is checked before the whole number is made, so ``1e999999`` costs no more than ``1``."""
+    try:
+        amount = None if isinstance(value, bool) else parse_quantity(value) * scale
+        finite = isinstance(amount, Decimal) and amount.is_finite()
+    except (ValueError, TypeError, ArithmeticError):
+        finite = False
+    if not finite:
+        raise QuantityError(f"{where}: {quoted(value)} is not a quantity")
+    assert isinstance(amount, Decimal)
+    if amount < 0:
+        raise QuantityError(f"{where}: {quoted(value)} is negative")
+    if amount > HOST_LIMIT:
+        raise QuantityError(f"{where}: {quoted(value)} is more than the {HOST_LIMIT} {unit} allowed")
+    return int(amount)
+
 
 #: bytes in one MiB (what the API server's quantities and NVML's limits count in)
 MIB_BYTES = 1 << 20
@@ -50,7 +108,7 @@ def parse_unit(text: str) -> MemoryUnit:
         return GIB
     if m.group(2):
         return MemoryUnit(1)
-    return MemoryUnit(int(m.group(3)))
+    return MemoryUnit(bounded(int(m.group(3)), UNITS_LIMIT, f"memory unit {quoted(text)}"))
 
 
 def format_unit(unit: MemoryUnit) -> str:

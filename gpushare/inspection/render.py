@@ -10,6 +10,9 @@ from typing import TypeVar
 from gpushare.contract.units import MemoryUnit
 from gpushare.inspection.views import DEVICE_PLUGIN, CardView, ClaimView, ClusterView, NodeView
 
+#: how many pods not bound yet the footer names (a cluster can have thousands)
+UNSCHEDULED_NAMED = 10
+
 K = TypeVar("K")
 
 
@@ -87,8 +90,17 @@ def _footer(cluster: ClusterView) -> list[str]:
         lines.extend(f"warning: node {node.name}: {problem}" for problem in node.problems)
     lines.extend(f"warning: {problem}" for problem in cluster.problems)
     if cluster.unscheduled:
-        lines.append(f"{cluster.unscheduled} pod(s) requesting GPUs are not bound to a node yet")
+        lines.append(
+            f"{len(cluster.unscheduled)} pod(s) requesting GPUs are not bound to a node yet: "
+            + _first(cluster.unscheduled, UNSCHEDULED_NAMED)
+        )
     return lines
+
+
+def _first(names: tuple[str, ...], count: int) -> str:
+    """The first ``count`` of ``names``, and how many more there are."""
+    shown = ", ".join(names[:count])
+    return shown + (f" and {len(names) - count} more" if len(names) > count else "")
 
 
 def _cluster_total(cluster: ClusterView) -> str:

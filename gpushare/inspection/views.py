@@ -120,8 +120,8 @@ class NodeView:
 @dataclass(frozen=True, slots=True)
 class ClusterView:
     nodes: tuple[NodeView, ...]
-    #: pods that request GPUs but are not bound to any node yet
-    unscheduled: int = 0
+    #: pods (namespace/name) that request GPUs but are not bound to any node yet
+    unscheduled: tuple[str, ...] = ()
     #: ResourceSlices and ResourceClaims that could not be read, claims on no node shown
     problems: tuple[str, ...] = ()
 
@@ -274,13 +274,13 @@ def build_cluster(
     """Every node with gpushare cards; with ``dra``, their DRA cards and claims too."""
     pods = list(pods)
     by_node: dict[str, list[Mapping[str, Any]]] = {}
-    unscheduled = 0
+    unscheduled: list[str] = []
     for pod in pods:
         node_name = (pod.get("spec") or {}).get("nodeName")
         if node_name:
             by_node.setdefault(node_name, []).append(pod)
         elif holds_resources(pod) and requests_gpu(pod):
-            unscheduled += 1
+            unscheduled.append(pod_key(pod))
     dra = dra or DraCards({}, ())
     shares: dict[str, list[ClaimShare]] = {}
     for share in dra.shares:
@@ -298,6 +298,6 @@ def build_cluster(
     ]
     return ClusterView(
         nodes=tuple(sorted((v for v in views if v is not None), key=lambda v: v.name)),
-        unscheduled=unscheduled,
+        unscheduled=tuple(sorted(unscheduled)),
         problems=dra.problems + tuple(elsewhere),
     )

@@ -4,6 +4,8 @@
 helm and crictl from the Go module proxy into one cache directory (``install.sh`` runs it as root); the
 versions below are the ones it pins, and the ones the real-cluster tests and ``gpushare sandbox`` run.
 Tools that Debian packages (runc, the CNI plugins, busybox, openssl, unshare) are looked up on PATH.
+``install.sh`` links the cache's kubectl, helm and crictl into the checkout's venv (:func:`link_tools`),
+so that an activated venv runs these versions rather than whichever the machine has on PATH.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", 
 CONTAINERD_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr")
 HELM = "helm"
 CRICTL = "crictl"
+KUBECTL = "kubectl"
+#: the ones a person runs by hand against the sandbox or the test clusters
+USER_TOOLS = (KUBECTL, HELM, CRICTL)
 DEFAULT_BIN_DIR = Path(f"/var/cache/gpushare/kube-{KUBE_VERSION}")
 
 
@@ -64,6 +69,35 @@ def path_with_bin_dir() -> str:
     return f"{bin_dir()}{os.pathsep}{os.environ.get('PATH', os.defpath)}"
 
 
+def link_tools(directory: Path) -> list[str]:
+    """Link each of :data:`USER_TOOLS` that is built into ``directory`` (``install.sh``: the venv's bin), and
+    remove a link there to one that is not, so that PATH finds another rather than a dangling link.
+    Returns the names linked."""
+    linked = []
+    for name in USER_TOOLS:
+        link = directory / name
+        if missing((name,)) is None:
+            partial = directory / f".{name}.{os.getpid()}"
+            partial.unlink(missing_ok=True)
+            partial.symlink_to(built(name))
+            partial.rename(link)
+            linked.append(name)
+        elif link.is_symlink():
+            link.unlink()
+    return linked
+
+
+def command(name: str) -> str:
+    """How a person runs the cached ``name`` from a shell: the bare name when PATH finds this binary there
+    (an activated venv, see :func:`link_tools`), else its full path, so that a hint never leads to another
+    version on PATH (kubectl is supported within one minor version of kube-apiserver, and warns beyond:
+    https://kubernetes.io/releases/version-skew-policy/#kubectl)."""
+    found = shutil.which(name)
+    if missing((name,)) is not None or (found is not None and Path(found).resolve() == built(name).resolve()):
+        return name
+    return str(built(name))
+
+
 def host_tool_missing(names: tuple[str, ...]) -> str | None:
     """None when every tool in ``names`` is on PATH, else which one is not."""
     for name in names:
@@ -75,7 +109,11 @@ def host_tool_missing(names: tuple[str, ...]) -> str | None:
 def main() -> int:
     """``python -m gpushare.sandbox.binaries --require``: exit 1 with the reason when the real cluster,
     real containers or the gpushare image can't run here, or helm or crictl isn't built, so that CI fails
-    instead of skipping those tests."""
+    instead of skipping those tests. ``--link DIR``: :func:`link_tools` into DIR, and nothing else."""
+    if sys.argv[1:2] == ["--link"] and len(sys.argv) == 3:
+        linked = link_tools(Path(sys.argv[2]))
+        print(f"{', '.join(linked) or 'nothing'} linked into {sys.argv[2]} from {bin_dir()}")
+        return 0
     from gpushare.sandbox import image
     from gpushare.sandbox.realcluster import realcluster_available
 

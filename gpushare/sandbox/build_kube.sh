@@ -26,10 +26,16 @@ cache=${1:-${GPUSHARE_KUBE_BIN:-/var/cache/gpushare/kube-$KUBE_VERSION}}
 kube_bins=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl)
 containerd_bins=(containerd containerd-shim-runc-v2 ctr)
 
+# helm's default Kubernetes version (what `helm template` checks a chart's kubeVersion against without
+# --kube-version): release builds stamp their client-go's, v1.37 for helm v3.22 (its Makefile's
+# K8S_MODULES_*_VER); unstamped it is v1.20.0, which refuses the chart (kubeVersion >=1.30). A cached
+# helm without the marker below predates the stamp and is built again.
+HELM_KUBE_MINOR=37
 # cached BINARY...: whether every one of them is already in the cache
 cached() { for b in "$@"; do [ -x "$cache/$b" ] || return 1; done; }
 # lacking BINARY...: those of them the cache lacks, one a line
 lacking() { for b in "$@"; do [ -x "$cache/$b" ] || echo "$b"; done; }
+[ "$(cat "$cache/helm.kube-version" 2>/dev/null)" = "1.$HELM_KUBE_MINOR" ] || rm -f "$cache/helm"
 if cached "${kube_bins[@]}" etcd "${containerd_bins[@]}" helm crictl; then echo "build_kube: cached in $cache"; exit 0; fi
 mkdir -p "$cache"
 work=$(mktemp -d /var/tmp/gpushare-kube-build.XXXXXX)
@@ -107,9 +113,14 @@ go_install() {
 }
 
 # each version string is stamped into the variable the project's Makefile sets (`helm version` otherwise
-# says only "v3.22", `crictl --version` "unknown")
+# says only "v3.22", `crictl --version` "unknown"), and helm's default Kubernetes version as above
+helm_kube=""
+for pkg in chartutil lint/rules; do
+  helm_kube+=" -X helm.sh/helm/v3/pkg/$pkg.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/$pkg.k8sVersionMinor=$HELM_KUBE_MINOR"
+done
 go_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" \
-  "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+  "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean$helm_kube"
+echo "1.$HELM_KUBE_MINOR" >"$cache/helm.kube-version"
 go_install crictl sigs.k8s.io/cri-tools/cmd/crictl "$CRI_TOOLS_VERSION" \
   "-X sigs.k8s.io/cri-tools/pkg/version.Version=$CRI_TOOLS_VERSION"
 

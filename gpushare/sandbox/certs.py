@@ -49,6 +49,24 @@ def _self_signed(directory: Path, name: str, subject: str) -> Pair:
     return Pair(str(cert), str(key))
 
 
+#: below a cluster's directory: the CA its kubelets trust for clients, and kube-apiserver's client pair
+KUBELET_CLIENT_DIR = "kubelet-client"
+
+
+def kubelet_client_ca(workdir: Path) -> Path:
+    """The CA a cluster's kubelets take clients' certificates from (their only way in)."""
+    return workdir / KUBELET_CLIENT_DIR / "ca.crt"
+
+
+def make_kubelet_client(workdir: Path) -> Pair:
+    """kube-apiserver's client certificate for the kubelets (``logs``, ``exec``), signed by a CA of its
+    own, :func:`kubelet_client_ca`."""
+    directory = workdir / KUBELET_CLIENT_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    ca = _self_signed(directory, "ca", "/CN=gpushare-kubelet-client-ca")
+    return _signed(directory, "apiserver", "/CN=kube-apiserver-kubelet-client", ca, "extendedKeyUsage=clientAuth\n")
+
+
 def make_certs(
     directory: Path, server_names: tuple[str, ...] = ("localhost",), client_name: str = "kube-scheduler"
 ) -> Certs:

@@ -6,7 +6,15 @@ import argparse
 import sys
 
 from gpushare.sandbox.fakenvml import machines as fake_machines
-from gpushare.sandbox.nodespec import DEFAULT_NODES, NodeSpec, check_node_names, parse_node
+from gpushare.sandbox.nodespec import (
+    DEFAULT_NODES,
+    DraNode,
+    NodeSpec,
+    check_dra_nodes,
+    check_node_names,
+    parse_dra_node,
+    parse_node,
+)
 from gpushare.settings import UsageError, policy_name
 
 
@@ -41,6 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "without --node, only these nodes run)",
     )
     parser.add_argument(
+        "--dra-cards",
+        action="append",
+        default=[],
+        type=parse_dra_node,
+        metavar="NODE=CARDS",
+        help="NODE's agent also serves the DRA driver gpu.gpushare.io with CARDS (all, or card indexes "
+        "separated by commas; the others stay with the device plugin), and the DeviceClass gpu.gpushare.io "
+        "is applied, so the claims of deploy/examples/dra can run (repeatable; real Kubernetes only)",
+    )
+    parser.add_argument(
         "--policy", type=policy_name, default=None, help="placement policy for the extender: fgdfit (default), "
         "fgd, binpack or spread",
     )  # fmt: skip
@@ -69,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     # with fake-NVML nodes and no --node, the fake-NVML nodes run alone
     specs = args.node or ([] if args.nvml_fake else [parse_node(n) for n in DEFAULT_NODES])
     names = [s.name for s in specs] + [f"nvml-{Path(m).stem}" for m in args.nvml_fake]
-    if reason := check_node_names(names):
+    if reason := check_node_names(names) or check_dra_nodes(args.dra_cards, specs, names):
         raise UsageError(reason)
     if args.nvml_fake:
         from gpushare.sandbox.fakenvml import gcc_missing
@@ -86,14 +104,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, specs: list[NodeSpec]) -> int:
+    dra: list[DraNode] = args.dra_cards
+    reason = "--standin asks for the stand-ins"
     if not args.standin:
         from gpushare.sandbox.realcluster import realcluster_available
         from gpushare.sandbox.realsandbox import run_real
 
         reason = "--no-containers asks for no containers" if args.no_containers else realcluster_available()
         if reason is None:
-            return run_real(specs, args.policy or "", args.keep_running, nvml_fake=args.nvml_fake)
-        print(f"gpushare sandbox: using the API stand-in and kubelet emulator: {reason}", file=sys.stderr)
+            dra_nodes = {d.name: d.cards for d in dra}
+            return run_real(specs, args.policy or "", args.keep_running, nvml_fake=args.nvml_fake, dra_nodes=dra_nodes)
+        if not dra:
+            print(f"gpushare sandbox: using the API stand-in and kubelet emulator: {reason}", file=sys.stderr)
+    if dra:  # the stand-ins have no DRA allocator nor kubelet plugin to run a claim
+        print(f"gpushare sandbox: --dra-cards needs the real Kubernetes: {reason}", file=sys.stderr)
+        return 1
     from gpushare.sandbox.standin import run_standin
 
     return run_standin(specs, args.policy or "", not args.no_containers, args.keep_running, nvml_fake=args.nvml_fake)

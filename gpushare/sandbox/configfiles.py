@@ -142,13 +142,16 @@ def render_kubelet_config(
     taints: Sequence[str] = (),
     address: str = "127.0.0.1",
     cgroup_root: str = "",
+    client_ca: Path | None = None,
 ) -> str:
     """Kubelet settings for a node that shares its machine with other simulated nodes: its server on
     ``address`` (loopback, or the node's own address), health on loopback, no QoS cgroups or
     node-allocatable enforcement (they would be shared), no evictions. The runtime is ``runtime_socket``;
     ``taints`` (``key=value:Effect``) are registered with the node. With ``cgroup_root`` (the node's own,
     see :mod:`~gpushare.sandbox.nodecgroups`), each pod gets a cgroup below it (``cgroupsPerQOS``), as
-    on a real node. These machines run cgroup v1, which kubelet refuses from 1.35 on unless told otherwise."""
+    on a real node. These machines run cgroup v1, which kubelet refuses from 1.35 on unless told otherwise.
+    With ``client_ca`` its server takes only clients with a certificate that CA signed (kube-apiserver's,
+    for logs and exec), else anyone (a server on loopback only)."""
     return yaml.safe_dump(
         {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -156,7 +159,7 @@ def render_kubelet_config(
             "containerRuntimeEndpoint": f"unix://{runtime_socket}",
             "failCgroupV1": False,
             "volumePluginDir": str(volume_plugin_dir),
-            "registerWithTaints": [_taint(t) for t in taints],
+            "registerWithTaints": [taint(t) for t in taints],
             "address": address,
             "port": port,
             "readOnlyPort": 0,
@@ -167,7 +170,11 @@ def render_kubelet_config(
             **({"cgroupRoot": cgroup_root} if cgroup_root else {}),
             "enforceNodeAllocatable": [],
             "failSwapOn": False,
-            "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
+            "authentication": {
+                "anonymous": {"enabled": client_ca is None},
+                "webhook": {"enabled": False},
+                **({"x509": {"clientCAFile": str(client_ca)}} if client_ca is not None else {}),
+            },
             "authorization": {"mode": "AlwaysAllow"},
             "evictionHard": {
                 "memory.available": "1Mi",
@@ -186,7 +193,7 @@ def render_kubelet_config(
     )
 
 
-def _taint(spec: str) -> dict[str, str]:
+def taint(spec: str) -> dict[str, str]:
     """``key=value:Effect`` (or ``key:Effect``) as a Taint object."""
     key_value, _, effect = spec.rpartition(":")
     key, _, value = key_value.partition("=")

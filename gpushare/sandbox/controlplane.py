@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from gpushare.sandbox import binaries
-from gpushare.sandbox.certs import Certs, make_certs
+from gpushare.sandbox.certs import Certs, make_certs, make_kubelet_client
 from gpushare.sandbox.configfiles import (
     EXTENDER_SERVER_NAME,
     RBAC_MANIFESTS,
@@ -27,6 +27,7 @@ from gpushare.sandbox.configfiles import (
     render_audit_policy,
     render_scheduler_config,
     render_token_file,
+    taint,
 )
 from gpushare.sandbox.launch import Launcher, Process, free_port, http_status, wait_for
 
@@ -35,6 +36,14 @@ SYSTEM_NAMESPACE = "gpushare-system"
 NODE_AGENT_USER, EXTENDER_USER = "gpushare-node-agent", "gpushare-extender"
 #: the user Kubernetes' default RBAC binds to kube-proxy's role (system:node-proxier)
 KUBE_PROXY_USER = "system:kube-proxy"
+#: seconds the service accounts' tokens last: longer than any session
+TOKEN_SECONDS = 86400
+
+
+def node_agent_user(node: str) -> str:
+    """The kubeconfig of ``node``'s agent, with RBAC: the node agent's service account, its token bound
+    to the Node."""
+    return f"{NODE_AGENT_USER}@{node}"
 
 
 def _token() -> str:
@@ -111,6 +120,7 @@ class ControlPlane:
             # without RBAC the gpushare components are ordinary users; with it they use service accounts
             identities += [Identity(NODE_AGENT_USER, _token()), Identity(EXTENDER_USER, _token())]
         self._path("tokens.csv").write_text(render_token_file(identities))
+        kubelet_client = make_kubelet_client(self.workdir)
         apiserver = self.launcher.spawn(
             "kube-apiserver",
             [
@@ -129,6 +139,13 @@ class ControlPlane:
                 "--service-cluster-ip-range=10.96.0.0/24",
                 "--allow-privileged=true",
                 "--enable-priority-and-fairness=false",
+                # to the kubelets (logs, exec) with the client certificate they require; their serving
+                # certificates are self-signed, so with no --kubelet-certificate-authority they are
+                # not verified (pkg/kubelet/client/kubelet_client.go)
+                f"--kubelet-client-certificate={kubelet_client.cert}",
+                f"--kubelet-client-key={kubelet_client.key}",
+                # at the address the node reports: its name resolves nowhere (the default tries it first)
+                "--kubelet-preferred-address-types=InternalIP",
                 *self._audit_flags(),
             ],
         )
@@ -202,17 +219,35 @@ class ControlPlane:
 
     def _apply_rbac(self) -> None:
         """Apply deploy/namespace.yaml and deploy/rbac.yaml, then mint tokens for their service accounts."""
-        from kubernetes import client, utils
+        from kubernetes import utils
 
         for manifest in RBAC_MANIFESTS:
             utils.create_from_yaml(self.api, str(manifest))
-        core = client.CoreV1Api(self.api)
         for account in (NODE_AGENT_USER, EXTENDER_USER):
-            request = client.AuthenticationV1TokenRequest(
-                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=86400)
-            )
-            token = core.create_namespaced_service_account_token(account, SYSTEM_NAMESPACE, request).status.token
-            self.kubeconfigs.write(account, token)
+            self.kubeconfigs.write(account, self._service_account_token(account))
+
+    def _service_account_token(self, account: str, bound_to: Any = None) -> str:
+        from kubernetes import client
+
+        request = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=TOKEN_SECONDS, bound_object_ref=bound_to)
+        )
+        core = client.CoreV1Api(self.api)
+        return core.create_namespaced_service_account_token(account, SYSTEM_NAMESPACE, request).status.token
+
+    def register_node_agent(self, node: str, taints: Sequence[str] = ()) -> Path:
+        """The kubeconfig of ``node``'s agent (:func:`node_agent_user`), with a token bound to the Node, as
+        deploy/rbac.yaml's policy wants of it (the token's node-name extra). The Node must exist for
+        that, and the agent runs before kubelet (it is kubelet's CRI runtime), so the Node is created
+        here with the ``taints`` (``key=value:Effect``) kubelet would register it with; kubelet takes a
+        Node that exists over, as after a restart. A DaemonSet pod's own token is bound to its pod and
+        carries its node the same way."""
+        from kubernetes import client
+
+        body = {"metadata": {"name": node}, "spec": {"taints": [taint(t) for t in taints]}}
+        created = client.CoreV1Api(self.api).create_node(body)
+        ref = client.V1BoundObjectReference(api_version="v1", kind="Node", name=node, uid=created.metadata.uid)
+        return self.kubeconfigs.write(node_agent_user(node), self._service_account_token(NODE_AGENT_USER, ref))
 
     def close(self) -> None:
         """Close the API client (the processes are ``launcher``'s to stop)."""
@@ -220,9 +255,21 @@ class ControlPlane:
             self.api.close()
 
 
-def scheduler_argv(config: Path, port: int, open_paths: Sequence[str] = ()) -> list[str]:
+#: kube-scheduler's feature gates beside the extender, as docs/operations.md ("Wiring kube-scheduler to the
+#: extender") has operators set them. A pod the extender refused is retried on every cluster event
+#: (kube-scheduler's pkg/scheduler/schedule_one.go puts the pseudo-plugin "Extender" among its rejectors, and
+#: its enqueue extension takes every event, kubernetes#122019); with SchedulerPopFromBackoffQ (beta, on
+#: since 1.33, KEP-5142) an idle kube-scheduler pops such a pod from the back-off queue at once, so nothing
+#: spaces the retries out. Off, the back-off (1 s doubling to podMaxBackoffSeconds, 10 s) holds.
+SCHEDULER_FEATURE_GATES = ("SchedulerPopFromBackoffQ=false",)
+
+
+def scheduler_argv(
+    config: Path, port: int, open_paths: Sequence[str] = (), feature_gates: Sequence[str] = SCHEDULER_FEATURE_GATES
+) -> list[str]:
     """kube-scheduler reading ``config``, serving /healthz and /metrics on 127.0.0.1:``port`` over HTTPS
-    (its only listener since 1.23; /healthz needs no credentials, nor do ``open_paths``)."""
+    (its only listener since 1.23; /healthz needs no credentials, nor do ``open_paths``), with
+    ``feature_gates`` (``NAME=BOOL``)."""
     argv = [
         str(binaries.built("kube-scheduler")),
         f"--config={config}",
@@ -230,6 +277,8 @@ def scheduler_argv(config: Path, port: int, open_paths: Sequence[str] = ()) -> l
         f"--secure-port={port}",
         "--v=2",
     ]
+    if feature_gates:
+        argv.append(f"--feature-gates={','.join(feature_gates)}")
     if open_paths:
         argv.append(f"--authorization-always-allow-paths={','.join(('/healthz', '/readyz', '/livez', *open_paths))}")
     return argv

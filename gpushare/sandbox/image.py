@@ -6,9 +6,14 @@ writes the tar as a one-layer OCI image archive that ``ctr images import`` loads
 deploy/*.yaml give (:data:`IMAGE`). The archive is cached by a hash of every input (:class:`Inputs`) in a
 directory beside the Kubernetes binaries, so an unchanged tree costs a package resolution and a wheel
 resolution, not a build. The same inputs give a bit-identical archive (a fixed ``SOURCE_DATE_EPOCH``).
+Each checkout records the archive its own sources gave in ``build/gpushare.oci.tar`` (a link into the
+cache), so checkouts sharing the cache each test their own image; the cache keeps the
+:data:`KEEP` archives used last.
 
-The project's source is what git tracks, with its uncommitted changes (``git stash create``); it is
-exported to a temporary directory and built there, so nothing is written into the checkout.
+The project's source is the working tree as ``git add -A`` would record it: the tracked files with their
+changes and the untracked ones git doesn't ignore, which is what the checkout's editable install runs (a new
+module included). It is exported to a temporary directory and built there, so nothing is written into the
+checkout, its index included.
 
     python3 -m gpushare.sandbox.image [--key]    (as root; prints the archive's path, or only the key)
 """
@@ -52,6 +57,11 @@ SOURCE_DATE_EPOCH = 1747699200
 #: the host's apt sources, used when they are for SUITE: they carry its updates and security suites
 HOST_SOURCES = Path("/etc/apt/sources.list.d/debian.sources")
 ARCHIVE_NAME = "gpushare.oci.tar"
+#: this checkout's record of its archive: a link into the cache, not a cache-wide "latest" that would
+#: follow whichever checkout built last
+RECORD = ROOT / "build" / ARCHIVE_NAME
+#: archives the cache keeps, the most recently built or found first: one per checkout sharing it
+KEEP = 3
 ZSTD_LEVEL = 3
 
 
@@ -73,16 +83,38 @@ def cache_dir() -> Path:
     return binaries.bin_dir().parent / "image"
 
 
-def built() -> Path:
-    """The archive of the last build (which may not exist: see :func:`missing`)."""
-    return cache_dir() / ARCHIVE_NAME
+def built(record: Path = RECORD) -> Path:
+    """The archive this checkout's last build made or found (which may not exist: see :func:`missing`)."""
+    return record.resolve()
 
 
-def missing() -> str | None:
-    """None when an image is built, else one line saying how to build it."""
-    if built().is_file():
+def missing(record: Path = RECORD) -> str | None:
+    """None when this checkout's image is in the cache, else one line saying what is missing and how to build it."""
+    how = f"./install.sh builds it as root: python3 -m {__name__}"
+    if built(record).is_file():
         return None
-    return f"the gpushare image is not built in {cache_dir()} (./install.sh builds it as root: python3 -m {__name__})"
+    if record.is_symlink():
+        return f"{built(record)}, the image this checkout built, is gone from the cache ({how})"
+    return f"the gpushare image is not built for this checkout: no {record} ({how})"
+
+
+def keep(archive: Path, record: Path = RECORD, newest: int = KEEP) -> None:
+    """Point ``record`` at ``archive``, mark it used, and remove the cache's archives beyond the ``newest``
+    used last (never ``archive``)."""
+    os.utime(archive)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    partial = record.with_name(f"{record.name}.{os.getpid()}")
+    partial.unlink(missing_ok=True)
+    partial.symlink_to(archive)
+    partial.rename(record)  # atomic: a reader sees the old archive or the new one
+    cache = archive.parent
+    for link in cache.glob("*.oci.tar"):
+        if link.is_symlink():  # the cache holds archives only (a shared link would follow the last build)
+            link.unlink()
+    archives = sorted(cache.glob("*.oci.tar"), key=lambda path: path.stat().st_mtime, reverse=True)
+    for old in archives[newest:]:
+        if old != archive:
+            old.unlink(missing_ok=True)
 
 
 # --- the inputs and their hash ------------------------------------------------------------------------------
@@ -296,18 +328,29 @@ def _run(step: str, command: Sequence[str], **kwargs: object) -> str:
     return output
 
 
-def _source_commit() -> str:
-    """A commit of the tracked files as they are now: ``git stash create`` when they have changes, else HEAD."""
-    git = ["git", "-C", str(ROOT)]
-    return (
-        _run("git stash create", [*git, "stash", "create"]).strip() or _run("git", [*git, "rev-parse", "HEAD"]).strip()
-    )
+def source_commit(root: Path = ROOT) -> str:
+    """A commit of ``root``'s working tree as ``git add -A`` would record it, built in a temporary index
+    (started from HEAD's, so force-added files stay) and dated :data:`SOURCE_DATE_EPOCH`: the same files
+    give the same commit, and ``git archive`` of it the same bytes."""
+    git = ["git", "-C", str(root)]
+    date = f"@{SOURCE_DATE_EPOCH} +0000"
+    with tempfile.TemporaryDirectory(prefix="gpushare-index.") as tmp:
+        env = {
+            **os.environ,
+            "GIT_INDEX_FILE": str(Path(tmp) / "index"),
+            **{f"GIT_{who}_{what}": value for who in ("AUTHOR", "COMMITTER")
+               for what, value in (("NAME", "gpushare image"), ("EMAIL", "image@gpushare"), ("DATE", date))},
+        }  # fmt: skip
+        _run("git read-tree", [*git, "read-tree", "HEAD"], env=env)
+        _run("git add", [*git, "add", "-A"], env=env)
+        tree = _run("git write-tree", [*git, "write-tree"], env=env).strip()
+        return _run("git commit-tree", [*git, "commit-tree", tree, "-m", "gpushare image source"], env=env).strip()
 
 
 def gather(work: Path) -> tuple[Inputs, str]:
     """Resolve the inputs (apt's packages, pip's wheels into ``work/wheels``) and return them with the
     source commit."""
-    commit = _source_commit()
+    commit = source_commit()
     tree = _run("git rev-parse", ["git", "-C", str(ROOT), "rev-parse", f"{commit}^{{tree}}"]).strip()
     pyproject = tomllib.loads(_run("git show", ["git", "-C", str(ROOT), "show", f"{commit}:pyproject.toml"]))
     simulate = [*mmdebstrap_args(work), "--verbose", "--simulate", SUITE, "/dev/null", *mirror()]
@@ -341,7 +384,7 @@ def build_rootfs(work: Path, commit: str, out: Path) -> None:
 
 
 def ensure_built(log: Callable[[str], None] = print) -> Path:
-    """The archive for the current inputs: from the cache, else built (and the older ones removed)."""
+    """The archive for the current inputs: from the cache, else built; recorded for this checkout (see :func:`keep`)."""
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpushare-image.", dir="/var/tmp") as tmp:
@@ -356,20 +399,15 @@ def ensure_built(log: Callable[[str], None] = print) -> Path:
             log(f"image: cached {archive}")
         else:
             build_rootfs(work, commit, work / "rootfs.tar")
-            partial = cache / f"{key}.oci.tar.partial"
+            partial = cache / f"{key}.oci.tar.{os.getpid()}.partial"  # another checkout may build it too
             try:
                 pack(work / "rootfs.tar", partial)
                 partial.rename(archive)
             finally:
                 partial.unlink(missing_ok=True)
             log(f"image: built {archive} in {time.monotonic() - start:.0f} s")
-    link = cache / ARCHIVE_NAME
-    link.unlink(missing_ok=True)
-    link.symlink_to(archive.name)
-    for old in cache.glob("*.oci.tar"):
-        if old not in (archive, link):
-            old.unlink()
-    log(f"image: {IMAGE} is {archive.stat().st_size / 1e6:.0f} MB ({link})")
+    keep(archive)
+    log(f"image: {IMAGE} is {archive.stat().st_size / 1e6:.0f} MB ({RECORD} links to it)")
     return archive
 
 

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpushare.gpus.backend import InventoryError
-from gpushare.gpus.simulated import parse_sim_spec
+from gpushare.gpus.simulated import parse_sim_spec, simulated_cards
+from gpushare.gpus.split import check_dra_cards, parse_dra_cards
 
 DEFAULT_NODES = ("node-a=2xA100-80GB:81920,1xT4:15360", "node-b=1xA100-40GB:40960,2xA10:24576")
 #: a node's sockets sit in a directory named after it, and unix socket paths end at 107 bytes
@@ -39,6 +40,47 @@ def parse_node(text: str) -> NodeSpec:
     except InventoryError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
     return NodeSpec(name, gpus)
+
+
+@dataclass(frozen=True, slots=True)
+class DraNode:
+    """``--dra-cards NODE=CARDS``: the node whose agent also serves the DRA driver, and its ``--dra-cards``."""
+
+    name: str
+    cards: str
+
+
+def parse_dra_node(text: str) -> DraNode:
+    """``NODE=CARDS``, CARDS as the node agent's ``--dra-cards`` takes it (an argparse type)."""
+    name, sep, cards = text.partition("=")
+    if not sep or not name or not cards:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NODE=CARDS (CARDS: all, or card indexes separated by commas)"
+        )
+    try:
+        parse_dra_cards(cards)
+    except InventoryError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    return DraNode(name, cards)
+
+
+def check_dra_nodes(dra: Sequence[DraNode], specs: Sequence[NodeSpec], names: Sequence[str]) -> str | None:
+    """None when each ``--dra-cards`` names one of the sandbox's nodes ``names`` once, and, on a simulated
+    node (``specs``), only cards it has; else why not. A fake-NVML node's agent checks its cards itself."""
+    gpus = {s.name: s.gpus for s in specs}
+    seen: set[str] = set()
+    for node in dra:
+        if node.name not in names:
+            return f"--dra-cards {node.name}={node.cards}: no node {node.name!r} (nodes: {', '.join(names)})"
+        if node.name in seen:
+            return f"--dra-cards names node {node.name!r} twice"
+        seen.add(node.name)
+        if node.name in gpus:
+            try:
+                check_dra_cards(parse_dra_cards(node.cards), simulated_cards(node.name, gpus[node.name]))
+            except InventoryError as exc:
+                return f"node {node.name!r}: {exc}"
+    return None
 
 
 def check_node_names(names: Sequence[str]) -> str | None:

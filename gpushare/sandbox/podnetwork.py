@@ -41,11 +41,25 @@ def pod_subnet(index: int) -> str:
     return f"10.244.{index}.0/24"
 
 
+def _token(workdir: Path) -> str:
+    """The cluster's links' names carry this token of its directory: the nodes, and any other cluster on
+    this machine, share the host's network namespace."""
+    return hashlib.sha256(str(workdir).encode()).hexdigest()[:6]
+
+
 def bridge_name(workdir: Path, index: int) -> str:
-    """The bridge of the cluster's ``index``-th node. The nodes, and any other cluster on this machine,
-    share the host's network namespace, so the name carries a token of the cluster's directory."""
-    token = hashlib.sha256(str(workdir).encode()).hexdigest()[:6]
-    return f"{BRIDGE_PREFIX}{token}n{index}"
+    """The bridge of the cluster's ``index``-th node."""
+    return f"{BRIDGE_PREFIX}{_token(workdir)}n{index}"
+
+
+def routed_link(workdir: Path) -> str:
+    """The link holding a routed cluster's control-plane and node addresses (:class:`RoutedNetwork`)."""
+    return f"{BRIDGE_PREFIX}{_token(workdir)}cp"
+
+
+def node_link(workdir: Path) -> str:
+    """The link holding the nodes' addresses of a cluster with isolated pods (:class:`NodeAddresses`)."""
+    return f"{BRIDGE_PREFIX}{_token(workdir)}nd"
 
 
 def render_pod_network(bridge: str, subnet: str, ipam_dir: Path, routes: Sequence[str] = ()) -> str:
@@ -84,6 +98,15 @@ def _ip(*args: str) -> None:
         raise ClusterError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
+def make_address_link(link: str, addresses: Sequence[str]) -> None:
+    """A bridge without ports (these kernels have no dummy links), up, holding each of ``addresses`` (/32)
+    as an address of this machine."""
+    _ip("link", "add", link, "type", "bridge")
+    for address in addresses:
+        _ip("addr", "add", f"{address}/32", "dev", link)
+    _ip("link", "set", link, "up")
+
+
 def make_bridge(bridge: str, subnet: str) -> None:
     """A routed node's bridge, up, with the subnet's gateway address (the host's route to its pods)."""
     _ip("link", "add", "name", bridge, "type", "bridge")
@@ -116,14 +139,41 @@ class RoutedNetwork:
         return (str(nodes), self.service_range, self.pod_ranges)
 
     def create(self, nodes: int) -> None:
-        """The link with the control plane's and ``nodes`` nodes' addresses, and the Service route."""
-        if (Path("/sys/class/net") / self.link).exists():
-            raise ClusterError(f"link {self.link} exists: another cluster with this directory is running")
-        _ip("link", "add", self.link, "type", "bridge")
-        for address in (self.control_plane, *(self.node_address(i) for i in range(nodes))):
-            _ip("addr", "add", f"{address}/32", "dev", self.link)
-        _ip("link", "set", self.link, "up")
+        """The link with the control plane's and ``nodes`` nodes' addresses, and the Service route. The
+        addresses are fixed, so the cluster leases :data:`ROUTED_LEASE` first; :meth:`remove` undoes
+        whatever part of this was done (the route goes with the link)."""
+        make_address_link(self.link, (self.control_plane, *(self.node_address(i) for i in range(nodes))))
         _ip("route", "add", self.service_range, "dev", self.link, "src", self.control_plane)
+
+    def remove(self) -> None:
+        remove_bridge(self.link)
+
+
+#: the lease of :class:`RoutedNetwork`'s fixed addresses and routes (see :mod:`~gpushare.sandbox.hostlease`)
+ROUTED_LEASE = "routed-network"
+#: the blocks of node addresses, a /24 each, that clusters with isolated pods lease one at a time
+NODE_BLOCKS = ipaddress.ip_network("10.245.0.0/16")
+NODE_BLOCK_LEASE = "node-addresses"
+NODE_BLOCK_COUNT = 2 ** (24 - NODE_BLOCKS.prefixlen)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeAddresses:
+    """The nodes' own addresses in a cluster with isolated pods, for kubelet's ``--node-ip`` and its
+    server, so that kube-apiserver reaches each node's kubelet (``kubectl logs``, ``exec``) at the address
+    the node reports. kubelet refuses a loopback, link-local or multicast node IP and one that is not on
+    one of the host's interfaces (``validateNodeIP``, pkg/kubelet/kubelet_node_status.go), so they sit on
+    a port-less link of the cluster's own, /32 each, in block :attr:`block` of :data:`NODE_BLOCKS`, which
+    the cluster leases; no pod has a route there."""
+
+    link: str
+    block: int
+
+    def address(self, index: int) -> str:
+        return str(NODE_BLOCKS.network_address + (self.block << 8) + 10 + index)
+
+    def create(self, nodes: int) -> None:
+        make_address_link(self.link, [self.address(i) for i in range(nodes)])
 
     def remove(self) -> None:
         remove_bridge(self.link)

@@ -3,7 +3,9 @@ kube-controller-manager, kube-scheduler with the gpushare extender (:mod:`~gpush
 and per simulated node a private containerd, the gpushare node agent (simulated cards, CRI shim in front of
 containerd) and a kubelet, in a mount namespace of its own (:mod:`~gpushare.sandbox.realnode`). The nodes
 share the host's network namespace; each node's pods get a bridge and a private subnet of their own
-(:mod:`~gpushare.sandbox.podnetwork`), deleted on stop. Every port is a free one on 127.0.0.1.
+(:mod:`~gpushare.sandbox.podnetwork`), deleted on stop. Every port is a free one on 127.0.0.1 but the
+kubelets', each on its node's own address (:class:`~gpushare.sandbox.podnetwork.NodeAddresses`), where
+kube-apiserver reaches it for logs and exec with a client certificate, the only way in.
 
 :class:`RealCluster` starts the parts in order and stops every process any of them started
 (:mod:`~gpushare.sandbox.launch`); the configuration files they read are rendered by pure functions
@@ -27,11 +29,21 @@ from gpushare.sandbox.certs import Certs
 from gpushare.sandbox.configfiles import Identity
 from gpushare.sandbox.containerd import PAUSE_IMAGE, TEST_IMAGE, build_busybox_image, containerd_available
 from gpushare.sandbox.controlplane import Control, ControlPlane, Schedulers
+from gpushare.sandbox.hostlease import Lease, claim_first_free
 from gpushare.sandbox.launch import ClusterError, Launcher, Process, processes_using
 from gpushare.sandbox.nodecgroups import make_cgroup_root
 from gpushare.sandbox.nvmllimits import describe as describe_limits
 from gpushare.sandbox.nvmllimits import read_limits
-from gpushare.sandbox.podnetwork import bridge_name, cni_plugins_missing, pod_subnet
+from gpushare.sandbox.podnetwork import (
+    NODE_BLOCK_COUNT,
+    NODE_BLOCK_LEASE,
+    NodeAddresses,
+    bridge_name,
+    cni_plugins_missing,
+    node_link,
+    pod_subnet,
+    remove_bridge,
+)
 from gpushare.sandbox.realnode import NodeRunner, RealNode, stop_nodes
 
 #: the image name the pods in deploy/examples use
@@ -92,6 +104,9 @@ class RealCluster:
             raise ClusterError(f"workdir {self.workdir} is too long: unix socket paths under it must stay short")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._started = False
+        #: the nodes' addresses, once their block is leased
+        self.node_addresses: NodeAddresses | None = None
+        self._address_lease: Lease | None = None
         self.launcher = Launcher(self.workdir)
         self.control_plane = ControlPlane(self.launcher, self.rbac, self.audited_users)
         self.schedulers = Schedulers(
@@ -158,6 +173,7 @@ class RealCluster:
         """Bring everything up; on failure stop what was started and raise :class:`ClusterError`."""
         self._started = True
         try:
+            self._make_node_addresses()
             with step("etcd and kube-apiserver"):
                 self.control_plane.start([name for name, _ in self.nodes_spec], self.controllers)
             with step(f"{len(self.nodes_spec)} node(s): containerd, gpushare node agent, kubelet"):
@@ -179,17 +195,35 @@ class RealCluster:
             self.stop()
             raise
 
+    def _make_node_addresses(self) -> None:
+        """Lease a block of node addresses (refused, naming the clusters that hold them, when none is
+        free), remove what a killed cluster that held it last left, and put the nodes' addresses on this
+        cluster's link. :meth:`stop` undoes each part that was done."""
+        slot, self._address_lease = claim_first_free(
+            NODE_BLOCK_LEASE, NODE_BLOCK_COUNT, self.workdir, "blocks of node addresses"
+        )
+        if (previous := self._address_lease.previous) is not None:
+            remove_bridge(node_link(previous))
+        self.node_addresses = NodeAddresses(node_link(self.workdir), slot)
+        self.node_addresses.create(len(self.nodes_spec))
+
     def _start_nodes(self) -> None:
+        assert self.node_addresses is not None
         image = build_busybox_image(self.workdir / "busybox.tar", (PAUSE_IMAGE, TEST_IMAGE, EXAMPLE_IMAGE))
         for index, (name, gpus) in enumerate(self.nodes_spec):
             bridge = bridge_name(self.workdir, index)
-            self.nodes[name] = node = RealNode(name, gpus, self.workdir / name, bridge, pod_subnet(index))
+            address = self.node_addresses.address(index)
+            node = RealNode(name, gpus, self.workdir / name, bridge, pod_subnet(index), address=address)
+            self.nodes[name] = node
             if node.nvml_machine is not None:
                 # a node on the NVML driver gives each pod a cgroup, where the driver's memory limits go
                 node.cgroup_root = f"/{bridge}-cg"
                 node.cgroup_dirs = make_cgroup_root(node.cgroup_root.lstrip("/"))
             node.start_namespace()
             node.start_containerd([image])
+            if self.rbac:
+                taints = self.node_taints.get(name, ())
+                self.node_runner.agent_kubeconfigs[name] = self.control_plane.register_node_agent(name, taints)
             self.node_runner.start_agent(node)
             self.node_runner.start_kubelet(node)
         for node in self.nodes.values():
@@ -244,7 +278,8 @@ class RealCluster:
 
     def endpoints(self) -> list[tuple[str, str]]:
         """Where each component answers, one row per component: its name and its URLs."""
-        rows = [("kube-apiserver", f"{self.server} (kubectl --kubeconfig {self.kubeconfig})")]
+        kubectl = binaries.command(binaries.KUBECTL)
+        rows = [("kube-apiserver", f"{self.server} ({kubectl} --kubeconfig {self.kubeconfig})")]
         for control in self.controls:
             if control.extender is None:
                 rows.append((f"kube-scheduler {control.scheduler_name}", "no extender"))
@@ -277,6 +312,10 @@ class RealCluster:
     def _stop(self) -> None:
         stop_nodes(self.launcher, list(self.nodes.values()), ("kube-scheduler", "extender", "kubelet", "node-agent"))
         self.control_plane.close()
+        if self.node_addresses is not None:
+            self.node_addresses.remove()
+        if self._address_lease is not None:
+            self._address_lease.release()
 
 
 @contextlib.contextmanager

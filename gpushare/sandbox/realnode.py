@@ -39,6 +39,7 @@ from gpushare.gpus.split import ALL_CARDS
 from gpushare.memlimits.cgroups import detect_layout, unified_path
 from gpushare.pb import cri_pb2, cri_pb2_grpc
 from gpushare.sandbox import binaries
+from gpushare.sandbox.certs import kubelet_client_ca
 from gpushare.sandbox.configfiles import Kubeconfigs, render_kubelet_config
 from gpushare.sandbox.containerd import PAUSE_IMAGE, Containerd
 from gpushare.sandbox.fakenvml import FakeNvml, FakeNvmlError
@@ -79,7 +80,8 @@ class RealNode:
     subnet: str = ""
     #: the paths a real host's programs use, private to this node (see the module's docstring)
     host_paths: bool = False
-    #: the node's IP: its kubelet's and its host-network pods' (loopback: the nodes can't tell each other apart)
+    #: the node's IP: its kubelet's and its host-network pods' (see
+    #: :class:`~gpushare.sandbox.podnetwork.NodeAddresses`; kubelet refuses loopback)
     address: str = "127.0.0.1"
     #: with host paths: the fake libnvidia-ml.so.1 (its machine built in) bound at :data:`OPERATOR_NVML`
     nvml_library: Path | None = None
@@ -216,6 +218,9 @@ class NodeRunner:
     taints: Mapping[str, Sequence[str]] = field(default_factory=dict)
     #: per node whose agent also serves the DRA driver (``--dra``), its ``--dra-cards``
     dra_nodes: Mapping[str, str] = field(default_factory=dict)
+    #: per node, its agent's kubeconfig where it has one of its own (a token bound to its Node); the
+    #: others use the node agent's shared one
+    agent_kubeconfigs: dict[str, Path] = field(default_factory=dict)
 
     def start_agent(self, node: RealNode) -> None:
         """``gpushare node`` in the node's namespace, as its DaemonSet pod would run it."""
@@ -239,7 +244,7 @@ class NodeRunner:
                 *node.in_namespace,
                 sys.executable, "-m", "gpushare.cli", "node",
                 "--node-name", node.name,
-                "--kubeconfig", str(self.kubeconfigs.path("gpushare-node-agent")),
+                "--kubeconfig", str(self.agent_kubeconfig(node.name)),
                 "--gpus", *gpus,
                 "--listen", f"unix://{node.cri_socket}",
                 "--runtime", node.containerd.address if node.containerd else "",
@@ -253,6 +258,9 @@ class NodeRunner:
         agent = node.agent
         wait_for(lambda: agent.check() or node.cri_socket.exists(), 30, f"node {node.name}: the CRI shim's socket")
 
+    def agent_kubeconfig(self, node: str) -> Path:
+        return self.agent_kubeconfigs.get(node) or self.kubeconfigs.path("gpushare-node-agent")
+
     def restart_agent(self, node: RealNode) -> None:
         assert node.agent is not None
         self.launcher.stop(node.agent)
@@ -264,22 +272,25 @@ class NodeRunner:
         only (an operator edits it later) with containerd's socket as the runtime, as kubeadm sets a
         node up, and it keeps its state in /var/lib/kubelet."""
         flexvolume, taints = node.base / "flexvolume", self.taints.get(node.name, ())
+        client_ca = kubelet_client_ca(self.launcher.workdir)
         if node.host_paths:
             config = node.kubelet_dir / "config.yaml"
             if not config.exists():
                 node.kubelet_healthz_port = free_port()
                 runtime = CONTAINERD_RUN_DIR / "containerd.sock"
                 rendered = render_kubelet_config(
-                    free_port(), node.kubelet_healthz_port, runtime, flexvolume, taints, node.address
-                )
+                    free_port(), node.kubelet_healthz_port, runtime, flexvolume, taints, node.address,
+                    client_ca=client_ca,
+                )  # fmt: skip
                 config.write_text(rendered)
             dirs = [f"--config={KUBELET_DIR / 'config.yaml'}"]
         else:
             port, node.kubelet_healthz_port = free_port(), free_port()
             config = node.base / "kubelet.yaml"
             rendered = render_kubelet_config(
-                port, node.kubelet_healthz_port, node.cri_socket, flexvolume, taints, cgroup_root=node.cgroup_root
-            )
+                port, node.kubelet_healthz_port, node.cri_socket, flexvolume, taints, node.address,
+                cgroup_root=node.cgroup_root, client_ca=client_ca,
+            )  # fmt: skip
             config.write_text(rendered)
             dirs = [f"--config={config}", f"--root-dir={node.kubelet_dir}", f"--cert-dir={node.base / 'kubelet-pki'}"]
         node.kubelet = self.launcher.spawn(

@@ -14,6 +14,7 @@ from gpushare.inspection.render import render_details
 from gpushare.inspection.views import build_cluster
 from gpushare.kube.objects import get_pod, list_nodes, list_pods
 from gpushare.placement import DEFAULT_POLICY
+from gpushare.sandbox import binaries
 from gpushare.sandbox.examples import EXAMPLES, load_examples
 from gpushare.sandbox.launch import ClusterError, wait_for
 from gpushare.sandbox.nodespec import NodeSpec
@@ -30,6 +31,8 @@ from gpushare.sandbox.printout import (
 from gpushare.sandbox.realcluster import RealCluster, as_sandbox_pod
 from gpushare.sandbox.realnode import NVML_PREFIX
 
+#: the DeviceClass of gpushare's DRA driver, which ``--dra-cards`` applies
+DEVICE_CLASS = EXAMPLES.parent / "dra" / "deviceclass.yaml"
 #: how long an example pod may take to reach a final answer (Running, Failed or Unschedulable)
 SETTLE_SECONDS = 60.0
 
@@ -79,10 +82,25 @@ def apply_examples(cluster: RealCluster, manifests: Sequence[Mapping[str, Any]])
     return outcomes
 
 
+def apply_device_class(cluster: RealCluster) -> None:
+    """deploy/dra/deviceclass.yaml, as an operator applies it: claims naming gpu.gpushare.io can then be
+    allocated from the ResourceSlices of the nodes whose agents serve the DRA driver."""
+    import yaml
+    from kubernetes import utils
+
+    utils.create_from_dict(cluster.api, yaml.safe_load(DEVICE_CLASS.read_text()))
+
+
 def run_real(
-    specs: Sequence[NodeSpec], policy: str, keep_running: bool, out: Any = sys.stdout, nvml_fake: Sequence[str] = ()
+    specs: Sequence[NodeSpec],
+    policy: str,
+    keep_running: bool,
+    out: Any = sys.stdout,
+    nvml_fake: Sequence[str] = (),
+    dra_nodes: Mapping[str, str] | None = None,
 ) -> int:
-    """``nvml_fake``: machines for nodes whose agent runs ``--gpus nvml`` on the fake libnvidia-ml."""
+    """``nvml_fake``: machines for nodes whose agent runs ``--gpus nvml`` on the fake libnvidia-ml;
+    ``dra_nodes``: per node whose agent also serves the DRA driver, its ``--dra-cards``."""
     policy = policy or DEFAULT_POLICY
     nodes = [(s.name, s.gpus) for s in specs]
     nodes += [(f"nvml-{Path(machine).stem}", f"{NVML_PREFIX}{machine}") for machine in nvml_fake]
@@ -90,9 +108,11 @@ def run_real(
     started = time.monotonic()
     with RunDir() as run_dir:
         try:
-            cluster = RealCluster(nodes, run_dir.path, policy=policy)
+            cluster = RealCluster(nodes, run_dir.path, policy=policy, dra_nodes=dict(dra_nodes or {}))
             run_dir.on_exit(cluster.stop)
             cluster.start(progress.step)
+            if dra_nodes:
+                apply_device_class(cluster)
             with progress.step(f"applying the example pods from {EXAMPLES.relative_to(EXAMPLES.parents[1])}"):
                 outcomes = apply_examples(cluster, load_examples())
         except ClusterError as exc:
@@ -106,7 +126,7 @@ def run_real(
             return 0
         print(f"\nComponent logs: {run_dir.path}\n\nEndpoints\n\n{render_endpoints(cluster.endpoints())}", file=out)
         stay_up(
-            f"kubectl --kubeconfig {cluster.kubeconfig} get pods -o wide\n"
+            f"{binaries.command(binaries.KUBECTL)} --kubeconfig {cluster.kubeconfig} get pods -o wide\n"
             f"         gpushare inspect --kubeconfig {cluster.kubeconfig}",
             out,
         )

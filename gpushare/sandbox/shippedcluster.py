@@ -22,7 +22,6 @@ Commands an operator runs on a machine run there with :meth:`ShippedCluster.run_
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shlex
 import subprocess
@@ -36,11 +35,19 @@ from typing import Any
 from gpushare.process import signals_ignored
 from gpushare.sandbox import binaries, kubeproxy
 from gpushare.sandbox.containerd import PAUSE_IMAGE, TEST_IMAGE, build_busybox_image
-from gpushare.sandbox.controlplane import KUBE_PROXY_USER, ControlPlane
+from gpushare.sandbox.controlplane import KUBE_PROXY_USER, SCHEDULER_FEATURE_GATES, ControlPlane
 from gpushare.sandbox.fakenvml import FakeNvmlError, build_with_machine
+from gpushare.sandbox.hostlease import Lease, claim
 from gpushare.sandbox.launch import ClusterError, Launcher, Process, free_port, http_status, wait_for
 from gpushare.sandbox.mountns import MountNamespace
-from gpushare.sandbox.podnetwork import BRIDGE_PREFIX, RoutedNetwork, bridge_name, make_bridge
+from gpushare.sandbox.podnetwork import (
+    ROUTED_LEASE,
+    RoutedNetwork,
+    bridge_name,
+    make_bridge,
+    remove_bridge,
+    routed_link,
+)
 from gpushare.sandbox.realcluster import EXAMPLE_IMAGE, MAX_WORKDIR
 from gpushare.sandbox.realnode import NodeRunner, RealNode, stop_nodes
 
@@ -69,8 +76,8 @@ class ShippedCluster:
             raise ClusterError(f"workdir {self.workdir} is too long: unix socket paths under it must stay short")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._started = False
-        token = hashlib.sha256(str(self.workdir).encode()).hexdigest()[:6]
-        self.network = RoutedNetwork(f"{BRIDGE_PREFIX}{token}cp")
+        self.network = RoutedNetwork(routed_link(self.workdir))
+        self._lease: Lease | None = None
         self.launcher = Launcher(self.workdir)
         self.control_plane = ControlPlane(self.launcher, rbac=True, install_rbac=False, host=self.network.control_plane)
         self.node_runner = NodeRunner(self.launcher, self.control_plane.kubeconfigs)
@@ -92,12 +99,18 @@ class ShippedCluster:
     # --- start -----------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Bring everything up; on failure stop what was started and raise :class:`ClusterError`."""
+        """Bring everything up; on failure stop what was started and raise :class:`ClusterError`. The
+        network's addresses are fixed, so a second such cluster is refused, naming the first, before it
+        changes anything on the host; each part's undo is registered before the part is made."""
         self._started = True
         try:
+            what = f"the routed network ({self.network.control_plane}, Services {self.network.service_range})"
+            self._lease = claim(ROUTED_LEASE, self.workdir, what)
+            if self._lease.previous is not None:  # what a killed cluster left (its lease was free)
+                remove_bridge(routed_link(self._lease.previous))
             kubeproxy.check_free()
-            self.network.create(len(self.nodes_spec))
             self._network_made = True
+            self.network.create(len(self.nodes_spec))
             self.control_plane.start([name for name, _ in self.nodes_spec], ("*",))
             self._start_control_machine()
             self.restart_scheduler(None)
@@ -156,7 +169,12 @@ class ShippedCluster:
         if self.scheduler is not None:
             self.launcher.stop(self.scheduler)
         port = free_port()
-        source = [f"--config={config}"] if config else [f"--kubeconfig={ETC_KUBERNETES / 'scheduler.conf'}"]
+        # docs/operations.md's step 2: the configuration, and the feature gates the extender wants
+        source = (
+            [f"--config={config}", f"--feature-gates={','.join(SCHEDULER_FEATURE_GATES)}"]
+            if config
+            else [f"--kubeconfig={ETC_KUBERNETES / 'scheduler.conf'}"]
+        )
         argv = [*self.control_machine.prefix, str(binaries.built("kube-scheduler")), *source,
                 "--bind-address=127.0.0.1", f"--secure-port={port}", "--v=2"]  # fmt: skip
         scheduler = self.scheduler = self.launcher.spawn("kube-scheduler", argv)
@@ -232,6 +250,8 @@ class ShippedCluster:
                 with contextlib.suppress(ClusterError):
                     kubeproxy.remove_tables()
             self.control_plane.close()
+            if self._lease is not None:
+                self._lease.release()
         self._started = False
 
 

@@ -31,6 +31,8 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from gpushare.placement import DEFAULT_POLICY
+
     parser.add_argument("--nodes", type=Path, help="nodes CSV (sn,cpu_milli,memory_mib,gpu,model)")
     parser.add_argument("--pods", type=Path, help="pods CSV (name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec])")
     parser.add_argument("--from-cluster", action="store_true", help="snapshot the live cluster into the two CSVs")
@@ -41,7 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --from-cluster; default: the in-cluster configuration, then $KUBECONFIG or ~/.kube/config",
     )
     parser.add_argument(
-        "--policy", action="append", help="repeatable; 'default' is the extender's default (default: all)"
+        "--policy",
+        action="append",
+        help=f"repeatable; 'default' is the extender's default policy, {DEFAULT_POLICY}, under that name "
+        f"(default: every policy once, the extender's default as {DEFAULT_POLICY})",
     )
     parser.add_argument(
         "--seeds",
@@ -65,12 +70,12 @@ def run(args: argparse.Namespace) -> int:
     from gpushare.simulate.trace import TraceError, load_nodes, load_pods, unknown_models
 
     known = runs.policy_names()
-    policies = args.policy or known
-    unknown = [p for p in policies if p not in known]
+    unknown = [p for p in args.policy or () if p not in known]
     if unknown:
         raise UsageError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(known)}")
     if args.workers < 1:
         raise UsageError("--workers must be at least 1")
+    policies = runs.policies_to_run(args.policy)
     if not args.from_cluster and not (args.nodes and args.pods):
         raise UsageError("give --nodes and --pods, or --from-cluster")
     if args.from_cluster and (args.nodes or args.pods):

@@ -22,16 +22,30 @@ from gpushare.simulate.trace import TraceNode, TracePod
 PAPER_PREFIX = "paper-"
 
 
+#: the name of the extender's default policy (:data:`gpushare.placement.DEFAULT_POLICY`) among the policies
+DEFAULT_ALIAS = "default"
+
+
 def policy_names() -> list[str]:
     """Every policy ``simulate`` knows: the extender's default, its policies, then the paper's baselines."""
-    return ["default", *placement.POLICIES, *(PAPER_PREFIX + name for name in PAPER_NAMES)]
+    return [DEFAULT_ALIAS, *placement.POLICIES, *(PAPER_PREFIX + name for name in PAPER_NAMES)]
+
+
+def policies_to_run(asked: Sequence[str] | None) -> list[str]:
+    """The policies to replay, each once: ``asked`` in order, where ``default`` and the policy it stands for
+    are one (the first named stays); none asked: every policy under its own name, the alias left out."""
+    names = list(asked) if asked else [n for n in policy_names() if n != DEFAULT_ALIAS]
+    runs: dict[str, str] = {}
+    for name in names:
+        runs.setdefault(placement.DEFAULT_POLICY if name == DEFAULT_ALIAS else name, name)
+    return list(runs.values())
 
 
 def chooser(name: str, pods: Sequence[TracePod], state: ClusterState) -> Chooser:
     """The replay's chooser for the policy called ``name`` (one of ``policy_names()``)."""
     if name.startswith(PAPER_PREFIX):
         return baseline(name.removeprefix(PAPER_PREFIX), pods, state)
-    return ExtenderChooser(learned(placement.DEFAULT_POLICY if name == "default" else name, pods))
+    return ExtenderChooser(learned(placement.DEFAULT_POLICY if name == DEFAULT_ALIAS else name, pods))
 
 
 @dataclass(frozen=True, slots=True)

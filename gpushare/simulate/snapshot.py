@@ -9,6 +9,8 @@ GPU pods' requests, each card share expressed in milli of a card.
   accepts. ``pod_phase`` records the pod's phase, as in the openb trace.
 - A pod with several GPU containers is recorded as one request of their summed share (or whole cards);
   the replay, like the openb trace, knows one request per pod.
+- A share larger than the card it is measured against (a pod no card can hold) can't be written as
+  milli of that card: it is recorded as one whole card, with a warning naming the pod.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from gpushare.cards import Card
 from gpushare.contract.cardrule import format_models, parse_card_rule
 from gpushare.contract.errors import ContractError
 from gpushare.contract.inventory import parse_inventory
-from gpushare.contract.names import NODE_ANN_INVENTORY
+from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_MEM
 from gpushare.contract.request import parse_pod_request, requests_gpu
 from gpushare.kube.objects import list_nodes, list_pods
 from gpushare.placement.demand import CardRule
@@ -76,6 +78,8 @@ class Snapshot:
     pending: int = 0
     topology: int = 0
     left_out: int = 0
+    #: pods asking more of one card than the card they are measured against: recorded as whole cards
+    oversized: int = 0
     nodes_csv: Path = Path("nodes.csv")
     pods_csv: Path = Path("pods.csv")
 
@@ -87,6 +91,10 @@ class Snapshot:
         ]
         if self.topology:
             parts.append(f"{self.topology} pod(s)' NVLink or NUMA requirement is not replayed")
+        if self.oversized:
+            parts.append(
+                f"{self.oversized} pod(s) ask more than a card holds, replayed as whole cards (see the warnings above)"
+            )
         if self.left_out:
             parts.append(f"{self.left_out} object(s) left out (see the warnings above)")
         return "; ".join(parts)
@@ -164,7 +172,15 @@ def take(nodes: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]) 
             accepted = [units for model, units in sizes if rule.accepts(model)] or [units for _, units in sizes]
             units = held or (Counter(accepted).most_common(1)[0][0] if accepted else 1)
             num = max(c.cards for c in containers)
-            share = sum(c.units_per_card for c in containers) * MILLI_PER_CARD // units
+            asked = sum(c.units_per_card for c in containers)
+            share = asked * MILLI_PER_CARD // units
+            if share > MILLI_PER_CARD:
+                log.warning(
+                    "pod %s asks %d %s units of one card, more than the %d of the card it %s: replayed as one "
+                    "whole card",
+                    request.key, asked, RESOURCE_MEM, units, "holds" if held else "is measured against",
+                )  # fmt: skip
+                shot.oversized += 1
             milli = max(1, min(MILLI_PER_CARD, share))
         cpu, mem = _requests(pod)
         phase = (pod.get("status") or {}).get("phase") or "Pending"

@@ -192,3 +192,11 @@ def test_pending_binds_round_trip_and_bad_text_names_the_node() -> None:
     assert parse_pending_binds(None) == {}
     with pytest.raises(AnnotationError, match=f"node n1 annotation {NODE_ANN_PENDING_BINDS}"):
         parse_pending_binds('{"u1": {"pod": "default/p"}}', "n1")
+
+
+@pytest.mark.parametrize("parse", [parse_allocation, parse_inventory])
+def test_an_annotation_nested_thousands_deep_is_a_contract_error_not_a_crash(parse) -> None:
+    """A tenant's (or a forged) annotation of ``[`` x 5000 is refused as malformed, naming the depth,
+    before the JSON decoder recurses into it and raises RecursionError."""
+    with pytest.raises(ContractError, match="nests more than 64 arrays and objects deep"):
+        parse("[" * 5000)

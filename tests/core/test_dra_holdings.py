@@ -12,7 +12,7 @@ from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.resourceclaim import ClaimError
 from gpushare.contract.units import GIB
 from gpushare.memlimits.policy import pod_limits
-from gpushare.usage import dra_held, pod_claim_names
+from gpushare.usage import dra_env, dra_held, pod_claim_names
 
 A, B = CARDS
 INVENTORY = NodeInventory(GIB, CARDS)
@@ -32,7 +32,7 @@ def test_a_pod_holds_the_sum_of_its_claims_on_each_card_of_this_node() -> None:
         result(device="card-1", memory="16Gi", pool="node-b"),  # nor does another node's card
         name="second",
         uid="u2",
-        reserved_for=["uid-other", POD_UID],
+        reserved_for=[POD_UID, "uid-later"],  # the claim is this pod's: it was reserved for it first
     )
     pod = claim_pod("train", POD_UID, ["first", "second"])
     held = dra_held(pod, claims_of(first, second), NODE, INVENTORY)
@@ -42,6 +42,43 @@ def test_a_pod_holds_the_sum_of_its_claims_on_each_card_of_this_node() -> None:
         (A.uuid, 12 << 30, 12 << 30),
         (B.uuid, 2 << 30, 2 << 30),
     ]
+
+
+def test_a_claim_shared_by_two_pods_is_held_by_the_first_it_was_reserved_for_and_refused_to_the_other() -> None:
+    """Each pod's cgroup gets its own limits: two pods given a shared 8 GiB claim would be allowed 16 GiB
+    of it. The later pod is refused, naming the pod it waits for, and not counted at a share of it: a
+    division would change the running pod's limits whenever a pod joined."""
+    shared = claim(result(memory="8Gi"), name="gpu", uid="u1", reserved_for=["uid-first", POD_UID])
+    assert dra_held(claim_pod("first", "uid-first", ["gpu"]), {"gpu": shared}, NODE, INVENTORY) == {A.uuid: 8}
+    with pytest.raises(ClaimError) as err:
+        dra_held(claim_pod("train", POD_UID, ["gpu"]), {"gpu": shared}, NODE, INVENTORY)
+    assert str(err.value).startswith(
+        "ResourceClaim ns/gpu (uid u1) is in use by pod ns/pod-uid-first (uid uid-first) as well as pod ns/train: "
+    )
+
+
+def test_a_container_sees_every_card_of_the_claims_it_was_given_once_with_the_units_summed() -> None:
+    first = claim(result(device="card-1", memory="8Gi"), name="first", uid="u1", reserved_for=[POD_UID])
+    second = claim(
+        result(device="card-0", memory="4Gi", request="a"),
+        result(device="card-1", memory="2Gi", request="a"),
+        result(device="card-0", memory="16Gi", request="b"),
+        name="second",
+        uid="u2",
+        reserved_for=[POD_UID],
+    )
+    pod = claim_pod("train", POD_UID, ["first", "second"])
+    devices = ["gpu.gpushare.io/claim=u1-gpu", "gpu.gpushare.io/claim=u2-a"]
+    expected = {
+        "NVIDIA_VISIBLE_DEVICES": f"{B.uuid},{A.uuid}",
+        "ALIYUN_COM_GPU_MEM_IDX": "1,0",
+        "ALIYUN_COM_GPU_MEM_POD": "30",
+        "ALIYUN_COM_GPU_MEM_CONTAINER": "14",
+        "ALIYUN_COM_GPU_MEM_DEV": "80",
+    }
+    assert dra_env(pod, claims_of(first, second), devices, NODE, INVENTORY) == expected
+    # in the pod's order of its claims, whatever kubelet's order of their devices
+    assert dra_env(pod, claims_of(first, second), devices[::-1], NODE, INVENTORY) == expected
 
 
 def test_a_claim_of_other_drivers_only_holds_nothing_here() -> None:

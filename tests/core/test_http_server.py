@@ -7,16 +7,29 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import logging
 import socket
 import ssl
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from support.waiting import wait_until
 
-from gpushare.tlshttp import DEFAULT_LIMITS, HttpServer, Limits, Reply, Request
+from gpushare import tlshttp
+from gpushare.tlshttp import (
+    DEFAULT_LIMITS,
+    LOG_EVERY,
+    MAX_JSON_DEPTH,
+    BadJSON,
+    HttpServer,
+    Limits,
+    Reply,
+    Request,
+    parse_json,
+)
 
 
 def echo(request: Request) -> Reply:
@@ -159,4 +172,88 @@ def test_a_server_whose_loop_fails_says_so_and_leaves_nothing_behind(caplog: pyt
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", server.port), timeout=10)
     finally:
+        server.stop()
+
+
+# --- JSON bodies ---------------------------------------------------------------------------------
+
+
+def nested(depth: int) -> bytes:
+    return b'{"a": ' * (depth - 1) + b"[1]" + b"}" * (depth - 1)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        nested(MAX_JSON_DEPTH),
+        # brackets inside strings are text, escaped quotes and backslashes included
+        b'{"a": "[[[[' + b"[" * 100 + b'", "b": "\\\\", "c": "\\"[[[["}',
+        b'["' + b"]" * 100 + b'", ' + nested(MAX_JSON_DEPTH - 1) + b"]",
+        b'[[], {}, "", "", [[]], {"x": [{}]}]',
+    ],
+)
+def test_json_nested_up_to_the_limit_is_parsed_as_json_loads_does(body: bytes) -> None:
+    assert parse_json(body) == json.loads(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        nested(MAX_JSON_DEPTH + 1),
+        b"[" * 5000,  # never closed
+        b"{" * 100_000 + b"}" * 100_000,
+        b"[" + b'"]", [' * 5000,  # closers hidden in strings
+        b"[]" * 10 + b"[" * 70,
+    ],
+)
+def test_json_nested_deeper_is_refused_before_it_is_decoded(body: bytes) -> None:
+    with pytest.raises(BadJSON, match=f"nests more than {MAX_JSON_DEPTH} arrays and objects deep"):
+        parse_json(body)
+
+
+def test_a_body_that_is_not_json_is_refused_saying_so() -> None:
+    for body in (b"", b"{", b"\xff\xfe[", b'{"a": 1} x'):
+        with pytest.raises(BadJSON, match="the body is not JSON"):
+            parse_json(body)
+
+
+# --- a handler's failures ------------------------------------------------------------------------
+
+
+def test_a_handler_failing_again_and_again_is_a_500_logged_once_per_kind(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request that trips a bug, repeated by a peer, is answered 500 every time and logged one line per
+    kind (the exception and where it was raised) per interval, then with how many were left out."""
+    now = [1000.0]
+    monkeypatch.setattr(tlshttp, "time", SimpleNamespace(monotonic=lambda: now[0]))
+
+    def broken(request: Request) -> Reply:
+        if request.path == "/key":
+            return Reply(200, {}["secret-key"])
+        raise RuntimeError("no such thing")
+
+    server = HttpServer("127.0.0.1", 0, broken, name="broken")
+    server.start()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        with caplog.at_level(logging.INFO, logger="gpushare.tlshttp"):
+            for path in ["/key", "/other"] * 20:
+                conn.request("POST", path, b"{}")
+                reply = conn.getresponse()
+                assert reply.status == 500 and b"secret-key" not in reply.read()
+            first = [r for r in caplog.records if r.levelno >= logging.INFO]
+            assert len(first) == 2 and not any(r.exc_info for r in first), caplog.text
+            key, other = (r.getMessage() for r in first)
+            assert (
+                "broken: POST '/key' failed: KeyError" in key and "test_http_server.py:" in key and "in broken" in key
+            )
+            assert "broken: POST '/other' failed: RuntimeError: 'no such thing'" in other
+            now[0] += LOG_EVERY
+            conn.request("POST", "/key", b"{}")
+            assert conn.getresponse().read()
+        later = [r.getMessage() for r in caplog.records[len(first) :]]
+        assert len(later) == 1 and "KeyError" in later[0] and "(19 more like it in the last 10 s)" in later[0]
+    finally:
+        conn.close()
         server.stop()

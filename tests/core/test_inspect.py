@@ -84,7 +84,15 @@ def test_summary_shows_each_card_in_its_nodes_unit() -> None:
     # the units differ between nodes, so the cluster total is converted to MiB: 20 GiB + 20 x 512 MiB
     assert "Allocated/Total GPU memory in cluster: 30720/130048 MiB (23%)" in text
     assert "warning: node small: pod team/broken annotation gpushare.io/allocation: not valid JSON" in text
-    assert "1 pod(s) requesting GPUs are not bound to a node yet" in text
+    assert "1 pod(s) requesting GPUs are not bound to a node yet: team/unscheduled" in text.splitlines()
+
+
+def test_the_pods_not_bound_yet_are_named_the_first_ten_then_how_many_more() -> None:
+    nodes, _ = cluster_objects()
+    waiting = [pod(f"wait-{i:02d}", None, {"main": mem(4)}) for i in range(12)]
+    text = render_summary(build_cluster(nodes, waiting))
+    named = ", ".join(f"team/wait-{i:02d}" for i in range(10))
+    assert f"12 pod(s) requesting GPUs are not bound to a node yet: {named} and 2 more" in text
 
 
 def test_details_list_each_pod_per_card() -> None:

@@ -39,16 +39,19 @@ from gpushare.crishim.frames import (
     rst_stream,
 )
 from gpushare.crishim.metrics import CORRECTIONS, REFUSALS
-from gpushare.crishim.server import EVENT_CORRECTED
+from gpushare.crishim.resolve import Resolver
+from gpushare.crishim.server import EVENT_CORRECTED, CreateContainerGuard, CriShim
 from gpushare.crishim.wiring import RunningShim, start_cri_shim
 from gpushare.draplugin.cdi import remove_spec, write_spec
 from gpushare.draplugin.prepare import prepare_claim
 from hpack import Encoder
 from kubernetes import client
-from support.draclaims import REF, claim, result
+from support.crishim import FakePods
+from support.draclaims import REF, claim, claim_pod, result
 from support.waiting import wait_until
 
 from gpushare.contract.allocation import CardSlice, format_allocation
+from gpushare.contract.dra import format_claim_env_key
 from gpushare.contract.env import assigned_env
 from gpushare.contract.names import (
     ANN_ALLOCATION,
@@ -57,10 +60,13 @@ from gpushare.contract.names import (
     CTR_ANN_CONTAINER,
     CTR_ANN_POD,
     CTR_ANN_POD_UID,
+    ENV_MEM_CONTAINER,
     ENV_MEM_IDX,
+    ENV_MEM_POD,
     ENV_VISIBLE_DEVICES,
     VISIBLE_DEVICES_VOID,
 )
+from gpushare.contract.resourceclaim import ClaimRef
 from gpushare.contract.units import GIB
 from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.pb import cri_pb2 as pb
@@ -263,25 +269,45 @@ def test_container_without_gpu_request_gets_void(shim: Cri, direct: Cri) -> None
 
 
 @needs_containerd
-def test_a_claims_container_gets_its_claims_env_from_cdi_and_no_void_from_the_shim(
-    containerd: Containerd, shim: Cri, direct: Cri
+def test_a_container_with_two_claims_sees_both_cards_through_containerd(
+    containerd: Containerd, direct: Cri, tmp_path: Path
 ) -> None:
-    """The kubelet plugin prepared the claim (its CDI spec is in containerd's CDI directory); kubelet
-    creates the container with the claim's CDI device and no device plugin answer."""
-    prepared = prepare_claim(claim(result(device="card-1", memory="8Gi")), REF, NODE, CARDS, GIB.mib)
+    """The kubelet plugin prepared two claims (their CDI specs are in containerd's CDI directory) on two
+    cards; kubelet creates a container with both claims' CDI devices. containerd applies CDI env edits
+    after the config's env, the last device winning, so the shim's env of both cards must not be
+    overridden by either spec."""
+    refs = [REF, ClaimRef(REF.namespace, "claim-2", "0b5c9f1e-1111-2222-3333-777788889999")]
+    claims = [
+        claim(
+            result(device=f"card-{i}", memory=f"{8 * (i + 1)}Gi"), uid=ref.uid, name=ref.name, reserved_for=["uid-dra"]
+        )
+        for i, ref in enumerate(refs)
+    ]
     cdi_dir = containerd.base / "cdi"
-    write_spec(cdi_dir, REF.uid, prepared.spec)
+    devices = []
+    for ref, raw in zip(refs, claims, strict=True):
+        prepared = prepare_claim(raw, ref, NODE, CARDS, GIB.mib, {})
+        write_spec(cdi_dir, ref.uid, prepared.spec)
+        devices += [d.cdi_device_id for d in prepared.devices]
+    pod = claim_pod("dra", "uid-dra", [r.name for r in refs], namespace="default", node=NODE)
+    guard = CreateContainerGuard(Resolver(GIB, FakePods([pod], claims=claims)), lambda: CARDS, GIB, RewriteOptions())
+    shim = CriShim(f"unix://{tmp_path}/shim.sock", containerd.address, guard)
+    shim.start()
+    cri = Cri(shim.address)
     try:
-        config = container_config("worker", {"KEEP": "me"})
-        config.CDI_devices.append(pb.CDIDevice(name=prepared.devices[0].cdi_device_id))
-        container = run_container(shim, sandbox_config("dra", "uid-dra"), config)
-        env = process_env(direct, container)
-        assert env[ENV_VISIBLE_DEVICES] == CARDS[1].uuid and env[ENV_MEM_IDX] == "1" and env["KEEP"] == "me"
-        status = direct.runtime.ContainerStatus(pb.ContainerStatusRequest(container_id=container, verbose=True))
-        received = json.loads(status.info["info"])["config"]
-        assert {e["key"]: e.get("value") for e in received["envs"]} == {"KEEP": "me"}  # as kubelet sent it
+        config = container_config("worker", {"KEEP": "me", ENV_VISIBLE_DEVICES: "all"})
+        config.CDI_devices.extend(pb.CDIDevice(name=d) for d in devices)
+        env = process_env(direct, run_container(cri, sandbox_config("dra", "uid-dra"), config))
+        assert env[ENV_VISIBLE_DEVICES] == f"{CARDS[0].uuid},{CARDS[1].uuid}" and env["KEEP"] == "me"
+        assert (env[ENV_MEM_IDX], env[ENV_MEM_CONTAINER], env[ENV_MEM_POD]) == ("0,1", "24", "24")
+        assert {k for k in env if k.startswith("GPUSHARE_CLAIM_")} == {
+            format_claim_env_key(ref.uid, "gpu") for ref in refs
+        }  # each spec's own variable
     finally:
-        remove_spec(cdi_dir, REF.uid)
+        cri.channel.close()
+        shim.stop()
+        for ref in refs:
+            remove_spec(cdi_dir, ref.uid)
 
 
 @needs_containerd

@@ -123,7 +123,7 @@ def test_a_running_sandboxs_cgroup_is_read_from_the_runtimes_verbose_status() ->
 
 # --- pods holding cards through ResourceClaims ---------------------------------------------------------------
 
-CLAIM_DEVICE = "gpu.gpushare.io/claim=u1-gpu"
+CLAIM_DEVICE = "gpu.gpushare.io/claim=uid-first-gpu"
 
 
 def dra_create(cgroup: str = POD_CGROUP) -> bytes:
@@ -178,24 +178,29 @@ def test_a_device_plugin_container_of_a_pod_with_claims_is_limited_to_both() -> 
     ("pods", "why"),
     [
         (claim_pods(TWO_CLAIMS[0]), "ResourceClaim default/second: not found"),
-        (claim_pods(*TWO_CLAIMS, fail=True), "can't be read: pod default/train: API server unreachable"),
-        (None, "can't be read: API lookups are disabled (--no-api-fetch)"),
+        (
+            claim_pods(*TWO_CLAIMS, fail=True),
+            "ResourceClaims for CDI device(s) " + CLAIM_DEVICE + " and pod default/train: API server unreachable",
+        ),
+        (None, "ResourceClaims for CDI device(s) " + CLAIM_DEVICE + ", and API lookups are disabled (--no-api-fetch)"),
         (
             claim_pods(TWO_CLAIMS[0], train_claim("second", result(), reserved=False)),
             "ResourceClaim default/second (uid uid-second): status.reservedFor does not name pod default/train",
         ),
         (
             claim_pods(train_claim("first", result(pool="node-b")), names=("first",)),
-            "the pod's ResourceClaims (first) hold no card of node node-a",
+            f"CDI device {CLAIM_DEVICE}: ResourceClaim default/first (uid uid-first) has no request gpu allocated a "
+            "card of node node-a",
         ),
     ],
     ids=["claim-missing", "api-down", "api-lookups-off", "not-reserved-for-the-pod", "allocated-elsewhere"],
 )
 def test_a_dra_pod_whose_claims_cant_be_counted_is_refused_naming_the_claim(pods: FakePods | None, why: str) -> None:
+    """Refused before any limit is set: the claims that give the container its cards are its limits too."""
     driver, events = Driver(), []
     verdict = guard(driver, pods, events=events)(dra_create())
     assert isinstance(verdict, Refuse) and verdict.code.name == "FAILED_PRECONDITION"
-    assert verdict.message.startswith("pod default/train container worker: its memory limits can't be set: ")
+    assert verdict.message.startswith("pod default/train container worker: ")
     assert why in verdict.message
     assert events == [(POD, EVENT_REFUSED, verdict.message, "Warning")]
     assert driver.set == []

@@ -219,6 +219,29 @@ def test_probe_ports_listen_on_the_pod_ip_and_the_command_takes_every_argument(
     assert {p["name"]: p["containerPort"] for p in container["ports"]}[port] == getattr(parsed, served)
 
 
+def ingress_by_port(policy: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The NetworkPolicy's ingress rules by the port each admits to."""
+    return {port["port"]: rule for rule in policy["spec"]["ingress"] for port in rule["ports"]}
+
+
+@pytest.mark.parametrize("name", ["gpushare-extender", "gpushare-webhook"])
+def test_a_network_policy_admits_to_each_port_of_the_pod_and_to_no_other(name: str) -> None:
+    policy, deployment = one("NetworkPolicy", name), one("Deployment", name)
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (container,) = pod_spec(deployment)["containers"]
+    assert ingress_by_port(policy).keys() == {p["name"] for p in container["ports"]}
+
+
+def test_the_extenders_plain_health_port_admits_only_the_monitoring_namespace() -> None:
+    """/metrics there has no authentication and costs the verbs' time: not for any pod that asks.
+    kubelet's probes come from the pod's own node, which NetworkPolicy always admits."""
+    rules = ingress_by_port(one("NetworkPolicy", "gpushare-extender"))
+    monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    assert rules["health"]["from"] == [{"namespaceSelector": monitoring, "podSelector": {}}]
+
+
 def test_webhook_guards_pods_and_fails_closed() -> None:
     config = one("ValidatingWebhookConfiguration", "gpushare-pod-annotations")
     (hook,) = config["webhooks"]

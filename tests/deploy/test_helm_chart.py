@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -23,7 +24,7 @@ CHART = DEPLOY / "helm" / "gpushare"
 NAMESPACE = "gpushare-system"
 #: the oldest Kubernetes the manifests support, as tests/deploy/test_deploy_manifests.py validates them
 KUBERNETES_VERSION = "1.30"
-#: the Secrets the chart makes when certificates.generate is on (deploy/ leaves them to the operator)
+#: the Secrets the chart makes itself (certificates.source chart, the default; deploy/ leaves them to the operator)
 GENERATED_SECRETS = {
     "gpushare-ca",
     "gpushare-client-ca",
@@ -180,7 +181,7 @@ def test_generated_certificates_chain_to_their_cas() -> None:
 def test_existing_secrets_are_used_as_named() -> None:
     objects = render(
         "admission=webhook",
-        "certificates.generate=false",
+        "certificates.source=secrets",
         "certificates.extenderTLSSecret=ours-extender",
         "certificates.webhookCABundle=Q0E=",
     )
@@ -257,6 +258,13 @@ def test_the_dra_value_deploys_the_device_class_and_has_the_node_agents_serve_th
         kubernetes_validate.validate(obj, "1.37", strict=True)
 
 
+def test_the_chart_renders_without_kube_version_as_argo_cd_and_a_release_helm_do() -> None:
+    """helm's default Kubernetes version is its client-go's (build_kube.sh stamps it as helm's release
+    build does), which the chart's kubeVersion (>=1.30) accepts."""
+    done = helm("template", "gpushare", str(CHART), "--namespace", NAMESPACE)
+    assert done.returncode == 0, done.stderr
+
+
 def test_an_unknown_admission_value_is_refused_by_name() -> None:
     done = helm("template", "gpushare", str(CHART), *TARGET, "--set=admission=off")
     assert done.returncode != 0 and 'admission: "off" is not one of policy, webhook, both' in done.stderr
@@ -287,3 +295,181 @@ def test_the_dra_steering_value_is_the_extenders_flag_and_off_by_default() -> No
     (plain,) = pod_templates(render())["gpushare-extender"]["containers"]
     (steering,) = pod_templates(render("extender.draSteering=true"))["gpushare-extender"]["containers"]
     assert "--dra-steering" not in plain["args"] and "--dra-steering" in steering["args"]
+
+
+# --- certificates made outside the chart, for GitOps ------------------------------------------------------
+
+#: values that name the operator's own Secrets (certificates.source secrets), webhook included
+OPERATORS_SECRETS = (
+    "admission=both",
+    "certificates.source=secrets",
+    "certificates.extenderTLSSecret=ops-extender",
+    "certificates.schedulerClientCASecret=ops-client-ca",
+    "certificates.webhookTLSSecret=ops-webhook",
+    "certificates.webhookCABundle=Q0E=",
+)
+#: the fields of cert-manager's v1 Certificate spec (its API reference, "CertificateSpec"): secretName and
+#: issuerRef are required; each usage is one of the API's key usage names
+CERTIFICATE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["secretName", "issuerRef"],
+    "additionalProperties": False,
+    "properties": {
+        "secretName": {"type": "string", "minLength": 1},
+        "commonName": {"type": "string", "maxLength": 64},
+        "dnsNames": {"type": "array", "items": {"type": "string"}},
+        "duration": {"type": "string", "pattern": r"^[0-9]+h$"},
+        "isCA": {"type": "boolean"},
+        "usages": {
+            "type": "array",
+            "items": {"enum": ["server auth", "client auth", "digital signature", "key encipherment", "cert sign"]},
+        },
+        "privateKey": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]}, "size": {"type": "integer"}},
+        },
+        "issuerRef": {
+            "type": "object",
+            "required": ["name"],
+            "additionalProperties": False,
+            "properties": {
+                "name": {"type": "string"},
+                "kind": {"enum": ["Issuer", "ClusterIssuer"]},
+                "group": {"const": "cert-manager.io"},
+            },
+        },
+    },
+}
+
+
+def render_text(*settings: str) -> str:
+    done = helm("template", "gpushare", str(CHART), *TARGET, *(f"--set={s}" for s in settings))
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("settings", [OPERATORS_SECRETS, ("admission=both", "certificates.source=certManager")])
+def test_with_certificates_made_outside_the_chart_two_renders_are_the_same_bytes(settings: tuple[str, ...]) -> None:
+    """What Argo CD needs: a render is a function of the values alone, with no key in it."""
+    first, second = render_text(*settings), render_text(*settings)
+    assert first == second
+    assert "PRIVATE KEY" not in first and not [d for d in yaml.safe_load_all(first) if d and d["kind"] == "Secret"]
+    # the chart's own certificates are made anew at each render: what the two values above avoid
+    assert render_text("admission=both") != render_text("admission=both")
+
+
+def test_the_operators_secrets_are_what_every_workload_mounts() -> None:
+    objects = render(*OPERATORS_SECRETS)
+    mounted = {
+        name: {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        for name, spec in pod_templates(objects).items()
+    }
+    assert mounted["gpushare-extender"] == {"tls": "ops-extender", "client-ca": "ops-client-ca"}
+    assert mounted["gpushare-webhook"] == {"tls": "ops-webhook"}
+    (hook,) = one(objects, "ValidatingWebhookConfiguration", "gpushare-pod-annotations")["webhooks"]
+    assert hook["clientConfig"]["caBundle"] == "Q0E="
+    assert not [o for o in objects if o["apiVersion"].startswith("cert-manager.io/")]
+
+
+def test_the_operators_secrets_with_the_webhook_and_no_ca_bundle_are_refused_by_name() -> None:
+    done = helm(
+        "template", "gpushare", str(CHART), *TARGET, "--set=admission=webhook", "--set=certificates.source=secrets"
+    )
+    assert done.returncode != 0 and "certificates.webhookCABundle: empty" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ("certificates.generate=false", "certificates.generate is replaced by certificates.source"),
+        ("certificates.source=vault", 'certificates.source: "vault" is not one of chart, certManager, secrets'),
+    ],
+)
+def test_a_certificates_value_the_chart_cant_use_is_refused_by_name(setting: str, says: str) -> None:
+    done = helm("template", "gpushare", str(CHART), *TARGET, f"--set={setting}")
+    assert done.returncode != 0 and says in done.stderr
+
+
+def test_cert_manager_certificates_chain_to_what_each_workload_mounts() -> None:
+    objects = render("admission=both", "certificates.source=certManager", "certificates.validityDays=365")
+    issuers = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "Issuer"}
+    certificates = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "Certificate"}
+    for obj in objects:
+        if not obj["apiVersion"].startswith("cert-manager.io/"):
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+            continue
+        assert obj["apiVersion"] == "cert-manager.io/v1" and obj["metadata"]["namespace"] == NAMESPACE
+        if obj["kind"] == "Certificate":
+            jsonschema.validate(obj["spec"], CERTIFICATE_SCHEMA)
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    # a self-signed issuer signs the two CAs; each CA's own issuer signs from its Secret
+    assert issuers == {
+        "gpushare-selfsigned": {"selfSigned": {}},
+        "gpushare-ca": {"ca": {"secretName": "gpushare-ca"}},
+        "gpushare-client-ca": {"ca": {"secretName": "gpushare-client-ca"}},
+    }
+    for ca in ("gpushare-ca", "gpushare-client-ca"):
+        assert certificates[ca]["isCA"] and certificates[ca]["secretName"] == ca
+        assert certificates[ca]["issuerRef"]["name"] == "gpushare-selfsigned"
+    signed_by = {name: spec["issuerRef"]["name"] for name, spec in certificates.items() if not spec.get("isCA")}
+    assert signed_by == {
+        "gpushare-extender-tls": "gpushare-ca",
+        "gpushare-webhook-tls": "gpushare-ca",
+        "gpushare-scheduler-client": "gpushare-client-ca",  # anything this CA signs may call /bind
+    }
+    assert all(spec["duration"] == "8760h" for spec in certificates.values())
+    templates = pod_templates(objects)
+    for workload, certificate in (
+        ("gpushare-extender", "gpushare-extender-tls"),
+        ("gpushare-webhook", "gpushare-webhook-tls"),
+    ):
+        (tls,) = [v for v in templates[workload]["volumes"] if v["name"] == "tls"]
+        assert tls["secret"]["secretName"] == certificates[certificate]["secretName"]
+        host = f"{workload}.{NAMESPACE}.svc"
+        assert certificates[certificate]["dnsNames"] == [host] and "server auth" in certificates[certificate]["usages"]
+    assert "client auth" in certificates["gpushare-scheduler-client"]["usages"]
+    # the extender trusts the client CA's certificate alone: the CA's key is never in its pod
+    (client_ca,) = [v for v in templates["gpushare-extender"]["volumes"] if v["name"] == "client-ca"]
+    assert client_ca["secret"] == {"secretName": "gpushare-client-ca", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    # cainjector writes the webhook's caBundle from the CA of the webhook's Certificate
+    config = one(objects, "ValidatingWebhookConfiguration", "gpushare-pod-annotations")
+    assert config["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": f"{NAMESPACE}/gpushare-webhook-tls"}
+    (hook,) = config["webhooks"]
+    assert "caBundle" not in hook["clientConfig"]
+
+
+def test_cert_manager_without_the_webhook_makes_no_webhook_certificate() -> None:
+    objects = render("certificates.source=certManager")
+    names = {o["metadata"]["name"] for o in objects if o["kind"] == "Certificate"}
+    assert names == {"gpushare-ca", "gpushare-client-ca", "gpushare-extender-tls", "gpushare-scheduler-client"}
+
+
+def policies(objects: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each NetworkPolicy's ingress rules by the port each admits to, by the policy's name."""
+    return {
+        o["metadata"]["name"]: {port["port"]: rule for rule in o["spec"]["ingress"] for port in rule["ports"]}
+        for o in objects
+        if o["kind"] == "NetworkPolicy"
+    }
+
+
+def test_the_control_plane_cidrs_narrow_who_reaches_the_verbs_and_the_webhook() -> None:
+    rendered = policies(render("admission=webhook", r"networkPolicy.controlPlaneCIDRs={10.0.0.0/24,10.0.1.5/32}"))
+    for name, component in (("gpushare-extender", "kube-scheduler"), ("gpushare-webhook", "kube-apiserver")):
+        peers = rendered[name]["https"]["from"]
+        assert [p["ipBlock"]["cidr"] for p in peers if "ipBlock" in p] == ["10.0.0.0/24", "10.0.1.5/32"]
+        assert {"matchLabels": {"component": component}} in [p.get("podSelector") for p in peers]
+    # without them, the TLS ports admit any address: the handshake is the guard
+    assert "from" not in policies(render("admission=webhook"))["gpushare-webhook"]["https"]
+
+
+def test_the_metrics_peers_are_a_value_and_none_closes_the_health_port_to_all_but_the_node() -> None:
+    peers = policies(render("networkPolicy.metricsFrom[0].podSelector.matchLabels.app=prometheus"))
+    (peer,) = peers["gpushare-extender"]["health"]["from"]
+    assert peer["podSelector"] == {"matchLabels": {"app": "prometheus"}}
+    assert "health" not in policies(render("networkPolicy.metricsFrom=null"))["gpushare-extender"]
+
+
+def test_the_network_policies_can_be_left_out() -> None:
+    assert not policies(render("admission=both", "networkPolicy.enabled=false"))

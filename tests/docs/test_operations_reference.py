@@ -9,6 +9,7 @@ import re
 import tomllib
 
 import pytest
+from gpushare.extender.metrics import CARD_GAUGES
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, REGISTRY
 from support.docfiles import OPERATIONS, ROOT, section
 
@@ -37,11 +38,15 @@ def metric_modules() -> list[str]:
 
 
 def registered_metrics() -> set[str]:
-    """The metric names the product registers, as /metrics exposes them (counters with ``_total``)."""
+    """The metric names the product registers, as /metrics exposes them (counters with ``_total``), and
+    the extender's per-card gauges, whose text it keeps itself."""
     for module in metric_modules():
         importlib.import_module(module)
     defaults = {m.name for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR) for m in c.collect()}
-    return {f"{m.name}_total" if m.type == "counter" else m.name for m in REGISTRY.collect() if m.name not in defaults}
+    registered = {
+        f"{m.name}_total" if m.type == "counter" else m.name for m in REGISTRY.collect() if m.name not in defaults
+    }
+    return registered | {name for name, _ in CARD_GAUGES}
 
 
 def documented_metrics() -> set[str]:

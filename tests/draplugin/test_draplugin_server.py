@@ -107,7 +107,7 @@ def test_prepare_writes_the_claims_cdi_spec_and_answers_its_device(
     (spec_file,) = plugin.paths.cdi_dir.iterdir()
     spec = json.loads(spec_file.read_text())
     assert spec["kind"] == "gpu.gpushare.io/claim"
-    assert "NVIDIA_VISIBLE_DEVICES=GPU-bbbb" in spec["devices"][0]["containerEdits"]["env"]
+    assert spec["annotations"]["gpu.gpushare.io/memory"] == f"GPU-bbbb={8 << 30}"
 
 
 def test_each_claim_gets_its_own_error_and_the_others_are_prepared(
@@ -143,6 +143,47 @@ def test_unprepare_removes_the_spec_and_answers_every_claim_even_unprepared_ones
         reply = dra.NodeUnprepareResources(pb.NodeUnprepareResourcesRequest(claims=[wire(REF), wire(never)]), timeout=5)
         assert {uid: r.error for uid, r in reply.claims.items()} == {REF.uid: "", never.uid: ""}
         assert list(plugin.paths.cdi_dir.iterdir()) == []
+
+
+def prepare(dra: pb_grpc.DRAPluginStub, *refs: ClaimRef) -> dict[str, str]:
+    reply = dra.NodePrepareResources(pb.NodePrepareResourcesRequest(claims=[wire(r) for r in refs]), timeout=5)
+    return {uid: r.error for uid, r in reply.claims.items()}
+
+
+def forty(claims: Claims, i: int, device: str = "card-0") -> ClaimRef:
+    """A claim of 40 GiB of ``device`` (an 80 GiB card), as a bad ResourceSlice could let the allocator
+    give out past the card."""
+    ref = ClaimRef(namespace="ns", name=f"forty-{i}", uid=f"0000000{i}-1111-2222-3333-444455556666")
+    claims.stored[(ref.namespace, ref.name)] = claim(result(device=device, memory="40Gi"), uid=ref.uid, name=ref.name)
+    return ref
+
+
+def test_no_card_is_prepared_past_its_memory_over_all_the_claims_prepared_on_it(
+    plugin: DraPlugin, dra: pb_grpc.DRAPluginStub, claims: Claims
+) -> None:
+    first, second, third = (forty(claims, i) for i in range(3))
+    assert prepare(dra, first, second) == {first.uid: "", second.uid: ""}
+    assert prepare(dra, first) == {first.uid: ""}  # asked again: it doesn't count against itself
+    refused = (
+        f"ResourceClaim {third}: card 0 (GPU-aaaa) can't take its 40960 MiB: the claims prepared on this node hold "
+        "81920 MiB of its 81920 MiB"
+    )
+    assert prepare(dra, third) == {third.uid: refused}
+    assert not (plugin.paths.cdi_dir / f"gpu.gpushare.io-claim_{third.uid}.json").exists()
+    elsewhere = forty(claims, 3, device="card-1")
+    assert prepare(dra, elsewhere) == {elsewhere.uid: ""}  # card 1 has room
+
+    # a restarted plugin learns what the claims hold from their specs; an unprepared claim frees its share
+    plugin.stop()
+    again = DraPlugin(plugin.paths, DraService(NODE, lambda: CARDS, 1024, claims, plugin.paths.cdi_dir))
+    again.start()
+    try:
+        for stub in kubelet_dra(again):
+            assert prepare(stub, third) == {third.uid: refused}
+            stub.NodeUnprepareResources(pb.NodeUnprepareResourcesRequest(claims=[wire(first)]), timeout=5)
+            assert prepare(stub, third) == {third.uid: ""}
+    finally:
+        again.stop()
 
 
 def test_stop_removes_both_sockets(root: Path, claims: Claims) -> None:

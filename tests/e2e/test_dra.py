@@ -5,6 +5,7 @@ plugin, each card filled one way and never past its memory."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,66 @@ def test_a_claim_no_card_can_hold_stays_pending_with_the_schedulers_reason(claim
     assert "cannot allocate all claims" in message, message
     assert claims.pods.phase("dra-too-big") == "Pending"
     assert "allocation" not in (get_resource_claim(claims.cluster.api, "default", "too-big").get("status") or {})
+
+
+def held_gib(claims: Claims, node: str, card: Card) -> int:
+    """What every ResourceClaim in the cluster was allocated on ``card`` of ``node``, in GiB."""
+    listed = claims.resource.list_resource_claim_for_all_namespaces(_preload_content=False)
+    return sum(
+        gib
+        for raw in json.loads(listed.data)["items"]
+        for pool, share, gib in claim_shares(raw)
+        if (pool, share.uuid) == (node, card.uuid)
+    )
+
+
+def create_container_error(pods: Pods, name: str) -> str | None:
+    """Why kubelet can't create the pod's container (the runtime's answer), while it can't."""
+    for status in (pods.get(name).get("status") or {}).get("containerStatuses") or []:
+        waiting = (status.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") == "CreateContainerError":
+            return str(waiting.get("message", ""))
+    return None
+
+
+def test_a_claim_shared_by_two_pods_serves_the_first_and_the_card_is_never_promised_twice(claims: Claims) -> None:
+    """Two pods naming one claim would each be allowed its whole memory (each pod's cgroup is limited on
+    its own), so a claim filling the rest of the card would over-commit it: the second pod is refused."""
+    card = node_cards(DRA_NODE)[0]
+    on_card = f'device.attributes["{DRA_DRIVER}"].uuid == "{card.uuid}"'
+    claims.apply(claims.claim("shared-8", "8Gi", on_card))
+    claims.apply(claims.claimed_pod("dra-share-a", "shared-8", node=DRA_NODE))
+    claims.pods.wait_running("dra-share-a")
+    claims.apply(claims.claimed_pod("dra-share-b", "shared-8", node=DRA_NODE))
+    why = wait_until(
+        lambda: create_container_error(claims.pods, "dra-share-b"), 60, "dra-share-b to be refused", API_POLL
+    )
+    assert "ResourceClaim default/shared-8" in why and "is in use by pod default/dra-share-a" in why, why
+    assert "pod default/dra-share-b container main" in why, why
+
+    rest = card.memory_mib // 1024 - held_gib(claims, DRA_NODE, card)
+    assert rest > 0, f"card {card.uuid} of {DRA_NODE} is full already"
+    claims.apply(claims.claim("the-rest", f"{rest}Gi", on_card))
+    claims.apply(claims.claimed_pod("dra-the-rest", "the-rest", node=DRA_NODE))
+    claims.pods.wait_running("dra-the-rest")
+    assert assert_sees_claimed_cards(claims, "dra-the-rest", ("main",)) == [(DRA_NODE, card, rest)]
+    assert claims.pods.env("dra-share-a")[ENV_MEM_CONTAINER] == "8"
+    assert create_container_error(claims.pods, "dra-share-b"), "the second pod on the shared claim got a container"
+
+
+def test_a_container_with_two_claims_sees_both_cards_with_the_sums(claims: Claims) -> None:
+    """Each claim's CDI spec speaks for its own cards only; the container sees all of them."""
+    cards = node_cards(DRA_NODE)
+    for i, gib in ((0, 2), (1, 3)):
+        claims.apply(claims.claim(f"two-{i}", f"{gib}Gi", f'device.attributes["{DRA_DRIVER}"].index == {i}'))
+    pod = claims.claimed_pod("dra-two-claims", "two-0", node=DRA_NODE)
+    pod["spec"]["resourceClaims"] = [{"name": f"c{i}", "resourceClaimName": f"two-{i}"} for i in (0, 1)]
+    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "c0"}, {"name": "c1"}]}
+    claims.apply(pod)
+    claims.pods.wait_running("dra-two-claims")
+    env = claims.pods.env("dra-two-claims")
+    assert env[ENV_VISIBLE_DEVICES] == f"{cards[0].uuid},{cards[1].uuid}", env
+    assert (env[ENV_MEM_IDX], env[ENV_MEM_CONTAINER]) == ("0,1", "5"), env
 
 
 def test_both_ways_share_a_node_without_double_booking(claims: Claims) -> None:

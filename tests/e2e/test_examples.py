@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterator
 
 import pytest
 from kubernetes import client
+from kubernetes.stream import stream
 from support.waiting import wait_until
 
 from gpushare.contract.names import ENV_MEM_PREFIX, ENV_VISIBLE_DEVICES, RESOURCE_MEM, VISIBLE_DEVICES_VOID
+from gpushare.inspection.views import node_address
 from gpushare.sandbox.examples import load_examples
 from gpushare.sandbox.realcluster import RealCluster, as_sandbox_pod
 
@@ -76,3 +79,25 @@ def test_the_pod_without_a_gpu_request_sees_void(examples: Pods) -> None:
     env = examples.env("no-gpu-all-devices")
     assert env[ENV_VISIBLE_DEVICES] == VISIBLE_DEVICES_VOID
     assert not [k for k in env if k.startswith(ENV_MEM_PREFIX)]
+
+
+def test_a_running_examples_log_and_a_command_in_it_come_through_its_nodes_kubelet(
+    examples: Pods, core: client.CoreV1Api
+) -> None:
+    """``kubectl logs`` and ``kubectl exec``: kube-apiserver reaches the kubelet at the address its node
+    reports, which is not loopback (kubelet refuses that) and is what ``gpushare inspect`` shows."""
+    pod = examples.wait_running("shared-1")
+    node = core.read_node(pod["spec"]["nodeName"]).to_dict()
+    address = node_address(node)
+    assert address != "unknown" and not ipaddress.ip_address(address).is_loopback, node["status"]["addresses"]
+    visible = f"{ENV_VISIBLE_DEVICES}={examples.env('shared-1')[ENV_VISIBLE_DEVICES]}"
+
+    def logged() -> str | None:
+        text = core.read_namespaced_pod_log("shared-1", "default", container="main")
+        return text if visible in text else None
+
+    wait_until(logged, 30, "shared-1's log to show its env", API_POLL)
+    command = ["sh", "-c", f"echo ${ENV_VISIBLE_DEVICES}"]
+    answer = stream(core.connect_get_namespaced_pod_exec, "shared-1", "default", container="main", command=command,
+                    stderr=True, stdin=False, stdout=True, tty=False)  # fmt: skip
+    assert f"{ENV_VISIBLE_DEVICES}={answer.strip()}" == visible

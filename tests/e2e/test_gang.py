@@ -74,3 +74,26 @@ def test_a_gang_that_does_not_fit_holds_nothing_then_runs_whole_once_room_frees(
         assert_sees_assigned_cards(pods, name)
     print(f"gang of {GANG_SIZE}: all bound {bound:.1f} s and running {time.monotonic() - freed:.1f} s after room freed")
     wait_until(lambda: gang_holds(core) == {} or None, 30, "no holds left once all are bound", API_POLL)
+
+
+def test_a_member_kube_scheduler_can_never_place_keeps_its_gang_unbound(pods: Pods, core: client.CoreV1Api) -> None:
+    """The third member also asks for a resource no node has: kube-scheduler's own filter refuses it, so
+    it never reaches the extender, and the two that could go must not."""
+    gang = pods.name("trio")
+    limits = ({RESOURCE_MEM: 10},), ({RESOURCE_MEM: 10},), ({RESOURCE_MEM: 10, "example.com/nothing": 1},)
+    members = []
+    for i, limit in enumerate(limits):
+        manifest = pod_manifest(f"{gang}-{i}", limit, node=NODE)
+        manifest["metadata"]["labels"] = format_gang(gang, len(limits))
+        members.append(pods.create(manifest))
+    # a node change sends every unschedulable pod back to the scheduling queue, once all three exist
+    core.patch_node(NODE, {"metadata": {"labels": {"gpushare.io/e2e-nudge": gang}}})
+    waiting = f"gang {gang}: 3 members present, 1 not offered any node by kube-scheduler yet (default/{members[2]})"
+    wait_until(
+        lambda: all(any(waiting in m for m in failed_scheduling(core, name)) for name in members[:2]),
+        60,
+        f"both placeable members' FailedScheduling event to say {waiting!r}",
+        API_POLL,
+    )
+    assert not any(pods.get(name)["spec"].get("nodeName") for name in members), "no member is bound"
+    assert gang_holds(core) == {}

@@ -26,9 +26,11 @@ from gpushare.contract.names import (
     ANN_MEM_IDX,
     ENV_MEM_CONTAINER,
     ENV_VISIBLE_DEVICES,
+    NODE_ANN_PENDING_BINDS,
     RESOURCE_MEM,
     VISIBLE_DEVICES_VOID,
 )
+from gpushare.contract.pending import parse_pending_binds
 from gpushare.inspection.views import build_cluster
 from gpushare.kube.objects import list_nodes, list_pods
 from gpushare.kube.transport import load_api
@@ -271,6 +273,37 @@ def test_the_extender_binds_only_gpu_pods_onto_nodes_they_accept(cluster: RealCl
         pod = pods.get(name)
         assert not pod["spec"].get("nodeName"), f"{name} was bound"
         assert ANN_ALLOCATION not in (pod["metadata"].get("annotations") or {}), f"{name} was annotated"
+
+
+def test_a_second_bind_for_a_bound_pod_changes_nothing(
+    cluster: RealCluster, core: client.CoreV1Api, pods: Pods
+) -> None:
+    """kube-scheduler binds a pod again when its first call timed out; so may anyone with its certificate."""
+    assert cluster.extender_certs is not None
+    scheduler = tls_client(cluster.extender_certs, with_cert=True)
+    name = pods.create(pod_manifest(pods.name("rebound"), ({RESOURCE_MEM: 40},), node="node-a"))
+    pods.wait_running(name)
+    pod = pods.get(name)
+    uid = pod["metadata"]["uid"]
+
+    def recorded() -> tuple[dict[str, str | None], Any]:
+        ledger = parse_pending_binds((core.read_node("node-a").metadata.annotations or {})[NODE_ANN_PENDING_BINDS])
+        annotations = pods.get(name)["metadata"].get("annotations") or {}
+        placed = {key: annotations.get(key) for key in (ANN_ALLOCATION, ANN_MEM_IDX, ANN_MEM_ASSUME_TIME)}
+        return placed, ledger.get(uid)
+
+    before = recorded()
+    assert before[1] is not None, "the pod's bind is in node-a's ledger"
+    assert bind(cluster, scheduler, pod, "node-a") == {"Error": ""}
+    refused = bind(cluster, scheduler, pod, "node-b")
+    assert "bound to node node-a already" in refused.get("Error", ""), refused
+    assert recorded() == before
+    # the pod's card keeps counting where its annotations say: a pod asking for the rest of it goes elsewhere
+    (slices,) = pods.allocation(name).values()
+    beside = pods.create(pod_manifest(pods.name("beside"), ({RESOURCE_MEM: 41},), node="node-a"))
+    pods.wait_running(beside)
+    (theirs,) = pods.allocation(beside).values()
+    assert {s.uuid for s in theirs}.isdisjoint(s.uuid for s in slices)
 
 
 # --- 4, defence in depth: the extender's ledger on the node, with no admission control installed ------

@@ -106,3 +106,29 @@ def test_a_pod_with_only_the_original_alibaba_annotations_runs_on_its_card(pods:
     assert env[ENV_VISIBLE_DEVICES] == card.uuid
     assert env[ENV_MEM_IDX] == str(card.index)
     assert env[ENV_MEM_CONTAINER] == "6"
+
+
+def test_a_pod_asking_for_cpu_1e30_is_refused_alone_and_gpu_pods_still_run(pods: Pods) -> None:
+    """The API server accepts ``cpu: 1e30`` and kube-scheduler places a pod without GPUs asking for it
+    (the extender's filter is not asked about such a pod); the extender must go on placing GPU pods."""
+    plain = pod_manifest(pods.name("huge-cpu"), ({},), node="node-a")
+    plain["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "1e30"}}
+    plain = pods.create(plain)
+    wait_until(lambda: pods.get(plain)["spec"].get("nodeName"), 60, f"{plain} bound", API_POLL)
+    gpu = pods.create(pod_manifest(pods.name("beside-huge"), ({RESOURCE_MEM: 4},), node="node-a"))
+    pods.wait_running(gpu)
+    assert_sees_assigned_cards(pods, gpu)
+    asking = pod_manifest(pods.name("huge-gpu"), ({RESOURCE_MEM: 4},), node="node-a")
+    asking["spec"]["containers"][0]["resources"]["requests"] = {"cpu": "1e30"}
+    asking = pods.create(asking)
+    reason = f"pod default/{asking} container 'main' resources.requests.cpu: '1e30' is more than"
+    selector = f"involvedObject.name={asking},reason=FailedScheduling"
+
+    def refused() -> bool:
+        return any(
+            reason in (e.message or "")
+            for e in pods.core.list_namespaced_event("default", field_selector=selector).items
+        )
+
+    wait_until(refused, 60, f"{asking}'s FailedScheduling event to say {reason!r}", API_POLL)
+    assert not pods.get(asking)["spec"].get("nodeName")

@@ -34,9 +34,13 @@ def member(
 
 
 def seen(cluster: Cluster, pods: list[dict]) -> list[dict]:
-    """``pods`` (members of one gang) once the extender's gang index has them all."""
+    """``pods`` (members of one gang) once the extender's gang index has them all, each filtered once
+    over every node, as kube-scheduler does with each pod it takes from its queue: the gang is planned
+    only once every member has been offered nodes."""
     gang = parse_gang(pods[0])
     wait_until(lambda: len(cluster.extender.gangs.index.members(gang)) >= len(pods), what="the members in the index")
+    for pod in pods:
+        cluster.filter(pod)
     return pods
 
 
@@ -64,7 +68,7 @@ def test_a_members_event_follows_the_gang_as_its_reason_changes(cluster: Cluster
     assert reason(cluster.filter(first)) == "gang train: 1 of 4 members present, waiting for 3 more"
     wait_until(lambda: pod_events(cluster, first), what="the member's event")
     # 60 GiB members: one on each A100, so 2 of 4 can be placed
-    seen(cluster, [first] + [member(cluster, f"w{i}", "train", 4, gib=60) for i in range(1, 4)])
+    seen(cluster, [member(cluster, f"w{i}", "train", 4, gib=60) for i in range(1, 4)] + [first])
     now = reason(cluster.filter(first))
     assert now.startswith("gang train: 4 members present, 2 can be placed, 4 needed")
     wait_until(lambda: len(pod_events(cluster, first)) == 2, what="the member's second event")
@@ -109,6 +113,24 @@ def test_a_member_no_node_admits_keeps_the_rest_of_its_gang_from_being_bound(clu
         )
     assert holds(cluster) == {}
     assert "no cards are held" in cluster.bind(a, "n1")["Error"]
+
+
+def test_a_member_kube_scheduler_never_offers_a_node_keeps_its_gang_from_being_planned(cluster: Cluster) -> None:
+    """kube-scheduler calls the filter only with nodes its own filters passed: a member that also asks for
+    a resource no node has is never offered one, and the extender can't see why."""
+    a, b = seen(cluster, [member(cluster, name, "trio", 3, gib=10) for name in ("a", "b")])
+    c = member(cluster, "c", "trio", 3, gib=10)
+    wait_until(lambda: len(cluster.extender.gangs.index.members(parse_gang(c))) == 3, what="the members")
+    for pod in (a, b):
+        assert reason(cluster.filter(pod)) == (
+            "gang trio: 3 members present, 1 not offered any node by kube-scheduler yet (default/c); "
+            "the gang is planned once every member has been"
+        )
+    assert holds(cluster, "n1") == {} and holds(cluster, "n2") == {}
+    assert "no cards are held" in cluster.bind(a, "n1")["Error"]
+    # once kube-scheduler offers it nodes, the gang is planned on them only
+    assert cluster.filter(c, ["n1"])["NodeNames"] == ["n1"]
+    assert [e.pod for e in holds(cluster, "n1").values()] == ["default/c"]
 
 
 def test_members_go_only_to_nodes_whose_taints_they_tolerate(cluster: Cluster) -> None:
@@ -245,6 +267,10 @@ def test_two_replicas_agree_on_one_plan_and_never_overcommit(cluster: Cluster) -
         other = Cluster.beside(cluster, second)
         pods = [member(cluster, f"w{i}", "duo", 4, gib=40) for i in range(4)]
         replicas = [cluster, other]
+        # kube-scheduler's calls through one Service reach both replicas: each is asked about every member
+        for replica in replicas:
+            for pod in pods:
+                replica.filter(pod)
         placed: dict[str, str] = {}
         for i, pod in enumerate(pods):
             replica = replicas[i % 2]
@@ -340,6 +366,7 @@ def test_a_replica_whose_pod_cache_lags_cannot_overwrite_a_bound_members_entry(c
         w0, w1 = [member(cluster, f"w{i}", "pair", 2, gib=60) for i in range(2)]
         wait_until(lambda: len(second.gangs.index.members(parse_gang(w0))) == 2, what="the members")
         second.cache.pods.stop()  # from here on the second replica sees both members unbound
+        assert other.filter(w0)["NodeNames"] == [] and cluster.filter(w1)["NodeNames"] == []  # w1, w0 not offered yet
         assert cluster.filter(w0)["NodeNames"] == ["n1"] and cluster.bind(w0, "n1")["Error"] == ""
         uid = w0["metadata"]["uid"]
         annotations = cluster.core.read_node("n1").metadata.annotations

@@ -158,14 +158,38 @@ def test_a_preempt_body_of_the_wrong_shape_is_a_400(cluster: Cluster) -> None:
 def test_a_bug_is_a_logged_500_without_python_details(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken(engine: object, body: object) -> None:
+    def broken(*_args: object) -> None:
         raise AttributeError("'str' object has no attribute 'get'")
 
     monkeypatch.setattr("gpushare.extender.server.filter_result", broken)
-    with caplog.at_level(logging.ERROR, logger="gpushare.extender.server"):
-        status, reply = _post(cluster.extender.server.port, "/filter", b'{"Pod": {}, "NodeNames": []}')
-    assert status == 500 and "attribute" not in reply.decode()
-    assert any("/filter failed" in r.getMessage() and r.exc_info for r in caplog.records)
+    with caplog.at_level(logging.ERROR):
+        for _ in range(20):
+            status, reply = _post(cluster.extender.server.port, "/filter", b'{"Pod": {}, "NodeNames": []}')
+            assert status == 500 and "attribute" not in reply.decode()
+    # one line for the lot, naming the exception and where it was raised
+    [told] = caplog.records
+    assert not told.exc_info and "extender: POST '/filter' failed: AttributeError" in told.getMessage()
+    assert "test_extender_server.py:" in told.getMessage()
+
+
+def test_a_flood_of_deeply_nested_json_is_a_400_each_and_the_extender_keeps_serving(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.extender.server.port, timeout=10)
+    try:
+        with caplog.at_level(logging.INFO):
+            for _ in range(300):
+                conn.request("POST", "/filter", b"[" * 5000, {"Content-Type": "application/json"})
+                reply = conn.getresponse()
+                assert reply.status == 400
+                assert "nests more than 64 arrays and objects deep" in json.loads(reply.read())["Error"]
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+        pod = cluster.pod(gpu_pod("p", [container("main", 4)]))
+        conn.request("POST", "/filter", json.dumps({"Pod": pod, "NodeNames": ["n1"]}).encode())
+        reply = conn.getresponse()
+        assert reply.status == 200 and json.loads(reply.read())["NodeNames"] == ["n1"]
+    finally:
+        conn.close()
 
 
 def test_binds_waiting_on_the_api_server_never_hold_up_filter(

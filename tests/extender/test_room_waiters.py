@@ -1,4 +1,5 @@
-"""Which waiting pods a bound pod's end marks for a retry (extender/roomwaiters.py), without an API server."""
+"""Which waiting pods a bound pod's end marks for a retry (extender/roomwaiters.py): the marking without an
+API server, and which refusals make a pod wait, through a running extender."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ from typing import Any
 import pytest
 from gpushare.extender import roomwaiters
 from gpushare.extender.roomwaiters import RoomWaiters, Waiter
+from podfactory import container, gpu_pod
+from support.extender import Cluster
+from support.waiting import wait_until
+
+from gpushare.contract.names import ANN_RETRY
 
 
 class Watch:
@@ -111,3 +117,26 @@ def test_a_node_that_can_take_gpu_pods_again_marks_the_pods_refused_there(
     cache.nodes.listener("MODIFIED", node)  # fine before and after: no news
     settle(waiters)
     assert marked == [("default", "a", "gpushare.io/retry")]
+
+
+def retry_marks(cluster: Cluster, *names: str) -> dict[str, str | None]:
+    pods = {name: cluster.core.read_namespaced_pod(name, "default") for name in names}
+    return {name: (pod.metadata.annotations or {}).get(ANN_RETRY) for name, pod in pods.items()}
+
+
+def test_a_pod_no_card_of_a_node_could_hold_does_not_wait_for_room_there(cluster: Cluster) -> None:
+    """Room freed on n2 (one 24 GiB A10) can hold 10 GiB but never 30 GiB: only the first pod is worth a
+    retry there. The second is refused as unresolvable (no preemption helps either) and not marked."""
+    blocker = cluster.pod(gpu_pod("blocker", [container("main", 20)], node=None))
+    assert cluster.bind(blocker, "n2")["Error"] == ""  # the A10 has 4 GiB left
+    huge = cluster.pod(gpu_pod("huge", [container("main", 30)], node=None))
+    waiting = cluster.pod(gpu_pod("waiting", [container("main", 10)], node=None))
+    # refused first: its mark, were it made, would come before the other's
+    refused = cluster.filter(huge, ["n2"])
+    assert refused["NodeNames"] == [] and set(refused["FailedAndUnresolvableNodes"]) == {"n2"}
+    refused = cluster.filter(waiting, ["n2"])
+    assert "no single card has 10 GiB free" in refused["FailedNodes"]["n2"]
+    assert refused["FailedAndUnresolvableNodes"] == {}
+    cluster.core.delete_namespaced_pod("blocker", "default", grace_period_seconds=0)
+    wait_until(lambda: retry_marks(cluster, "waiting")["waiting"], what="the pod that fits marked for a retry")
+    assert retry_marks(cluster, "huge") == {"huge": None}

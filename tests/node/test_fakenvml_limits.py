@@ -20,9 +20,9 @@ from gpushare.sandbox import fakenvml
 MAX = 0xFFFFFFFFFFFFFFFF  # NVML_DEVICE_MEMORY_LIMIT_MAX: no hard limit
 GIB = 1 << 30
 
-#: runs the operations in argv[1] (JSON) between nvmlInit and nvmlShutdown and prints one result each (JSON):
-#: an NVML error's class name, [soft, hard, currentUsed] for a get, the record file's text, else "ok"
-CHILD = r"""
+#: the operations a child runs, each answered with (JSON) an NVML error's class name, [soft, hard,
+#: currentUsed] for a get, the record file's text, else "ok"
+OPERATIONS = r"""
 import json, os, sys
 import pynvml as nvml
 
@@ -56,11 +56,25 @@ def answer(op):
         return run(*op)
     except nvml.NVMLError as error:
         return type(error).__name__
-
+"""
+#: runs the operations in argv[1] (JSON) between nvmlInit and nvmlShutdown and prints their answers (JSON)
+CHILD = (
+    OPERATIONS
+    + r"""
 nvml.nvmlInit()
 print(json.dumps([answer(op) for op in json.loads(sys.argv[1])]))
 nvml.nvmlShutdown()
 """
+)
+#: a process that stays initialised, as a node agent does: one operation a line on stdin, one answer a line
+SESSION = (
+    OPERATIONS
+    + r"""
+nvml.nvmlInit()
+for line in sys.stdin:
+    print(json.dumps(answer(json.loads(line))), flush=True)
+"""
+)
 
 #: the two calls' answers, through ctypes, before nvmlInit and then with a NULL device and a NULL struct
 CHILD_RAW = r"""
@@ -138,6 +152,45 @@ def test_limits_outlive_the_process_that_set_them(mixed: fakenvml.FakeNvml, tmp_
     [cgroup] = cgroups(tmp_path, "cgroup")
     assert nvml_calls(mixed, ["set", a0, cgroup, GIB, 2 * GIB]) == ["ok"]
     assert nvml_calls(mixed, ["get", a0, cgroup]) == [[GIB, 2 * GIB, 0]]
+
+
+class Session:
+    """A child process on ``fake``'s machine that stays initialised between operations."""
+
+    def __init__(self, fake: fakenvml.FakeNvml) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SESSION], env=fake.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def call(self, *op: Any) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(op) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def test_processes_share_one_set_of_limits_as_with_the_driver(mixed: fakenvml.FakeNvml, tmp_path: Path) -> None:
+    """A long-running process (the node agent) sees what another one changed, and its own next change
+    (here dropping the limit of a removed cgroup) doesn't write back a limit the other one cleared."""
+    a0, a1, *_ = uuids("mixed")
+    cleared, changed, removed = cgroups(tmp_path, "cleared", "changed", "removed")
+    agent = Session(mixed)
+    try:
+        for cgroup in (cleared, changed, removed):
+            assert agent.call("set", a0, cgroup, 4 * GIB, 4 * GIB) == "ok"
+        assert nvml_calls(mixed, ["set", a0, cleared, 0, MAX], ["set", a0, changed, GIB, 2 * GIB]) == ["ok", "ok"]
+        assert agent.call("get", a0, changed) == [GIB, 2 * GIB, 0]
+        (tmp_path / "removed").rmdir()
+        assert agent.call("get", a1, changed) == [0, MAX, 0]  # any call drops the removed cgroup's limit
+    finally:
+        agent.close()
+    assert nvml_calls(mixed, ["get", a0, cleared]) == [[0, MAX, 0]]
+    assert mixed.limits() == {(a0, changed): (GIB, 2 * GIB)}
 
 
 def test_soft_zero_and_hard_max_clears_the_limit(mixed: fakenvml.FakeNvml, tmp_path: Path) -> None:

@@ -1,12 +1,15 @@
-"""The image built from Debian's packages: its cache key, its OCI documents, and (with root, containerd and
-a built image) that containerd imports it under the name deploy/*.yaml give and runs gpushare from it."""
+"""The image built from Debian's packages: its cache key, its OCI documents, each checkout's record of the
+archive it built in the shared cache, and (with root, containerd and a built image) that containerd imports
+it under the name deploy/*.yaml give and runs gpushare from it."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -87,3 +90,71 @@ def test_containerd_runs_gpushare_from_the_image_the_manifests_name(tmp_path: Pa
         assert result.returncode == 0 and "usage: gpushare" in result.stdout, result.stderr
     finally:
         daemon.close()
+
+
+def archive(cache: Path, key: str, age: float) -> Path:
+    """An archive in ``cache`` last used ``age`` seconds ago."""
+    path = cache / f"{key}.oci.tar"
+    path.write_bytes(key.encode())
+    os.utime(path, (time.time() - age, time.time() - age))
+    return path
+
+
+def test_two_checkouts_sharing_the_cache_each_import_their_own_image(tmp_path: Path) -> None:
+    cache = tmp_path / "image"
+    cache.mkdir()
+    (cache / image.ARCHIVE_NAME).symlink_to("a" * 16 + ".oci.tar")  # a cache-wide "latest" link goes
+    first, second = tmp_path / "one" / "build" / image.ARCHIVE_NAME, tmp_path / "two" / "build" / image.ARCHIVE_NAME
+    image.keep(archive(cache, "a" * 16, 60), first)
+    image.keep(archive(cache, "b" * 16, 60), second)  # the second checkout builds after the first
+    assert image.built(first).read_bytes() == b"a" * 16 and image.built(second).read_bytes() == b"b" * 16
+    assert image.missing(first) is None and image.missing(second) is None
+    assert sorted(p.name for p in cache.iterdir()) == [f"{k * 16}.oci.tar" for k in "ab"]
+
+
+def test_the_cache_keeps_the_archives_used_last(tmp_path: Path) -> None:
+    cache = tmp_path / "image"
+    cache.mkdir()
+    oldest, old, recent = (archive(cache, key * 16, age) for key, age in (("a", 300), ("b", 200), ("c", 100)))
+    record = tmp_path / "checkout" / "build" / image.ARCHIVE_NAME
+    image.keep(oldest, record, newest=2)  # found in the cache: used now, so kept
+    assert sorted(cache.iterdir()) == [oldest, recent]
+    assert image.built(record) == oldest
+    image.keep(archive(cache, "d" * 16, 0), tmp_path / "another" / image.ARCHIVE_NAME, newest=2)
+    assert not recent.exists()
+    assert not old.exists()
+    assert image.missing(record) is None
+
+
+def test_a_checkout_whose_archive_left_the_cache_is_told_to_build_it(tmp_path: Path) -> None:
+    record = tmp_path / "build" / image.ARCHIVE_NAME
+    assert "not built for this checkout" in str(image.missing(record))
+    record.parent.mkdir()
+    record.symlink_to(tmp_path / "image" / ("a" * 16 + ".oci.tar"))
+    assert f"{'a' * 16}.oci.tar, the image this checkout built, is gone from the cache" in str(image.missing(record))
+
+
+def test_the_image_source_is_the_working_tree_with_its_new_files_and_the_index_is_untouched(tmp_path: Path) -> None:
+    """A new module the checkout's tests import is in the image too; ignored files are not; force-added
+    ones stay; the same files give the same commit."""
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / ".gitignore").write_text("build/\n")
+    (tmp_path / "module.py").write_text("old\n")
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "forced").write_text("kept\n")
+    subprocess.run([*git, "add", ".gitignore", "module.py"], check=True)
+    subprocess.run([*git, "add", "-f", "build/forced"], check=True)
+    subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    (tmp_path / "module.py").write_text("changed\n")
+    (tmp_path / "new_module.py").write_text("new\n")
+    (tmp_path / "build" / "artefact").write_text("ignored\n")
+    status = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
+
+    commit = image.source_commit(tmp_path)
+    files = subprocess.run([*git, "ls-tree", "-r", "--name-only", commit], capture_output=True, text=True, check=True)
+    assert files.stdout.split() == [".gitignore", "build/forced", "module.py", "new_module.py"]
+    shown = subprocess.run([*git, "show", f"{commit}:module.py"], capture_output=True, text=True, check=True)
+    assert shown.stdout == "changed\n"
+    assert subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True, check=True).stdout == status
+    assert image.source_commit(tmp_path) == commit

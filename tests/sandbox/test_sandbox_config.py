@@ -10,7 +10,16 @@ from pathlib import Path
 import yaml
 
 from gpushare.sandbox import kubeproxy
-from gpushare.sandbox.podnetwork import RoutedNetwork, bridge_name, pod_subnet, render_pod_network
+from gpushare.sandbox.configfiles import render_kubelet_config
+from gpushare.sandbox.podnetwork import (
+    NODE_BLOCK_COUNT,
+    NODE_BLOCKS,
+    NodeAddresses,
+    RoutedNetwork,
+    bridge_name,
+    pod_subnet,
+    render_pod_network,
+)
 from gpushare.sandbox.printout import keep_only_logs
 
 
@@ -65,6 +74,31 @@ def test_a_routed_clusters_addresses_are_private_and_distinct() -> None:
     subnets = [ipaddress.ip_network(network.pod_subnet(i)) for i in range(100)]
     assert not any(a.overlaps(b) for i, a in enumerate(subnets) for b in subnets[i + 1 :])
     assert not ipaddress.ip_network(network.service_range).overlaps(ipaddress.ip_network(network.pod_ranges))
+
+
+def test_node_addresses_are_ones_kubelet_takes_distinct_per_cluster_and_apart_from_the_others() -> None:
+    """kubelet's --node-ip may not be loopback, link-local or multicast (validateNodeIP)."""
+    blocks = [NodeAddresses(f"gs{slot}nd", slot) for slot in range(NODE_BLOCK_COUNT)]
+    addresses = [ipaddress.ip_address(block.address(index)) for block in blocks for index in range(64)]
+    assert len(set(addresses)) == len(addresses) and all(a in NODE_BLOCKS for a in addresses)
+    assert not any(a.is_loopback or a.is_link_local or a.is_multicast or not a.is_private for a in addresses)
+    routed = RoutedNetwork("gsabcdefcp")
+    taken = [ipaddress.ip_network(r) for r in (*routed.routes, *(pod_subnet(i) for i in range(256)))]
+    assert not any(NODE_BLOCKS.overlaps(net) for net in taken)
+
+
+def test_a_kubelet_on_a_node_address_takes_only_clients_its_ca_signed() -> None:
+    config = yaml.safe_load(
+        render_kubelet_config(
+            10250, 10248, Path("/run/cri.sock"), Path("/fv"), (), "10.245.0.10", client_ca=Path("/ca")
+        )
+    )
+    assert config["address"] == "10.245.0.10" and config["healthzBindAddress"] == "127.0.0.1"
+    assert config["authentication"] == {
+        "anonymous": {"enabled": False},
+        "webhook": {"enabled": False},
+        "x509": {"clientCAFile": "/ca"},
+    }
 
 
 def test_kube_proxy_uses_nftables_and_leaves_the_machines_conntrack_settings_alone() -> None:

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import shutil
-import signal
 import subprocess
-import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.sandboxrun import SandboxRun
+from support.sandboxrun import SandboxRun, kept_running, kubeconfig
 from support.waiting import wait_until
 
 from gpushare.kube.objects import list_pods
@@ -34,22 +31,8 @@ SUBNETS = {parse_node(text).name: ipaddress.ip_network(pod_subnet(i)) for i, tex
 
 @pytest.fixture(scope="module")
 def kept() -> Iterator[SandboxRun]:
-    root = Path(tempfile.mkdtemp(prefix="gs-t", dir="/tmp"))  # the sandbox's socket paths must stay short
-    run = SandboxRun(root, "--keep-running")
-    try:
-        run.out.wait_for("Ctrl-C", 240)
+    with kept_running() as run:
         yield run
-    finally:
-        run.signal(signal.SIGTERM)
-        run.wait()
-        run.kill()
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def kubeconfig(run: SandboxRun) -> str:
-    found = re.search(r"kubectl --kubeconfig (\S+) get pods", run.out.text)
-    assert found, run.out.text[-2000:]
-    return found.group(1)
 
 
 def endpoints(run: SandboxRun) -> dict[str, str]:

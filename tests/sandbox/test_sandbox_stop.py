@@ -13,7 +13,7 @@ import pytest
 from support.sandboxrun import SandboxRun, bridges_and_ports, leftovers
 
 from gpushare.sandbox import binaries
-from gpushare.sandbox.podnetwork import bridge_name
+from gpushare.sandbox.podnetwork import bridge_name, node_link
 from gpushare.sandbox.realcluster import realcluster_available
 
 pytestmark = pytest.mark.skipif(
@@ -25,7 +25,8 @@ NODES = 2
 
 
 def bridges_of(workdir: Path) -> list[str]:
-    return [bridge_name(workdir, index) for index in range(NODES)]
+    """The nodes' pod bridges and the link holding their addresses."""
+    return [*(bridge_name(workdir, index) for index in range(NODES)), node_link(workdir)]
 
 
 @pytest.mark.parametrize("signum", STOP_SIGNALS, ids=lambda s: signal.Signals(s).name)

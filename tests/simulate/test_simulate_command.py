@@ -4,6 +4,7 @@ hostile input, redirected output, and the plot it draws."""
 from __future__ import annotations
 
 import csv
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from gpushare.contract.inventory import format_inventory
 from gpushare.contract.names import ANN_ALLOCATION, ANN_GPU_MODEL, NODE_ANN_INVENTORY, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.units import GIB
 from gpushare.gpus.simulated import simulated_cards
-from gpushare.simulate import report, runs
+from gpushare.simulate import report, runs, snapshot
 from gpushare.simulate.replay import ARRIVALS
 from gpushare.simulate.trace import load_nodes, load_pods
 
@@ -156,6 +157,22 @@ def test_from_cluster_keeps_mixed_cards_card_rules_pending_pods_and_each_cards_s
     assert "1 node(s) with 3 card(s) (1 of mixed models), 4 GPU pod(s), 2 of them not placed yet" in err
 
 
+def test_a_pod_no_card_can_hold_is_replayed_as_one_whole_card_with_a_warning_naming_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cards = simulated_cards("big", "2xA100-80GB:81920")
+    pods = [gpu_pod("too-big", {RESOURCE_MEM: "100"}, None, {}), gpu_pod("fits", {RESOURCE_MEM: "40"}, None, {})]
+    with caplog.at_level(logging.WARNING, logger="gpushare.simulate.snapshot"):
+        shot = snapshot.take([gpu_node("big", cards)], pods)
+    assert {row[0]: (row[3], row[4]) for row in shot.pod_rows} == {"team/too-big": (1, 1000), "team/fits": (1, 500)}
+    (warning,) = caplog.messages
+    assert warning == (
+        f"pod team/too-big asks 100 {RESOURCE_MEM} units of one card, more than the 80 of the card it is measured "
+        "against: replayed as one whole card"
+    )
+    assert "1 pod(s) ask more than a card holds, replayed as whole cards (see the warnings above)" in shot.summary()
+
+
 def test_a_mixed_node_gives_each_card_model_its_own_rule(tmp_path: Path) -> None:
     nodes = "sn,cpu_milli,memory_mib,gpu,model\nn0,64000,262144,3,A100-40GB;A10;A10\n"
     # two whole-card pods that take only an A100: the node has one, so the second is dropped
@@ -184,6 +201,17 @@ def test_a_model_no_node_has_is_a_warning_naming_the_line(tmp_path: Path, capsys
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warnings) == 1
     assert "pods.csv line 3 column gpu_spec: no node has model 'H100' (2 pod(s) ask for it" in warnings[0]
+
+
+def test_the_extenders_default_policy_is_replayed_once_under_one_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert simulate(tmp_path, SHARES, "--seeds", "1", "--policy", "default", "--policy", "fgdfit") == 0
+    assert list(table_rows(capsys.readouterr().out)) == ["default"]
+    # with no --policy, each policy once: the default under its own name
+    every = runs.policies_to_run(None)
+    assert "default" not in every and every.count("fgdfit") == 1 and len(every) == len(set(every))
+    assert runs.policies_to_run(["fgdfit", "binpack", "default"]) == ["fgdfit", "binpack"]
 
 
 def test_the_table_mentions_the_papers_values_only_when_it_shows_some(

@@ -3,12 +3,16 @@ through what it prints, and what a run may leave behind on this machine once it 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from gpushare.sandbox.launch import processes_using
@@ -55,12 +59,18 @@ class Output:
 
 
 class SandboxRun:
-    """One ``gpushare sandbox`` process whose temporary directory is ``root``."""
+    """One ``gpushare sandbox`` process whose temporary directory is ``root``; with ``sigint_ignored`` it
+    starts with SIGINT ignored, as a job started with ``cmd &`` from a script does."""
 
-    def __init__(self, root: Path, *flags: str, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, root: Path, *flags: str, env: Mapping[str, str] | None = None, sigint_ignored: bool = False
+    ) -> None:
         self.root = root
+        command = [sys.executable, "-m", "gpushare.cli", "sandbox", *flags]
+        if sigint_ignored:  # an ignored signal stays ignored across exec
+            command = ["sh", "-c", 'trap "" INT && exec "$@"', "sh", *command]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpushare.cli", "sandbox", *flags],
+            command,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
@@ -131,3 +141,26 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return "?"
+
+
+@contextlib.contextmanager
+def kept_running(*args: str) -> Iterator[SandboxRun]:
+    """``gpushare sandbox --keep-running ARGS`` up (its cluster ready) for the block, then stopped with
+    SIGTERM and its directory removed."""
+    root = Path(tempfile.mkdtemp(prefix="gs-t", dir="/tmp"))  # the sandbox's socket paths must stay short
+    run = SandboxRun(root, "--keep-running", *args)
+    try:
+        run.out.wait_for("Ctrl-C", 240)
+        yield run
+    finally:
+        run.signal(signal.SIGTERM)
+        run.wait()
+        run.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def kubeconfig(run: SandboxRun) -> str:
+    """The kubeconfig a kept-running sandbox told its user to use."""
+    found = re.search(r"kubectl --kubeconfig (\S+) get pods", run.out.text)
+    assert found, run.out.text[-2000:]
+    return found.group(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import ssl
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,33 @@ def test_served_over_https_as_an_admission_review(tmp_path: Path) -> None:
         assert conn.getresponse().status == 400
         conn.close()
     finally:
+        server.stop()
+
+
+def test_a_flood_of_deeply_nested_json_is_refused_quietly_and_the_webhook_keeps_serving(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone who reaches the webhook's port may post (it serves the API server, which shows no client
+    certificate): JSON nested deeper than any AdmissionReview is a 400 saying so, not a traceback."""
+    certs = make_certs(tmp_path, ("gpushare-webhook.gpushare-system.svc",))
+    server = WebhookServer(0, ServerTLS(certs.server.cert, certs.server.key, None), host="127.0.0.1")
+    server.start()
+    conn = http.client.HTTPSConnection(
+        "127.0.0.1", server.port, context=ssl.create_default_context(cafile=certs.ca), timeout=10
+    )
+    try:
+        with caplog.at_level(logging.INFO):
+            for _ in range(300):
+                conn.request("POST", "/validate", b"[" * 5000)
+                reply = conn.getresponse()
+                assert reply.status == 400
+                assert "nests more than 64 arrays and objects deep" in json.loads(reply.read())["error"]
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+        conn.request("POST", "/validate", json.dumps(admission("CREATE", EXTENDER, bound())))
+        reply = conn.getresponse()
+        assert reply.status == 200 and json.loads(reply.read())["response"]["allowed"] is True
+    finally:
+        conn.close()
         server.stop()
 
 

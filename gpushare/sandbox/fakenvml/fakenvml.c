@@ -39,15 +39,21 @@
  * the file is rewritten (a temporary file renamed over it) with one line per limit, in the order the
  * limits were first set:
  *     <uuid> <softLimit> <hardLimit> <path>
- * nvmlInit (when it loads the machine) reads that file back, so, as with the driver, limits outlive the
- * process that set them; only one process at a time should change them.
+ * As the driver's limits are one table for the whole machine, the file is that table: every call that
+ * takes the lock reads it back under an exclusive flock(2) of <file>.lock, and a change is written before
+ * that lock is released, so every process using the record sees (and changes) the same limits, and they
+ * outlive the process that set them. A process that kept its own copy would write back limits another
+ * process had cleared since.
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -349,6 +355,8 @@ struct limit {
 static struct limit limits[MAX_LIMITS], next_limits[MAX_LIMITS];
 static int limit_count;
 static char record_path[1024];
+static int record_lock = -1; /* <record_path>.lock, open from the first nvmlInit to the last nvmlShutdown */
+static int record_held;      /* this call holds record_lock (and the table was read under it) */
 
 static int is_directory(const char *path) {
     struct stat st;
@@ -394,9 +402,9 @@ static void prune_limits(void) {
     }
 }
 
-/* At the first nvmlInit: the limits recorded by an earlier process, as the driver would still hold them.
- * Returns 0, or -1 when the record file's name is too long (reported on stderr). */
-static int load_limits(void) {
+/* At the first nvmlInit: where the limits are recorded, and the lock that guards the record. Returns 0, or -1
+ * when the record file's name is too long or its lock can't be opened (reported on stderr). */
+static int open_record(void) {
     const char *path = getenv("GPUSHARE_FAKE_NVML_LIMITS");
     limit_count = 0;
     if (path && strlen(path) >= sizeof record_path) {
@@ -404,8 +412,20 @@ static int load_limits(void) {
         return -1;
     }
     copy_field(record_path, sizeof record_path, path ? path : "");
-    FILE *f = record_path[0] ? fopen(record_path, "r") : NULL;
-    if (!f) return 0;
+    if (!record_path[0]) return 0;
+    char lock_path[sizeof record_path + 8];
+    snprintf(lock_path, sizeof lock_path, "%s.lock", record_path);
+    record_lock = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (record_lock >= 0) return 0;
+    fprintf(stderr, "fake NVML: cannot open the memory-limit record's lock %s\n", lock_path);
+    return -1;
+}
+
+/* Read the record into the live table, the lock held: the limits as every process last left them. */
+static void read_record(void) {
+    limit_count = 0;
+    FILE *f = fopen(record_path, "r");
+    if (!f) return;
     char line[sizeof limits[0].path + 256], uuid[96];
     int offset;
     while (fgets(line, sizeof line, f)) {
@@ -423,7 +443,22 @@ static int load_limits(void) {
         limit_count++;
     }
     fclose(f);
-    return 0;
+}
+
+/* Take the record's lock for this call and read the limits under it. Called with the mutex held. */
+static void hold_record(void) {
+    if (record_lock < 0 || record_held) return;
+    while (flock(record_lock, LOCK_EX) != 0 && errno == EINTR) {
+    }
+    record_held = 1;
+    read_record();
+}
+
+/* Let other processes at the record again, once this call's change (if any) is written. */
+static void release_record(void) {
+    if (!record_held) return;
+    flock(record_lock, LOCK_UN);
+    record_held = 0;
 }
 
 static int find_limit(nvmlDevice_t device, const char *path) {
@@ -437,6 +472,7 @@ static int find_limit(nvmlDevice_t device, const char *path) {
 static void poll_state(void) {
     poll_control();
 #if HAS_MEMORY_LIMITS
+    hold_record();
     prune_limits();
 #endif
 }
@@ -458,7 +494,7 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
         } else if (init_error != NVML_SUCCESS) {
             ret = init_error;
 #if HAS_MEMORY_LIMITS
-        } else if (load_limits() != 0) {
+        } else if (open_record() != 0) {
             ret = NVML_ERROR_UNKNOWN;
 #endif
         } else {
@@ -482,6 +518,10 @@ nvmlReturn_t nvmlShutdown(void) {
     if (init_count && --init_count == 0) {
         if (control) fclose(control);
         control = NULL;
+#if HAS_MEMORY_LIMITS
+        if (record_lock >= 0) close(record_lock);
+        record_lock = -1;
+#endif
         while (sets) {
             struct fake_event_set *next = sets->next;
             free(sets);
@@ -524,8 +564,16 @@ static nvmlReturn_t enter_call(nvmlDevice_t device, const char *call) {
 
 #define enter(device) enter_call(device, __func__)
 
-static nvmlReturn_t leave(nvmlReturn_t ret) {
+/* The end of every call that took the lock: the record's lock first, then the mutex. */
+static void release(void) {
+#if HAS_MEMORY_LIMITS
+    release_record();
+#endif
     pthread_mutex_unlock(&lock);
+}
+
+static nvmlReturn_t leave(nvmlReturn_t ret) {
+    release();
     return ret;
 }
 
@@ -795,7 +843,7 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
             set->count--;
             return leave(NVML_SUCCESS);
         }
-        pthread_mutex_unlock(&lock);
+        release();
         clock_gettime(CLOCK_MONOTONIC, &now);
         long waited = (now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000;
         if (waited >= (long)timeoutms) return NVML_ERROR_TIMEOUT;

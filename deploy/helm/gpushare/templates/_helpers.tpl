@@ -22,6 +22,28 @@
 {{- end }}
 
 {{/*
+Who makes the certificates: "chart", "certManager" or "secrets" (values.yaml, certificates.source).
+certificates.generate, its predecessor, is refused by name rather than ignored.
+*/}}
+{{- define "gpushare.certificates" -}}
+{{- if hasKey .Values.certificates "generate" }}
+{{- fail "certificates.generate is replaced by certificates.source: chart (generate true), secrets (generate false) or certManager" }}
+{{- end }}
+{{- if not (has .Values.certificates.source (list "chart" "certManager" "secrets")) }}
+{{- fail (printf "certificates.source: %q is not one of chart, certManager, secrets" .Values.certificates.source) }}
+{{- end }}
+{{- .Values.certificates.source }}
+{{- end }}
+
+{{/*
+The Secret whose ca.crt the extender checks kube-scheduler's client certificate against: with
+certManager the client CA's own Secret (the extender mounts its ca.crt alone, never the CA's key).
+*/}}
+{{- define "gpushare.clientCASecret" -}}
+{{- if eq (include "gpushare.certificates" .) "certManager" }}gpushare-client-ca{{ else }}{{ .Values.certificates.schedulerClientCASecret }}{{ end }}
+{{- end }}
+
+{{/*
 A CA, (list . SECRET): the one in the Secret SECRET when the release has one (an upgrade keeps it, so
 kube-scheduler's copies stay valid), else a new one. Made once per render and kept in .Values, so every
 template signs with the same CA. Two are made: gpushare-ca signs the serving certificates, and
