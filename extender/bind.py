@@ -224,6 +224,7 @@ class Binder:
         if self._bound_before(pod, node, where):
             return
         try:
+            # the GPU demands and the CPU and memory requests, each parsed within its bounds
             demands, _ = ask.demands, ask.host
         except ContractError as exc:
             BIND_FAILURES.labels(reason="bad-request").inc()

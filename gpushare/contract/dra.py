@@ -27,6 +27,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from gpushare.contract.errors import ContractError, quoted
 from gpushare.contract.names import CDI_ANNOTATION_PREFIX, DRA_CDI_ENV_PREFIX, DRA_CDI_KIND, DRA_DEVICE_PREFIX
+from gpushare.contract.units import HOST_LIMIT
 
 
 class DraDeviceNameError(ContractError):
@@ -91,7 +92,8 @@ def parse_card_memory(text: Any, where: str) -> dict[str, int]:
     held: dict[str, int] = {}
     for part in text.split(","):
         uuid, _, amount = part.partition("=")
-        if not uuid or uuid in held or not (amount.isascii() and amount.isdigit()) or int(amount) <= 0:
+        digits = amount.isascii() and amount.isdigit() and len(amount) <= len(str(HOST_LIMIT))
+        if not uuid or uuid in held or not digits or not 0 < int(amount) <= HOST_LIMIT:
             raise DraMemoryError(f"{where}: {quoted(part)} is not <card UUID>=<positive bytes>, once per card")
         held[uuid] = int(amount)
     return held
@@ -118,6 +120,8 @@ def parse_memory_bytes(raw: Any) -> int:
         amount = parse_quantity(raw) if isinstance(raw, str | int) and not isinstance(raw, bool) else None
     except ValueError:
         amount = None
-    if amount is None or amount != amount.to_integral_value() or amount <= 0:
+    if amount is not None and amount.is_finite() and amount > HOST_LIMIT:
+        raise DraMemoryError(f"{quoted(raw)} is more than the {HOST_LIMIT} bytes allowed")
+    if amount is None or not amount.is_finite() or amount != amount.to_integral_value() or amount <= 0:
         raise DraMemoryError(f"{quoted(raw)} is not a positive whole number of bytes")
     return int(Decimal(amount))

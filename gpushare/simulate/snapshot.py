@@ -23,14 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kubernetes.utils import parse_quantity
-
 from gpushare.cards import Card
 from gpushare.contract.cardrule import format_models, parse_card_rule
 from gpushare.contract.errors import ContractError
 from gpushare.contract.inventory import parse_inventory
 from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_MEM
 from gpushare.contract.request import parse_pod_request, requests_gpu
+from gpushare.contract.units import MIB_BYTES, parse_host_quantity
 from gpushare.kube.objects import list_nodes, list_pods
 from gpushare.placement.demand import CardRule
 from gpushare.simulate.trace import CARD_MODEL_SEPARATOR, MILLI_PER_CARD, NODE_COLUMNS, POD_COLUMNS
@@ -41,20 +40,23 @@ log = logging.getLogger(__name__)
 POD_FILE_COLUMNS = (*POD_COLUMNS, "gpu_spec", "pod_phase")
 
 
-def _milli_cpu(value: Any) -> int:
-    return int(parse_quantity(value) * 1000) if value else 0
+def _milli_cpu(value: Any, where: str) -> int:
+    return parse_host_quantity(value, 1000, "millicores", where) if value else 0
 
 
-def _mib(value: Any) -> int:
-    return int(parse_quantity(value) / (1 << 20)) if value else 0
+def _mib(value: Any, where: str) -> int:
+    return parse_host_quantity(value, 1, "bytes", where) // MIB_BYTES if value else 0
 
 
-def _requests(pod: Mapping[str, Any]) -> tuple[int, int]:
+def _requests(pod: Mapping[str, Any], key: str) -> tuple[int, int]:
+    """The pod's CPU (millicores) and memory (MiB) requests; QuantityError naming the container and
+    field for one beyond the bounds every reader of a pod keeps to."""
     cpu = mem = 0
     for c in (pod.get("spec") or {}).get("containers") or []:
         req = (c.get("resources") or {}).get("requests") or {}
-        cpu += _milli_cpu(req.get("cpu"))
-        mem += _mib(req.get("memory"))
+        where = f"pod {key} container {c.get('name')!r} requests"
+        cpu += _milli_cpu(req.get("cpu"), f"{where} cpu")
+        mem += _mib(req.get("memory"), f"{where} memory")
     return cpu, mem
 
 
@@ -128,8 +130,12 @@ def take(nodes: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]) 
     shot = Snapshot()
     gpu_nodes: dict[str, SnapshotNode] = {}
     for node in nodes:
+        allocatable = (node.get("status") or {}).get("allocatable") or {}
+        where = f"node {(node.get('metadata') or {}).get('name')} allocatable"
         try:
             found = _node(node)
+            cpu = _milli_cpu(allocatable.get("cpu"), f"{where} cpu")
+            mem = _mib(allocatable.get("memory"), f"{where} memory")
         except ContractError as exc:
             log.warning("node left out of the snapshot: %s", exc)
             shot.left_out += 1
@@ -138,11 +144,8 @@ def take(nodes: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]) 
             continue
         gpu_nodes[found.name] = found
         models = [c.model for c in found.cards]
-        allocatable = (node.get("status") or {}).get("allocatable") or {}
         label = models[0] if len(set(models)) == 1 else CARD_MODEL_SEPARATOR.join(models)
-        shot.node_rows.append(
-            [found.name, _milli_cpu(allocatable.get("cpu")), _mib(allocatable.get("memory")), len(models), label]
-        )
+        shot.node_rows.append([found.name, cpu, mem, len(models), label])
         shot.cards += len(models)
         shot.mixed += len(set(models)) > 1
     sizes = [(c.model, n.units[c.uuid]) for n in gpu_nodes.values() for c in n.cards]
@@ -153,6 +156,7 @@ def take(nodes: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]) 
         try:
             request = parse_pod_request(pod)
             rule = parse_card_rule(pod)
+            cpu, mem = _requests(pod, request.key)
         except ContractError as exc:
             log.warning("pod left out of the snapshot: %s", exc)
             shot.left_out += 1
@@ -182,7 +186,6 @@ def take(nodes: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]) 
                 )  # fmt: skip
                 shot.oversized += 1
             milli = max(1, min(MILLI_PER_CARD, share))
-        cpu, mem = _requests(pod)
         phase = (pod.get("status") or {}).get("phase") or "Pending"
         shot.pod_rows.append([request.key, cpu, mem, num, milli, spec, phase])
     return shot

@@ -11,6 +11,7 @@ from podfactory import container, gpu_pod
 from gpushare.cards import Card
 from gpushare.contract.aliyun import parse_card_index
 from gpushare.contract.allocation import parse_allocation
+from gpushare.contract.dra import DraMemoryError, parse_card_memory, parse_memory_bytes
 from gpushare.contract.errors import ContractError
 from gpushare.contract.inventory import format_inventory, parse_inventory
 from gpushare.contract.names import RESOURCE_COUNT, RESOURCE_MEM
@@ -80,3 +81,16 @@ def test_card_figures_in_annotations_and_node_status_are_bounded() -> None:
     node = {"metadata": {"name": "n1"}, "status": {"allocatable": {RESOURCE_MEM: "80", RESOURCE_COUNT: BEYOND}}}
     with pytest.raises(ContractError, match=f"node n1 status.allocatable.{RESOURCE_COUNT}: .* is more than the"):
         inferred_inventory(node)
+
+
+@pytest.mark.parametrize("raw", ["1e999999", "9" * 5000])
+def test_a_claims_memory_beyond_bytes_a_card_could_have_is_refused_not_computed(raw: str) -> None:
+    """A ResourceClaim's consumedCapacity (or a device's capacity) of 1e999999 is refused as a
+    quantity, before a million-digit whole number is made of it."""
+    with pytest.raises(DraMemoryError, match=r"is more than the 9007199254740992 bytes allowed"):
+        parse_memory_bytes(raw)
+
+
+def test_a_prepared_claims_memory_record_of_thousands_of_digits_is_refused() -> None:
+    with pytest.raises(DraMemoryError, match="is not <card UUID>=<positive bytes>"):
+        parse_card_memory("GPU-1=" + "9" * 5000, "spec x")

@@ -173,6 +173,25 @@ def test_a_pod_no_card_can_hold_is_replayed_as_one_whole_card_with_a_warning_nam
     assert "1 pod(s) ask more than a card holds, replayed as whole cards (see the warnings above)" in shot.summary()
 
 
+def test_a_pod_or_node_with_a_quantity_too_large_to_count_is_left_out_by_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A tenant's ``cpu: 1e30`` (or a node's) is left out of the snapshot with a line naming it, and
+    the rest is replayed as before."""
+    cards = simulated_cards("big", "2xA100-80GB:81920")
+    huge = gpu_pod("huge", {RESOURCE_MEM: "8"}, None, {})
+    huge["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "1e30"
+    odd = gpu_node("odd", simulated_cards("odd", "1xA10:24576"))
+    odd["status"]["allocatable"]["memory"] = "1e999999"
+    with caplog.at_level(logging.WARNING, logger="gpushare.simulate.snapshot"):
+        shot = snapshot.take([gpu_node("big", cards), odd], [huge, gpu_pod("fits", {RESOURCE_MEM: "8"}, None, {})])
+    assert [row[0] for row in shot.pod_rows] == ["team/fits"]
+    assert [row[0] for row in shot.node_rows] == ["big"]
+    assert shot.left_out == 2
+    assert any("pod team/huge container 'main' requests cpu" in m for m in caplog.messages), caplog.messages
+    assert any("node odd allocatable memory" in m for m in caplog.messages), caplog.messages
+
+
 def test_a_mixed_node_gives_each_card_model_its_own_rule(tmp_path: Path) -> None:
     nodes = "sn,cpu_milli,memory_mib,gpu,model\nn0,64000,262144,3,A100-40GB;A10;A10\n"
     # two whole-card pods that take only an A100: the node has one, so the second is dropped
