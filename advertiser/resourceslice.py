@@ -22,7 +22,7 @@ matched. Lists of peers would need list-typed attributes, alpha (``DRAListTypeAt
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,3 +254,22 @@ def offered_cards(live: Mapping[str, Any]) -> tuple[OfferedCard, ...]:
     name = (live.get("metadata") or {}).get("name", "?")
     devices = (live.get("spec") or {}).get("devices") or []
     return tuple(_offered_card(d, f"ResourceSlice {name}: spec.devices[{i}]") for i, d in enumerate(devices))
+
+
+def offered_by_pool(slices: Iterable[Mapping[str, Any]]) -> tuple[dict[str, tuple[OfferedCard, ...]], list[str]]:
+    """Each pool's cards, from its slices of the newest generation (the scheduler ignores older ones)."""
+    by_pool: dict[str, list[Mapping[str, Any]]] = {}
+    for live in slices:
+        by_pool.setdefault(live_pool(live), []).append(live)
+    offered: dict[str, tuple[OfferedCard, ...]] = {}
+    problems = []
+    for pool, lives in by_pool.items():
+        newest = max(live_generation(live) for live in lives)
+        cards: list[OfferedCard] = []
+        for live in (live for live in lives if live_generation(live) == newest):
+            try:
+                cards.extend(offered_cards(live))
+            except ResourceSliceError as exc:
+                problems.append(f"{exc}; its cards are not shown")
+        offered[pool] = tuple(sorted(cards, key=lambda c: c.index))
+    return offered, problems

@@ -14,7 +14,7 @@ from gpushare.extender import podfit
 from gpushare.extender.asks import PodAsk, read_ask
 from gpushare.extender.cache import CachedNode, ClusterCache, placement_cards
 from gpushare.extender.engine import PlacementEngine
-from gpushare.extender.podfit import Way
+from gpushare.extender.filterway import Way, filter_way
 from gpushare.extender.reservations import Gangs
 from gpushare.extender.roomwaiters import RoomWaiters, Waiter
 from gpushare.extender.wire import NodeNames, Raw, candidate_names, check_victims, refused_nodes, request_pod
@@ -119,10 +119,10 @@ class _Verdict:
 def _verdict(
     engine: PlacementEngine, pod: Mapping[str, Any], ask: PodAsk, names: NodeNames, gangs: Gangs | None
 ) -> _Verdict:
-    """The nodes the pod fits on, decided the one way :func:`podfit.filter_way` chooses."""
+    """The nodes the pod fits on, decided the one way :func:`filter_way` chooses."""
     engine.cache.expire_holds()
     try:
-        way = podfit.filter_way(ask, places_gangs=gangs is not None)
+        way = filter_way(ask, places_gangs=gangs is not None)
     except ContractError as exc:
         reason = str(exc)  # names the pod already
         return _Verdict(NodeNames.of([]), unresolvable=dict.fromkeys(names.names, reason))

@@ -1,5 +1,6 @@
-"""A ResourceClaim's shares of a node's cards: what the DRA kubelet plugin prepares, and what a pod
-holds through its claims (:func:`gpushare.usage.dra_held`).
+"""A ResourceClaim's shares of a node's cards: what the DRA kubelet plugin prepares, what a pod
+holds through its claims (:func:`gpushare.usage.dra_held`), and what each claim holds of every node
+(:func:`claim_shares`, which the extender and ``inspect`` count).
 
 Pure: the claim as the API server returns it (a plain dict) in, a :class:`ClaimAllocation` (or card
 slices in the node's memory unit) or a :class:`ClaimError` naming the claim and field out.
@@ -17,6 +18,7 @@ from gpushare.contract.dra import parse_device_name, parse_memory_bytes
 from gpushare.contract.errors import ContractError, quoted
 from gpushare.contract.names import DRA_CAPACITY_MEMORY, DRA_DRIVER
 from gpushare.contract.units import MIB_BYTES
+from gpushare.placement.dra import DeviceAsk
 
 
 class ClaimError(ContractError):
@@ -165,16 +167,6 @@ def _slice(allocation: ClaimAllocation, share: AllocatedShare, by_index: dict[in
     return CardSlice(index=card.index, uuid=card.uuid, units=units)
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceAsk:
-    """One request of a claim for this driver's cards: ``count`` distinct cards with ``memory_bytes`` of
-    each."""
-
-    request: str
-    count: int
-    memory_bytes: int
-
-
 def asks_driver(claim: Mapping[str, Any]) -> bool:
     """Whether a request of ``claim`` (or one of its ``firstAvailable`` subrequests) names DeviceClass
     ``gpu.gpushare.io``."""
@@ -214,3 +206,46 @@ def _device_ask(raw: Any, where: str) -> DeviceAsk:
         raise ClaimError(f"{at}.count: {quoted(count)} is not a positive whole number")
     requested = _field(_field(exactly, "capacity", at, dict), "requests", f"{at}.capacity", dict)
     return DeviceAsk(_field(raw, "name", where, str), count, _memory(requested, f"{at}.capacity.requests"))
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimShare:
+    """What one ResourceClaim holds of one device of a node: ``memory_bytes`` (its allocation results
+    there, summed), and who uses the claim (``status.reservedFor``, as ``pod/<name>``)."""
+
+    namespace: str
+    name: str
+    users: tuple[str, ...]
+    node: str
+    device: str
+    index: int
+    memory_bytes: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def _users(claim: Mapping[str, Any]) -> tuple[str, ...]:
+    """``status.reservedFor`` as ``pod/<name>`` (other consumers as ``<resource>/<name>``)."""
+    reserved = (claim.get("status") or {}).get("reservedFor") or []
+    kinds = {"pods": "pod"}
+    users = (f"{kinds.get(r.get('resource'), r.get('resource') or '?')}/{r.get('name') or '?'}" for r in reserved)
+    return tuple(sorted(users))
+
+
+def claim_shares(claim: Mapping[str, Any]) -> list[ClaimShare]:
+    """The claim's shares of the driver's devices, one per device (its results there summed); [] while
+    it is not allocated."""
+    meta = claim.get("metadata") or {}
+    namespace, name = meta.get("namespace", "?"), meta.get("name", "?")
+    if not (claim.get("status") or {}).get("allocation"):
+        return []
+    held: dict[tuple[str, str], list[AllocatedShare]] = {}
+    for pool, share in driver_shares(claim, f"ResourceClaim {namespace}/{name}"):
+        held.setdefault((pool, share.device), []).append(share)
+    users = _users(claim)
+    return [
+        ClaimShare(namespace, name, users, pool, device, shares[0].index, sum(s.memory_bytes for s in shares))
+        for (pool, device), shares in held.items()
+    ]

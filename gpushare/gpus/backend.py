@@ -29,10 +29,6 @@ class InventoryError(RuntimeError):
     """The card inventory can't be read. The message is one sentence meant for the operator."""
 
 
-class MemoryLimitError(RuntimeError):
-    """The driver did not set a cgroup's memory limit on a card; the message is its answer."""
-
-
 @dataclass(frozen=True, slots=True)
 class HealthEvent:
     uuid: str
@@ -48,7 +44,7 @@ class GpuBackend(Protocol):
 
     def set_memory_limit(self, uuid: str, cgroup: Path, soft_bytes: int, hard_bytes: int) -> None:
         """Cap what processes in ``cgroup`` (a cgroup v2 directory) may allocate on the card; raises
-        :class:`MemoryLimitError` with the driver's answer. Only for cards whose
+        :class:`~gpushare.memlimits.enforcer.MemoryLimitError` with the driver's answer. Only for cards whose
         :attr:`~gpushare.cards.Card.memory_limits` is enforced."""
         ...
 

@@ -18,10 +18,10 @@ from gpushare.gpus.backend import (
     DEFAULT_NVML_RECOVERY,
     CardBook,
     InventoryError,
-    MemoryLimitError,
     is_critical_xid,
 )
 from gpushare.memlimits.cgroups import UNKNOWN_V1, CgroupLayout
+from gpushare.memlimits.enforcer import MemoryLimitError
 
 log = logging.getLogger(__name__)
 

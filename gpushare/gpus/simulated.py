@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpushare.cards import Card
-from gpushare.gpus.backend import DEFAULT_IGNORED_XIDS, CardBook, InventoryError, MemoryLimitError, is_critical_xid
+from gpushare.gpus.backend import DEFAULT_IGNORED_XIDS, CardBook, InventoryError, is_critical_xid
+from gpushare.memlimits.enforcer import MemoryLimitError
 
 log = logging.getLogger(__name__)
 

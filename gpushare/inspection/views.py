@@ -24,8 +24,9 @@ from gpushare.cards import ENFORCED, NOT_REPORTED
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_MEM
 from gpushare.contract.request import annotations_of, parse_pod_request, pod_key, requests_gpu
+from gpushare.contract.resourceclaim import ClaimShare
 from gpushare.contract.units import GIB, MIB_BYTES, MemoryUnit
-from gpushare.inspection.dra import ClaimShare, DraCards
+from gpushare.inspection.dra import DraCards
 from gpushare.usage import MIB, holds_resources, node_inventory, node_ledger, node_usage
 
 #: how a card is offered: through the device plugin and the extender (listed in the node's inventory),

@@ -11,11 +11,15 @@ from pathlib import Path
 
 from gpushare.cards import Card
 from gpushare.contract.units import MIB_BYTES, MemoryUnit
-from gpushare.gpus.backend import MemoryLimitError
 from gpushare.memlimits.cgroups import CgroupLayout, cgroup_dir
 from gpushare.memlimits.policy import Limit, pod_limits
 
 log = logging.getLogger(__name__)
+
+
+class MemoryLimitError(RuntimeError):
+    """The driver did not set a cgroup's memory limit on a card; the message is its answer."""
+
 
 #: (card UUID, cgroup directory, soft bytes, hard bytes); raises MemoryLimitError
 SetLimit = Callable[[str, Path, int, int], None]

@@ -16,8 +16,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpushare.contract.resourceclaim import DeviceAsk
 from gpushare.placement.batch import batch_scores
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceAsk:
+    """One request of a claim for this driver's cards: ``count`` distinct cards with ``memory_bytes`` of
+    each (:func:`gpushare.contract.resourceclaim.driver_requests` reads them from a claim)."""
+
+    request: str
+    count: int
+    memory_bytes: int
 
 
 @dataclass(frozen=True, slots=True)

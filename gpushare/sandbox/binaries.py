@@ -106,28 +106,9 @@ def host_tool_missing(names: tuple[str, ...]) -> str | None:
     return None
 
 
-def main() -> int:
-    """``python -m gpushare.sandbox.binaries --require``: exit 1 with the reason when the real cluster,
-    real containers or the gpushare image can't run here, or helm or crictl isn't built, so that CI fails
-    instead of skipping those tests. ``--link DIR``: :func:`link_tools` into DIR, and nothing else."""
-    if sys.argv[1:2] == ["--link"] and len(sys.argv) == 3:
-        linked = link_tools(Path(sys.argv[2]))
-        print(f"{', '.join(linked) or 'nothing'} linked into {sys.argv[2]} from {bin_dir()}")
-        return 0
-    from gpushare.sandbox import image
-    from gpushare.sandbox.realcluster import realcluster_available
-
-    cluster = realcluster_available()
-    versions = f"Kubernetes {KUBE_VERSION}, etcd {ETCD_VERSION}, containerd {CONTAINERD_VERSION}"
-    print(f"real cluster: {'unavailable: ' + cluster if cluster else versions}")
-    tools = {HELM: HELM_VERSION, CRICTL: CRI_TOOLS_VERSION}
-    tools_missing = {name: missing((name,)) for name in tools}
-    for name, why in tools_missing.items():
-        print(f"{name}: {'unavailable: ' + why if why else tools[name]}")
-    image_missing = image.missing()
-    print(f"image: {image_missing or f'{image.IMAGE} in {image.built()}'}")
-    return 1 if (cluster or any(tools_missing.values()) or image_missing) and "--require" in sys.argv[1:] else 0
-
-
 if __name__ == "__main__":
+    # the program also reports on the image and the real cluster, which build on this module, so it lives
+    # above them; a -m run executes this file as __main__, never as the module they import
+    from gpushare.sandbox.readiness import main
+
     sys.exit(main())

@@ -28,6 +28,7 @@ import grpc
 
 from gpushare.pb import cri_pb2, cri_pb2_grpc
 from gpushare.sandbox import binaries
+from gpushare.sandbox.launch import log_tail
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +41,6 @@ IDLE_COMMAND = ("/bin/sleep", "2147483647")
 
 _PT_INTERP = 3
 GO_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}
-
-
-def log_tail(path: Path, lines: int) -> str:
-    """The last ``lines`` lines of a component's log, for an error message ("" if it can't be read)."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 class ContainerdError(RuntimeError):

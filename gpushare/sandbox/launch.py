@@ -18,13 +18,20 @@ from pathlib import Path
 from typing import Any
 
 from gpushare.process import end_group
-from gpushare.sandbox.containerd import log_tail
 
 log = logging.getLogger(__name__)
 
 
 class ClusterError(RuntimeError):
     """The cluster could not come up; the message names the part and its log."""
+
+
+def log_tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of a component's log, for an error message ("" if it can't be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def free_port() -> int:

@@ -8,12 +8,12 @@ from gpushare.contract.errors import ContractError
 from gpushare.contract.resourceclaim import (
     AllocatedShare,
     ClaimError,
-    DeviceAsk,
     asks_driver,
     claim_allocation,
     driver_requests,
     driver_shares,
 )
+from gpushare.placement.dra import DeviceAsk
 
 
 def test_a_share_of_one_card_gives_card_request_share_and_memory() -> None:

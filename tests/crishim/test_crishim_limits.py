@@ -26,10 +26,9 @@ from support.draclaims import claim, claim_pod, result
 
 from gpushare.cards import ENFORCED
 from gpushare.contract.units import GIB
-from gpushare.gpus.backend import MemoryLimitError
 from gpushare.memlimits.cgroups import V2 as CGROUP_V2
 from gpushare.memlimits.cgroups import CgroupLayout
-from gpushare.memlimits.enforcer import PodLimiter
+from gpushare.memlimits.enforcer import MemoryLimitError, PodLimiter
 from gpushare.pb import cri_pb2, cri_pb2_grpc
 from gpushare.settings import RewriteOptions
 

@@ -7,7 +7,7 @@ from gpushare.extender import verbs
 from gpushare.extender.asks import read_ask
 from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
-from gpushare.extender.podfit import Way, filter_way
+from gpushare.extender.filterway import Way, filter_way
 from podfactory import container, gpu_pod
 
 from gpushare.cards import Card

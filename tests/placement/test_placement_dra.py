@@ -3,8 +3,7 @@ where it packs tightest."""
 
 from __future__ import annotations
 
-from gpushare.contract.resourceclaim import DeviceAsk
-from gpushare.placement.dra import DraCard, DraFit, dra_scores, predict
+from gpushare.placement.dra import DeviceAsk, DraCard, DraFit, dra_scores, predict
 
 GIB = 1 << 30
 
