@@ -1,7 +1,13 @@
 """After a start (or a restart of the node agent), the GPU memory limits of the pods already running on
 the node: each pod's cgroup gets them again from its assignment and its ResourceClaims, as if its
 containers were being created now. A limit that can't be set can't refuse a running pod; it is logged
-as an error naming the pod, card (or claim) and cause."""
+as an error naming the pod, card (or claim) and cause.
+
+Then the limits a pod's end left behind while the agent was away: every sandbox the runtime still
+knows that is stopped, of a pod with no ready sandbox, has the limits taken off its cgroup (while that
+cgroup exists). NVML answers only per cgroup, with no list of the cgroups it limits, so a cgroup whose
+sandbox the runtime no longer knows is not found here; the driver drops its limits when kubelet
+removes it."""
 
 from __future__ import annotations
 
@@ -39,12 +45,14 @@ def cgroup_parent(sandbox_info: str) -> str:
 def reconcile_limits(
     runtime: str, resolver: Resolver, limiter: PodLimiter, cards: Callable[[], Sequence[Card]]
 ) -> tuple[int, int]:
-    """Set the limits of every ready pod sandbox on the runtime; (pods limited, pods that failed)."""
+    """Set the limits of every ready pod sandbox on the runtime, then clear those of the stopped ones
+    (:func:`clear_stopped`); (pods limited, pods that failed)."""
     limited = failed = 0
     with grpc.insecure_channel(runtime) as channel:
         stub = cri_pb2_grpc.RuntimeServiceStub(channel)
         ready = cri_pb2.PodSandboxFilter(state=cri_pb2.PodSandboxStateValue(state=cri_pb2.SANDBOX_READY))
         sandboxes = stub.ListPodSandbox(cri_pb2.ListPodSandboxRequest(filter=ready), timeout=CALL_TIMEOUT).items
+        clear_stopped(stub, limiter, list(cards()))
         for sandbox in sandboxes:
             meta = sandbox.metadata
             target = Target(meta.namespace, meta.name, meta.uid, "")
@@ -66,6 +74,25 @@ def reconcile_limits(
                 failed += 1
                 log.error("running pod's memory limits not set: %s", why)
     return limited, failed
+
+
+def clear_stopped(stub: cri_pb2_grpc.RuntimeServiceStub, limiter: PodLimiter, cards: Sequence[Card]) -> int:
+    """Clear the limits of each stopped sandbox's cgroup, for pods with no ready sandbox; how many were
+    looked at. The limiter's lock is held from the listing on, so a pod whose sandbox turns ready
+    meanwhile gets its limits (at CreateContainer) only after this clear, never before it."""
+    looked = 0
+    with limiter.lock:
+        every = stub.ListPodSandbox(cri_pb2.ListPodSandboxRequest(), timeout=CALL_TIMEOUT).items
+        running = {s.metadata.uid for s in every if s.state == cri_pb2.SANDBOX_READY}
+        for sandbox in every:
+            if sandbox.state == cri_pb2.SANDBOX_READY or sandbox.metadata.uid in running:
+                continue
+            request = cri_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox.id, verbose=True)
+            status = stub.PodSandboxStatus(request, timeout=CALL_TIMEOUT)
+            who = f"pod {sandbox.metadata.namespace}/{sandbox.metadata.name}"
+            limiter.clear(who, cgroup_parent(status.info.get("info", "")), cards)
+            looked += 1
+    return looked
 
 
 class Reconciler:

@@ -1,5 +1,6 @@
 """The CRI shim's listener: each kubelet connection is spliced onto its own runtime connection, and
-CreateContainer requests are checked before they go on."""
+CreateContainer requests are checked before they go on (and, where limits are set, a sandbox's end
+clears them: :mod:`gpushare.crishim.ending`)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
+from gpushare.crishim.ending import SANDBOX_ENDS, SandboxEnd
 from gpushare.crishim.metrics import CORRECTIONS, REFUSALS
 from gpushare.crishim.reactor import Reactor
 from gpushare.crishim.resolve import Resolution, Resolver, Target
 from gpushare.crishim.rewrite import rewrite
-from gpushare.crishim.splice import Forward, Refuse, Splice, Verdict
+from gpushare.crishim.splice import INTERCEPTED, Forward, Refuse, Splice, Verdict
 
 from gpushare.assignment import Refusal, describe
 from gpushare.cards import Card
@@ -40,6 +42,9 @@ MEMORY_LIMIT = "memory-limit"
 LISTEN_BACKLOG = 128
 #: threads settling CreateContainer calls (each may wait on the API server)
 DECIDE_WORKERS = 8
+#: threads forwarding the StopPodSandbox and RemovePodSandbox calls that clear a pod's limits (each waits
+#: for the runtime to stop the sandbox)
+END_WORKERS = 8
 #: connecting to the runtime's unix socket is immediate unless its backlog is full
 CONNECT_TIMEOUT = 0.5
 
@@ -120,13 +125,26 @@ class CriShim:
     client reports as UNAVAILABLE; once it is back, the next connection reaches it.
     """
 
-    def __init__(self, listen: str, runtime: str, guard: CreateContainerGuard) -> None:
+    def __init__(
+        self,
+        listen: str,
+        runtime: str,
+        guard: CreateContainerGuard,
+        sandbox_end: SandboxEnd | None = None,
+    ) -> None:
+        """``sandbox_end`` clears a pod's limits when its sandbox ends (None: those calls pass untouched)."""
         self.path = socket_path(listen)
         self.runtime = runtime
         self._runtime_path = str(socket_path(runtime))
         self._guard = guard
+        self._sandbox_end = sandbox_end
         self._reactor = Reactor("cri-shim-io")
         self._pool = futures.ThreadPoolExecutor(max_workers=DECIDE_WORKERS, thread_name_prefix="cri-shim-decide")
+        #: a sandbox's stop can take its pod's grace period: its own threads, so CreateContainer never waits
+        self._end_pool = futures.ThreadPoolExecutor(max_workers=END_WORKERS, thread_name_prefix="cri-shim-end")
+        self._pools: dict[bytes, futures.Executor] = dict.fromkeys(INTERCEPTED, self._pool)
+        if sandbox_end is not None:
+            self._pools.update(dict.fromkeys(SANDBOX_ENDS, self._end_pool))
         self._listener: socket.socket | None = None
         self._splices: set[Splice] = set()
         self._runtime_down = False
@@ -176,7 +194,8 @@ class CriShim:
         self.serving = False
         self._reactor.call_soon(self._shut)
         self._reactor.stop()
-        self._pool.shutdown(wait=True, cancel_futures=True)  # checks under way hand their verdicts to nobody
+        for pool in (self._pool, self._end_pool):  # calls under way hand their verdicts to nobody
+            pool.shutdown(wait=True, cancel_futures=True)
         self._reactor.close()
         if self.path.exists() and stat.S_ISSOCK(self.path.lstat().st_mode):
             self.path.unlink()
@@ -199,8 +218,13 @@ class CriShim:
             if runtime is None:
                 kubelet.close()
                 continue
-            splice = Splice(self._reactor, kubelet, runtime, self._guard, self._pool, self._splices.discard)
+            splice = Splice(self._reactor, kubelet, runtime, self._decide, self._pools, self._splices.discard)
             self._splices.add(splice)
+
+    def _decide(self, path: bytes, message: bytes) -> Verdict:
+        if path in INTERCEPTED or self._sandbox_end is None:
+            return self._guard(message)
+        return self._sandbox_end(message)
 
     def _connect_runtime(self) -> socket.socket | None:
         runtime = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -7,8 +7,9 @@ socket hops, not a second gRPC stack.
 
 The shim reads only what it must: frame headers, kubelet's header blocks (to learn each new call's
 method), and the runtime's SETTINGS and window updates (for flow control, see :mod:`gpushare.crishim.flow`).
-A call to an intercepted method (CreateContainer) has its header block forwarded at once (the
-runtime's HPACK decoder must see every block) while its DATA is held until the request is whole.
+A call to an intercepted method (CreateContainer; StopPodSandbox and RemovePodSandbox where limits are
+set) has its header block forwarded at once (the runtime's HPACK decoder must see every block) while
+its DATA is held until the request is whole.
 ``decide`` then says, on a worker thread, what goes on: the request as it was, a corrected copy, or
 a refusal, which resets the runtime's stream and answers kubelet with a gRPC status the shim
 encodes itself. The shim writes its own frames only between whole header blocks.
@@ -26,7 +27,7 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -69,10 +70,15 @@ log = logging.getLogger(__name__)
 
 #: a held request larger than this is refused (the runtime's own limit is 16 MiB too)
 MAX_HELD_BYTES = 16 << 20
-#: the CRI methods whose requests the shim decides on; v1alpha2 messages share v1's field numbers
-INTERCEPTED = frozenset(
-    {b"/runtime.v1.RuntimeService/CreateContainer", b"/runtime.v1alpha2.RuntimeService/CreateContainer"}
-)
+
+
+def cri_paths(method: str) -> frozenset[bytes]:
+    """The HTTP/2 paths of a RuntimeService method; v1alpha2 messages share v1's field numbers."""
+    return frozenset(f"/runtime.{version}.RuntimeService/{method}".encode() for version in ("v1", "v1alpha2"))
+
+
+#: the CRI methods whose requests the shim always decides on
+INTERCEPTED = cri_paths("CreateContainer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,14 +97,15 @@ class Refuse:
 
 
 Verdict = Forward | Refuse
-#: the held request's message -> what to do with it; runs on a worker thread and may block
-Decide = Callable[[bytes], Verdict]
+#: (the call's path, the held request's message) -> what to do with it; runs on a worker thread and may block
+Decide = Callable[[bytes, bytes], Verdict]
 
 
 @dataclass(slots=True)
 class _Held:
     """A call whose request the shim holds back."""
 
+    path: bytes = b""
     body: bytearray = field(default_factory=bytearray)
     complete: bool = False
     too_large: bool = False
@@ -113,12 +120,14 @@ class Splice:
         kubelet: socket.socket,
         runtime: socket.socket,
         decide: Decide,
-        pool: Executor,
+        pools: Mapping[bytes, Executor],
         on_close: Callable[[Splice], None],
     ) -> None:
+        """``pools``: the paths of the calls the shim holds, each with the executor that settles it (a
+        slow kind of call, such as a sandbox's stop, then can't hold up CreateContainer's checks)."""
         self._reactor = reactor
         self._decide = decide
-        self._pool = pool
+        self._pools = pools
         self._on_close = on_close
         self._windows = Windows()
         self._paths = PathDecoder()
@@ -216,7 +225,8 @@ class Splice:
         if grants:
             self._kubelet.write(b"".join(grants))
         for stream in settle:
-            self._pool.submit(self._settle, stream, self._held[stream])
+            held = self._held[stream]
+            self._pools[held.path].submit(self._settle, stream, held)
         return buf[pos:]
 
     def _on_request_headers(self, stream: int, fragment: bytes) -> bool:
@@ -226,10 +236,10 @@ class Splice:
             return False  # trailers of a call already open
         self._last_stream = stream
         self._started[stream] = (call_timer(path), time.perf_counter())
-        if path not in INTERCEPTED:
+        if path not in self._pools:
             return False
         self._windows.track(stream)
-        self._held[stream] = _Held()
+        self._held[stream] = _Held(path)
         return True
 
     def _hold(self, held: _Held, stream: int, flags: int, payload: bytes, grants: list[bytes]) -> bool:
@@ -332,7 +342,7 @@ class Splice:
         except GrpcFramingError as exc:
             return Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"CreateContainer: {exc}")
         try:
-            return self._decide(message)
+            return self._decide(held.path, message)
         except Exception:  # a bug must not start a container unchecked
             log.exception("CreateContainer check failed; refusing the request")
             return Refuse(grpc.StatusCode.INTERNAL, "the GPU assignment check failed; see the CRI shim's log")

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from gpushare.crishim.ending import SandboxEnd
 from gpushare.crishim.reconcile import Reconciler, reconcile_limits
 from gpushare.crishim.resolve import CachedPods, Resolver, Target
 from gpushare.crishim.server import CreateContainerGuard, CriShim, EventSink
@@ -80,7 +81,9 @@ def start_cri_shim(
         pod_events(node_api.events.for_component(COMPONENT)) if node_api is not None else None,
         limiter,
     )
-    shim = CriShim(settings.listen, settings.runtime, guard)
+    limiting = any(card.limits_enforced for card in backend.cards())
+    sandbox_end = SandboxEnd(settings.runtime, limiter, backend.cards) if limiting else None
+    shim = CriShim(settings.listen, settings.runtime, guard, sandbox_end)
     try:
         shim.start()
     except BaseException:
@@ -88,7 +91,7 @@ def start_cri_shim(
             own.stop()
         raise
     reconciler = None
-    if any(card.limits_enforced for card in backend.cards()):
+    if limiting:
         run = functools.partial(reconcile_limits, settings.runtime, resolver, limiter, backend.cards)
         reconciler = Reconciler(run, cache.wait_synced if cache is not None else None).start()
     return RunningShim(shim, cache, own, reconciler)

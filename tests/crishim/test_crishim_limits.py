@@ -2,12 +2,14 @@
 the driver's limit goes on the pod's cgroup, on the cards that enforce limits, and a limit the driver
 doesn't set refuses the container. A pod's share includes what its ResourceClaims were allocated; a
 claim that can't be read refuses the container too. When the shim starts, the running pods' cgroups
-get their limits again."""
+get their limits again, and when a pod's sandbox ends (StopPodSandbox, RemovePodSandbox) the shim
+takes them off its cgroup once the runtime has stopped it; kubelet's call goes on unchanged."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import replace
@@ -16,9 +18,10 @@ from typing import Any
 
 import grpc
 import pytest
-from gpushare.crishim.reconcile import cgroup_parent, reconcile_limits
+from gpushare.crishim.ending import SandboxEnd
+from gpushare.crishim.reconcile import cgroup_parent, clear_stopped, reconcile_limits
 from gpushare.crishim.resolve import Resolver, Target
-from gpushare.crishim.server import EVENT_REFUSED, CreateContainerGuard
+from gpushare.crishim.server import DECIDE_WORKERS, EVENT_REFUSED, CreateContainerGuard, CriShim
 from gpushare.crishim.splice import Forward, Refuse
 from support.cri import plain_config, plugin_config, request_for
 from support.crishim import A0, A1, CARDS, POD, FakePods, allocation_of, pod_dict, slice_of
@@ -28,7 +31,7 @@ from gpushare.cards import ENFORCED
 from gpushare.contract.units import GIB
 from gpushare.memlimits.cgroups import V2 as CGROUP_V2
 from gpushare.memlimits.cgroups import CgroupLayout
-from gpushare.memlimits.enforcer import MemoryLimitError, PodLimiter
+from gpushare.memlimits.enforcer import NO_HARD_LIMIT, MemoryLimitError, PodLimiter
 from gpushare.pb import cri_pb2, cri_pb2_grpc
 from gpushare.settings import RewriteOptions
 
@@ -213,6 +216,11 @@ class Sandboxes(cri_pb2_grpc.RuntimeServiceServicer):
 
     def __init__(self, *pods: Target) -> None:
         self.pods = pods
+        #: pods with a stopped sandbox (id ``old-<uid>``) as well
+        self.stopped: tuple[Target, ...] = ()
+        #: what happened, in order: ("stop", sandbox id), as the limits' Driver below records ("set", ...)
+        self.calls: list[tuple[str, str]] = []
+        self.stop_fails = False
 
     def ListPodSandbox(self, request: Any, context: Any) -> cri_pb2.ListPodSandboxResponse:
         return cri_pb2.ListPodSandboxResponse(
@@ -224,18 +232,38 @@ class Sandboxes(cri_pb2_grpc.RuntimeServiceServicer):
                 )
                 for p in self.pods
             ]
+            + [
+                cri_pb2.PodSandbox(
+                    id=f"old-{p.uid}",
+                    metadata=cri_pb2.PodSandboxMetadata(name=p.pod, namespace=p.namespace, uid=p.uid),
+                    state=cri_pb2.SANDBOX_NOTREADY,
+                )
+                for p in self.stopped
+            ]
         )
 
     def PodSandboxStatus(self, request: Any, context: Any) -> cri_pb2.PodSandboxStatusResponse:
-        uid = request.pod_sandbox_id.removeprefix("sb-")
+        uid = request.pod_sandbox_id.removeprefix("sb-").removeprefix("old-")
+        pod = next((p for p in (*self.pods, *self.stopped) if p.uid == uid), None)
+        if pod is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"sandbox {request.pod_sandbox_id} not found")
         info = {"config": {"linux": {"cgroup_parent": f"/kubepods/burstable/pod{uid}"}}}
-        return cri_pb2.PodSandboxStatusResponse(info={"info": json.dumps(info)})
+        meta = cri_pb2.PodSandboxMetadata(name=pod.pod, namespace=pod.namespace, uid=pod.uid)
+        status = cri_pb2.PodSandboxStatus(id=request.pod_sandbox_id, metadata=meta)
+        return cri_pb2.PodSandboxStatusResponse(status=status, info={"info": json.dumps(info)})
+
+    def StopPodSandbox(self, request: Any, context: Any) -> cri_pb2.StopPodSandboxResponse:
+        self.calls.append(("stop", request.pod_sandbox_id))
+        if self.stop_fails:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the pod's containers did not stop")
+        return cri_pb2.StopPodSandboxResponse()
 
 
 @pytest.fixture
 def runtime(tmp_path: Path) -> Iterator[tuple[str, Sandboxes]]:
     sandboxes = Sandboxes()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    # a thread per call the tests keep open at once (containerd, in Go, has no such bound)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * DECIDE_WORKERS + 2))
     cri_pb2_grpc.add_RuntimeServiceServicer_to_server(sandboxes, server)
     address = f"unix://{tmp_path}/runtime.sock"
     server.add_insecure_port(address)
@@ -261,3 +289,170 @@ def test_running_dra_pods_get_their_limits_when_the_shim_starts(
     assert [r.getMessage() for r in caplog.records] == [
         "running pod's memory limits not set: pod default/broken: ResourceClaim default/gone: not found"
     ]
+
+
+# --- a sandbox's end clears its pod's limits ------------------------------------------------------------------
+
+
+class OrderedDriver(Driver):
+    """A driver that notes each limit it sets in the runtime's call list, so that order shows."""
+
+    def __init__(self, calls: list[tuple[str, str]], refuse_on: str = "") -> None:
+        super().__init__()
+        self.calls = calls
+        self.refuse_on = refuse_on
+
+    def __call__(self, uuid: str, cgroup: Path, soft: int, hard: int) -> None:
+        if uuid == self.refuse_on:
+            raise MemoryLimitError("NVML_ERROR_UNKNOWN")
+        self.calls.append(("set", uuid))
+        super().__call__(uuid, cgroup, soft, hard)
+
+
+def ending(address: str, sandboxes: Sandboxes, root: Path, refuse_on: str = "") -> tuple[SandboxEnd, OrderedDriver]:
+    sandboxes.pods = (POD,)
+    (root / "kubepods" / "burstable" / f"pod{POD.uid}").mkdir(parents=True)
+    driver = OrderedDriver(sandboxes.calls, refuse_on)
+    limiter = PodLimiter(driver, CgroupLayout(CGROUP_V2, root), GIB)
+    return SandboxEnd(address, limiter, lambda: ENFORCING), driver
+
+
+STOP = cri_pb2.StopPodSandboxRequest(pod_sandbox_id=f"sb-{POD.uid}").SerializeToString()
+
+
+def test_a_stopped_sandboxs_limits_are_cleared_on_each_enforcing_card_after_the_runtime_stopped_it(
+    runtime: tuple[str, Sandboxes], tmp_path: Path
+) -> None:
+    address, sandboxes = runtime
+    end, driver = ending(address, sandboxes, tmp_path)
+    assert end(STOP) == Forward(STOP)
+    pod = tmp_path / "kubepods" / "burstable" / f"pod{POD.uid}"
+    assert driver.set == [(A0.uuid, pod, 0, NO_HARD_LIMIT), (A1.uuid, pod, 0, NO_HARD_LIMIT)]
+    assert sandboxes.calls == [("stop", f"sb-{POD.uid}"), ("set", A0.uuid), ("set", A1.uuid)]
+
+
+def test_an_old_sandbox_of_a_pod_running_on_in_a_new_one_keeps_the_pods_limits(
+    runtime: tuple[str, Sandboxes], tmp_path: Path
+) -> None:
+    """Kubelet recreates a pod's dead sandbox in the same pod cgroup and stops or removes the old one
+    later: its containers, running in the new sandbox, keep their limits."""
+    address, sandboxes = runtime
+    end, driver = ending(address, sandboxes, tmp_path)
+    sandboxes.stopped = (POD,)
+    old = cri_pb2.StopPodSandboxRequest(pod_sandbox_id=f"old-{POD.uid}").SerializeToString()
+    assert end(old) == Forward(old)
+    assert sandboxes.calls == [("stop", f"old-{POD.uid}")]
+    assert driver.set == []
+
+
+def test_a_sandbox_the_runtime_did_not_stop_keeps_its_limits_and_the_call_goes_on(
+    runtime: tuple[str, Sandboxes], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    address, sandboxes = runtime
+    end, driver = ending(address, sandboxes, tmp_path)
+    sandboxes.stop_fails = True
+    with caplog.at_level(logging.ERROR, logger="gpushare.crishim.ending"):
+        assert end(STOP) == Forward(STOP)
+    assert driver.set == []
+    assert f"sandbox sb-{POD.uid}: memory limits not cleared" in caplog.text
+
+
+def test_a_limit_the_driver_does_not_clear_is_logged_naming_pod_and_card_and_the_call_goes_on(
+    runtime: tuple[str, Sandboxes], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    address, sandboxes = runtime
+    end, driver = ending(address, sandboxes, tmp_path, refuse_on=A0.uuid)
+    with caplog.at_level(logging.ERROR, logger="gpushare.memlimits.enforcer"):
+        assert end(STOP) == Forward(STOP)
+    assert [uuid for uuid, *_ in driver.set] == [A1.uuid]
+    assert f"pod {POD.namespace}/{POD.pod}: card 0 ({A0.uuid}): limits not cleared" in caplog.text
+
+
+def test_a_sandbox_the_runtime_no_longer_knows_is_forwarded_untouched(
+    runtime: tuple[str, Sandboxes], tmp_path: Path
+) -> None:
+    address, sandboxes = runtime
+    end, driver = ending(address, sandboxes, tmp_path)
+    gone = cri_pb2.StopPodSandboxRequest(pod_sandbox_id="sb-gone").SerializeToString()
+    assert end(gone) == Forward(gone)
+    assert driver.set == [] and sandboxes.calls == []
+
+
+@pytest.mark.parametrize("method", ["StopPodSandbox", "RemovePodSandbox"])
+def test_kubelets_call_through_the_shim_clears_the_limits_and_gets_the_runtimes_answer(
+    runtime: tuple[str, Sandboxes], tmp_path: Path, method: str
+) -> None:
+    address, sandboxes = runtime
+    end, driver = ending(address, sandboxes, tmp_path)
+    shim = CriShim(f"unix://{tmp_path}/shim.sock", address, guard(Driver()), end)
+    shim.start()
+    try:
+        with grpc.insecure_channel(shim.address) as channel:
+            stub = cri_pb2_grpc.RuntimeServiceStub(channel)
+            if method == "StopPodSandbox":
+                stub.StopPodSandbox(cri_pb2.StopPodSandboxRequest(pod_sandbox_id=f"sb-{POD.uid}"), timeout=10)
+            else:
+                with pytest.raises(grpc.RpcError) as raised:  # this runtime has no RemovePodSandbox
+                    stub.RemovePodSandbox(cri_pb2.RemovePodSandboxRequest(pod_sandbox_id=f"sb-{POD.uid}"), timeout=10)
+                assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        shim.stop()
+    assert [uuid for uuid, *_ in driver.set] == [A0.uuid, A1.uuid]
+    assert sandboxes.calls[0] == ("stop", f"sb-{POD.uid}")
+
+
+def test_at_start_a_stopped_pods_limits_are_cleared_and_a_running_pods_are_not(
+    runtime: tuple[str, Sandboxes], tmp_path: Path
+) -> None:
+    address, sandboxes = runtime
+    ended = Target(POD.namespace, "ended", "uid-ended", "")
+    restarted = Target(POD.namespace, "restarted", "uid-restarted", "")
+    sandboxes.pods, sandboxes.stopped = (restarted,), (ended, restarted)
+    for pod in (ended, restarted):
+        (tmp_path / "kubepods" / "burstable" / f"pod{pod.uid}").mkdir(parents=True)
+    driver = Driver()
+    with grpc.insecure_channel(address) as channel:
+        looked = clear_stopped(
+            cri_pb2_grpc.RuntimeServiceStub(channel),
+            PodLimiter(driver, CgroupLayout(CGROUP_V2, tmp_path), GIB),
+            ENFORCING,
+        )
+    assert looked == 1
+    cgroup = tmp_path / "kubepods" / "burstable" / "poduid-ended"
+    assert driver.set == [(A0.uuid, cgroup, 0, NO_HARD_LIMIT), (A1.uuid, cgroup, 0, NO_HARD_LIMIT)]
+
+
+def test_sandboxes_slow_to_stop_never_hold_up_a_containers_check(
+    runtime: tuple[str, Sandboxes], tmp_path: Path
+) -> None:
+    """More sandbox stops than the shim has checking threads, each waiting on its pod's grace period,
+    and a CreateContainer that comes meanwhile is still checked and sent on at once."""
+    address, _ = runtime
+    gate, entered = threading.Event(), threading.Semaphore(0)
+
+    def slow_end(request: bytes) -> Forward:
+        entered.release()
+        gate.wait(60)
+        return Forward(request)
+
+    shim = CriShim(f"unix://{tmp_path}/shim.sock", address, guard(Driver()), slow_end)
+    shim.start()
+    try:
+        with grpc.insecure_channel(shim.address) as channel:
+            stub = cri_pb2_grpc.RuntimeServiceStub(channel)
+            stops = [
+                stub.StopPodSandbox.future(cri_pb2.StopPodSandboxRequest(pod_sandbox_id=f"sb-{n}"), timeout=60)
+                for n in range(DECIDE_WORKERS + 1)
+            ]
+            for _ in range(DECIDE_WORKERS):  # as many stops under way as the shim has checking threads
+                assert entered.acquire(timeout=30)
+            request = cri_pb2.CreateContainerRequest.FromString(create((slice_of(A0, 8),)))
+            with pytest.raises(grpc.RpcError) as raised:  # checked, then answered by this runtime, which has none
+                stub.CreateContainer(request, timeout=10)
+            assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert not any(stop.done() for stop in stops)
+            gate.set()
+            assert all(stop.result() is not None for stop in stops)
+    finally:
+        gate.set()
+        shim.stop()

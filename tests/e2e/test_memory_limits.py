@@ -113,6 +113,23 @@ def test_a_pods_limits_go_with_its_cgroup(pods: Pods, core: client.CoreV1Api) ->
     assert all(answer == NO_LIMIT or "Not Found" in str(answer) for answer in answers.values()), answers
 
 
+def test_a_deleted_pods_soft_limits_are_released_before_its_cgroup_goes(pods: Pods, core: client.CoreV1Api) -> None:
+    """The node agent clears the limits once the pod's sandbox is stopped, so the driver never drops a
+    soft limit (a guarantee) along with the cgroup; the fake notes any it drops that way."""
+    fake = pods.cluster.nodes[NVML_NODE].fake_nvml
+    if fake is None:
+        pytest.skip("only the fake libnvidia-ml records the soft limits dropped with their cgroup")
+    name = run_on_nvml_node(pods, "limit-released", [{RESOURCE_MEM: 4}])
+    cgroup = pod_cgroup(pods, name)
+    want = expected(pods, name)
+    assert limits_of(pods, name) == want and set(want.values()) != {NO_LIMIT}
+    core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+    wait_until(lambda: not cgroup.exists(), 60, f"pod {name}'s cgroup to be removed", API_POLL)
+    read_limits(cgroup.parent, nvml_env(pods.cluster))  # any NVML call drops what went with the cgroup
+    assert [leak for leak in fake.leaks() if Path(leak[2]).name == cgroup.name] == []
+    assert not [key for key in fake.limits() if Path(key[1]).name == cgroup.name]
+
+
 def test_a_pod_that_requires_limits_is_kept_off_the_old_driver_node_naming_card_and_cause(pods: Pods) -> None:
     name = pods.create(
         pod_manifest(

@@ -261,6 +261,26 @@ def test_removing_the_cgroup_drops_its_limit(mixed: fakenvml.FakeNvml, tmp_path:
     assert mixed.limits() == {(a0, kept): (GIB, 2 * GIB)}
 
 
+def test_a_soft_limit_gone_with_its_cgroup_is_recorded_as_leaked_and_a_cleared_one_is_not(
+    mixed: fakenvml.FakeNvml, tmp_path: Path
+) -> None:
+    a0, a1, *_ = uuids("mixed")
+    leaked, cleared, hard_only = cgroups(tmp_path, "leaked", "cleared", "hard-only")
+    nvml_calls(
+        mixed,
+        ["set", a0, leaked, GIB, 2 * GIB],
+        ["set", a1, cleared, GIB, 2 * GIB],
+        ["set", a1, hard_only, 0, 2 * GIB],
+        ["set", a1, cleared, 0, MAX],
+        ["rmdir", leaked],
+        ["rmdir", cleared],
+        ["rmdir", hard_only],
+        ["cards"],
+    )
+    assert mixed.limits() == {}
+    assert mixed.leaks() == [(a0, GIB, leaked)]
+
+
 def test_a_card_in_mig_mode_does_not_support_limits(tmp_path: Path) -> None:
     whole, mig = uuids("mig")
     fake = fake_machine("mig", tmp_path)

@@ -157,6 +157,21 @@ class FakeNvml:
             table[uuid, path] = int(soft), int(hard)
         return table
 
+    @property
+    def leaks_record(self) -> Path:
+        return self.limits_record.with_name(self.limits_record.name + ".leaks")
+
+    def leaks(self) -> list[tuple[str, int, str]]:
+        """The soft limits whose cgroup was removed before they were cleared, in the order the library
+        found them gone: (card UUID, soft bytes, cgroup path)."""
+        if not self.leaks_record.exists():
+            return []
+        found = []
+        for line in self.leaks_record.read_text().splitlines():
+            uuid, soft, path = line.split(" ", 2)
+            found.append((uuid, int(soft), path))
+        return found
+
     def xid(self, uuid: str, xid: int) -> None:
         """Raise XID ``xid`` on the card, as the driver would report it."""
         self._command(f"xid {uuid} {xid}")
@@ -181,5 +196,6 @@ def prepare(machine: str, workdir: Path, cache: Path | None = None) -> FakeNvml:
     control.write_text("")
     limits_record = Path(workdir) / f"{description.stem}.nvml-limits"
     limits_record.write_text("")
+    limits_record.with_name(limits_record.name + ".leaks").unlink(missing_ok=True)
     library_dir = build(cache, memory_limits=has_memory_limits(description))
     return FakeNvml(library_dir, description, control, limits_record)

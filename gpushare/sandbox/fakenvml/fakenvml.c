@@ -44,6 +44,10 @@
  * that lock is released, so every process using the record sees (and changes) the same limits, and they
  * outlive the process that set them. A process that kept its own copy would write back limits another
  * process had cleared since.
+ * A limit dropped with its cgroup while its soft limit was still set (not cleared first) is appended,
+ * under the same lock, to <file>.leaks as "<uuid> <softLimit> <path>": the soft limit is a guarantee
+ * (dmem.min under the kernel's dmem controller), so a test can check that every one was released
+ * before its cgroup went rather than left for the driver to drop.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -390,12 +394,30 @@ static int commit_limits(int count) {
     return 0;
 }
 
+/* Note the soft limits of the cgroups that are gone, in <record_path>.leaks. Called with the lock held. */
+static void record_leaks(void) {
+    if (!record_path[0]) return;
+    char leaks_path[sizeof record_path + 8];
+    snprintf(leaks_path, sizeof leaks_path, "%s.leaks", record_path);
+    FILE *f = NULL;
+    for (int i = 0; i < limit_count; i++) {
+        if (limits[i].soft == 0 || is_directory(limits[i].path)) continue;
+        if (!f && !(f = fopen(leaks_path, "a"))) {
+            fprintf(stderr, "fake NVML: cannot record a leaked soft limit in %s\n", leaks_path);
+            return;
+        }
+        fprintf(f, "%s %llu %s\n", devices[limits[i].device].uuid, limits[i].soft, limits[i].path);
+    }
+    if (f) fclose(f);
+}
+
 /* Drop the limits of cgroups that are gone, as the driver does. Called with the lock held. */
 static void prune_limits(void) {
     int kept = 0;
     for (int i = 0; i < limit_count; i++)
         if (is_directory(limits[i].path)) next_limits[kept++] = limits[i];
     if (kept == limit_count) return;
+    record_leaks();
     if (commit_limits(kept) != 0) { /* the cgroups are gone all the same */
         memcpy(limits, next_limits, (size_t)kept * sizeof *limits);
         limit_count = kept;
