@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
-from gpushare.crishim.reconcile import CALL_TIMEOUT, cgroup_parent
+from gpushare.crishim.reconcile import CALL_TIMEOUT, sandbox_cgroup
 from gpushare.crishim.splice import Forward, Verdict, cri_paths
 
 from gpushare.cards import Card
@@ -59,14 +59,11 @@ class SandboxEnd:
         with grpc.insecure_channel(self.runtime) as channel:
             stub = cri_pb2_grpc.RuntimeServiceStub(channel)
             try:
-                status = stub.PodSandboxStatus(
-                    cri_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox, verbose=True), timeout=CALL_TIMEOUT
-                )
+                meta, cgroup = sandbox_cgroup(stub, sandbox)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     return  # the runtime no longer knows it, nor so its cgroup
                 raise
-            meta = status.status.metadata
             who = f"pod {meta.namespace}/{meta.name}"
             stub.StopPodSandbox(cri_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox), timeout=CALL_TIMEOUT)
             # the lock from the look on: a sandbox of the pod turning ready meanwhile gets its limits after
@@ -74,7 +71,7 @@ class SandboxEnd:
                 if _ready_sandbox(stub, meta.uid, sandbox):
                     log.info("%s: sandbox %s stopped; the pod runs on in another sandbox, limits kept", who, sandbox)
                     return
-                self.limiter.clear(who, cgroup_parent(status.info.get("info", "")), list(self.cards()))
+                self.limiter.clear(who, cgroup, list(self.cards()))
 
 
 def _ready_sandbox(stub: cri_pb2_grpc.RuntimeServiceStub, uid: str, but: str) -> bool:

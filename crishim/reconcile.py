@@ -42,6 +42,14 @@ def cgroup_parent(sandbox_info: str) -> str:
     return str((config.get("linux") or {}).get("cgroup_parent", ""))
 
 
+def sandbox_cgroup(stub: cri_pb2_grpc.RuntimeServiceStub, sandbox: str) -> tuple[cri_pb2.PodSandboxMetadata, str]:
+    """The sandbox's pod (its metadata) and the pod's cgroup, from the runtime's verbose status;
+    grpc.RpcError when the runtime doesn't answer (NOT_FOUND: it no longer knows the sandbox)."""
+    request = cri_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox, verbose=True)
+    status = stub.PodSandboxStatus(request, timeout=CALL_TIMEOUT)
+    return status.status.metadata, cgroup_parent(status.info.get("info", ""))
+
+
 def reconcile_limits(
     runtime: str, resolver: Resolver, limiter: PodLimiter, cards: Callable[[], Sequence[Card]]
 ) -> tuple[int, int]:
@@ -65,9 +73,8 @@ def reconcile_limits(
                 continue
             if not held:
                 continue
-            request = cri_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox.id, verbose=True)
-            status = stub.PodSandboxStatus(request, timeout=CALL_TIMEOUT)
-            why = limiter.apply(f"pod {target.pod_key}", cgroup_parent(status.info.get("info", "")), held, now)
+            _, cgroup = sandbox_cgroup(stub, sandbox.id)
+            why = limiter.apply(f"pod {target.pod_key}", cgroup, held, now)
             if why is None:
                 limited += 1
             else:
@@ -87,10 +94,8 @@ def clear_stopped(stub: cri_pb2_grpc.RuntimeServiceStub, limiter: PodLimiter, ca
         for sandbox in every:
             if sandbox.state == cri_pb2.SANDBOX_READY or sandbox.metadata.uid in running:
                 continue
-            request = cri_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox.id, verbose=True)
-            status = stub.PodSandboxStatus(request, timeout=CALL_TIMEOUT)
-            who = f"pod {sandbox.metadata.namespace}/{sandbox.metadata.name}"
-            limiter.clear(who, cgroup_parent(status.info.get("info", "")), cards)
+            _, cgroup = sandbox_cgroup(stub, sandbox.id)
+            limiter.clear(f"pod {sandbox.metadata.namespace}/{sandbox.metadata.name}", cgroup, cards)
             looked += 1
     return looked
 

@@ -131,6 +131,9 @@ class Resolution:
     dra_devices: tuple[str, ...] = ()
     #: the GPU env of the cards those claims give the container (:func:`gpushare.usage.dra_env`)
     dra_env: Mapping[str, str] | None = None
+    #: the pod's ResourceClaims by name as read for that env, which its memory limits count too: one
+    #: read of each per container, and the env and the limits from the same claims
+    dra_claims: Mapping[str, dict[str, Any]] | None = None
 
     @property
     def claim(self) -> Claim:
@@ -366,10 +369,11 @@ class Resolver:
                 return found
         assert self._pods is not None  # _api_pod refused otherwise
         try:
-            env = dra_env(pod, self._claims(pod), devices, self._pods.node, NodeInventory(self._unit, tuple(cards)))
+            claims = self._claims(pod)
+            env = dra_env(pod, claims, devices, self._pods.node, NodeInventory(self._unit, tuple(cards)))
         except ClaimError as exc:
             return refuse(target, DRA_CLAIM, str(exc))
-        return replace(found, dra_env=env)
+        return replace(found, dra_env=env, dra_claims=claims)
 
     def _claims(self, pod: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """The pod's ResourceClaims by name (:func:`gpushare.usage.pod_claim_names`); ClaimError when one
@@ -436,7 +440,8 @@ class Resolver:
                 return {}
             why = "API lookups are disabled (--no-api-fetch)" if self._pods is None else problem or "the pod is gone"
             raise ClaimError(f"its ResourceClaims (CDI device(s) {devices}) can't be read: {why}")
-        return dra_held(pod, self._claims(pod), self._pods.node, inventory)
+        claims = found.dra_claims if found.dra_claims is not None else self._claims(pod)
+        return dra_held(pod, claims, self._pods.node, inventory)
 
     def _check_capacity(self, found: Resolution, cards: Sequence[Card]) -> Resolution:
         if self._pods is None:  # --no-api-fetch: the operator chose to trust sandbox_config alone

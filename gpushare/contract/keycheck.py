@@ -44,7 +44,9 @@ class UnknownKey:
 
 def edit_distance(a: str, b: str, limit: int = NEAR_MISS_EDITS) -> int:
     """The optimal-string-alignment distance of ``a`` and ``b`` (a swap of two neighbours is one edit),
-    or ``limit + 1`` once it is certain to exceed ``limit``."""
+    or ``limit + 1`` once it is certain to exceed ``limit``. Our own rather than ``difflib``'s: its
+    similarity ratio counts no edits, so no cut-off of it means "a typo away" for short and long keys
+    alike, and the bounded table stops early on keys that are plainly different."""
     if abs(len(a) - len(b)) > limit:
         return limit + 1
     before: list[int] | None = None

@@ -160,11 +160,13 @@ TWO_CLAIMS = (
 
 
 def test_a_dra_pods_cgroup_gets_the_sum_of_its_claims_on_each_enforcing_card() -> None:
-    driver = Driver()
-    verdict = guard(driver, claim_pods(*TWO_CLAIMS))(dra_create())
+    driver, pods = Driver(), claim_pods(*TWO_CLAIMS)
+    verdict = guard(driver, pods)(dra_create())
     assert isinstance(verdict, Forward)
     pod = ROOT / "kubepods" / "burstable" / "poduid-train"
     assert driver.set == [(A0.uuid, pod, 12 << 30, 12 << 30), (A1.uuid, pod, 20 << 30, 20 << 30)]
+    # the env and the limits come from one read of each claim
+    assert sorted(pods.claims_asked) == sorted(c["metadata"]["name"] for c in TWO_CLAIMS)
 
 
 def test_a_device_plugin_container_of_a_pod_with_claims_is_limited_to_both() -> None:

@@ -52,8 +52,11 @@ class FakePods:
         #: the node's ledger
         self.recorded: Ledger = {}
         self.claims = {c["metadata"]["name"]: c for c in claims}
+        #: the ResourceClaims read, by name, in order
+        self.claims_asked: list[str] = []
 
     def resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        self.claims_asked.append(name)
         if self.fail:
             raise KubeUnavailable(f"ResourceClaim {namespace}/{name}: API server unreachable")
         if name not in self.claims:
