@@ -24,6 +24,7 @@ from gpushare.crishim.splice import Forward, Verdict, cri_paths
 
 from gpushare.cards import Card
 from gpushare.contract.names import CRI_LABEL_POD_UID
+from gpushare.enforcement.limits import SandboxState, runs_elsewhere
 from gpushare.memlimits.enforcer import PodLimiter
 from gpushare.pb import cri_pb2, cri_pb2_grpc
 
@@ -75,9 +76,7 @@ class SandboxEnd:
 
 
 def _ready_sandbox(stub: cri_pb2_grpc.RuntimeServiceStub, uid: str, but: str) -> bool:
-    """Whether the pod ``uid`` has a ready sandbox other than ``but``: kubelet recreates a pod's sandbox
-    when it dies, in the same pod cgroup, and stops or removes the old one later (garbage collection),
-    while the new one's containers run under the limits."""
+    """Whether the pod ``uid`` has a ready sandbox other than ``but`` (:func:`runs_elsewhere`)."""
     listed = stub.ListPodSandbox(
         cri_pb2.ListPodSandboxRequest(
             filter=cri_pb2.PodSandboxFilter(
@@ -87,4 +86,5 @@ def _ready_sandbox(stub: cri_pb2_grpc.RuntimeServiceStub, uid: str, but: str) ->
         ),
         timeout=CALL_TIMEOUT,
     ).items
-    return any(s.id != but and s.metadata.uid == uid and s.state == cri_pb2.SANDBOX_READY for s in listed)
+    states = (SandboxState(s.id, s.metadata.uid, s.state == cri_pb2.SANDBOX_READY) for s in listed)
+    return runs_elsewhere(states, uid, but)

@@ -13,6 +13,7 @@ HEADERS = 0x1
 RST_STREAM = 0x3
 SETTINGS = 0x4
 PING = 0x6
+GOAWAY = 0x7
 WINDOW_UPDATE = 0x8
 CONTINUATION = 0x9
 
@@ -28,6 +29,9 @@ DEFAULT_WINDOW = 65535
 MIN_MAX_FRAME_SIZE = 16384
 MAX_WINDOW = (1 << 31) - 1
 
+ERROR_NO_ERROR = 0x0
+#: RFC 9113 section 8.7: the stream was not processed, so the client may retry it (gRPC does, transparently)
+ERROR_REFUSED_STREAM = 0x7
 ERROR_CANCEL = 0x8
 
 GRPC_PREFIX = 5
@@ -47,6 +51,12 @@ def window_update(stream: int, increment: int) -> bytes:
 
 def rst_stream(stream: int, error_code: int) -> bytes:
     return frame(RST_STREAM, 0, stream, error_code.to_bytes(4, "big"))
+
+
+def goaway(last_stream: int) -> bytes:
+    """A GOAWAY without error: the sender processes no stream above ``last_stream``, so the client opens
+    its next calls on a new connection and may retry any it opened above it."""
+    return frame(GOAWAY, 0, 0, last_stream.to_bytes(4, "big") + ERROR_NO_ERROR.to_bytes(4, "big"))
 
 
 def headers_frame(stream: int, block: bytes, end_stream: bool) -> bytes:

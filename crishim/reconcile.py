@@ -11,6 +11,7 @@ removes it."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -18,10 +19,11 @@ import time
 from collections.abc import Callable, Sequence
 
 import grpc
-from gpushare.crishim.resolve import Resolution, Resolver, Target
 
 from gpushare.cards import Card
-from gpushare.contract.resourceclaim import ClaimError
+from gpushare.enforcement.container import Target
+from gpushare.enforcement.limits import limit_running_pod
+from gpushare.enforcement.resolve import Resolver
 from gpushare.memlimits.enforcer import PodLimiter
 from gpushare.pb import cri_pb2, cri_pb2_grpc
 
@@ -50,6 +52,11 @@ def sandbox_cgroup(stub: cri_pb2_grpc.RuntimeServiceStub, sandbox: str) -> tuple
     return status.status.metadata, cgroup_parent(status.info.get("info", ""))
 
 
+def cgroup_of(stub: cri_pb2_grpc.RuntimeServiceStub, sandbox: str) -> str:
+    """The sandbox's pod cgroup (:func:`sandbox_cgroup`)."""
+    return sandbox_cgroup(stub, sandbox)[1]
+
+
 def reconcile_limits(
     runtime: str, resolver: Resolver, limiter: PodLimiter, cards: Callable[[], Sequence[Card]]
 ) -> tuple[int, int]:
@@ -64,22 +71,13 @@ def reconcile_limits(
         for sandbox in sandboxes:
             meta = sandbox.metadata
             target = Target(meta.namespace, meta.name, meta.uid, "")
-            now = list(cards())
-            try:
-                held = resolver.pod_held(Resolution(target, wants_gpu=True), sandbox.annotations, now)
-            except ClaimError as exc:
-                failed += 1
-                log.error("running pod's memory limits not set: pod %s: %s", target.pod_key, exc)
-                continue
-            if not held:
-                continue
-            _, cgroup = sandbox_cgroup(stub, sandbox.id)
-            why = limiter.apply(f"pod {target.pod_key}", cgroup, held, now)
-            if why is None:
-                limited += 1
-            else:
+            cgroup = functools.partial(cgroup_of, stub, sandbox.id)
+            holds, why = limit_running_pod(resolver, limiter, target, sandbox.annotations, cgroup, list(cards()))
+            if why is not None:
                 failed += 1
                 log.error("running pod's memory limits not set: %s", why)
+            elif holds:
+                limited += 1
     return limited, failed
 
 

@@ -4,41 +4,33 @@ clears them: :mod:`gpushare.crishim.ending`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
 import socket
 import stat
 import tempfile
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
+from gpushare.crishim.edge import applied, container_of
 from gpushare.crishim.ending import SANDBOX_ENDS, SandboxEnd
 from gpushare.crishim.metrics import CORRECTIONS, REFUSALS
 from gpushare.crishim.reactor import Reactor
-from gpushare.crishim.resolve import Resolution, Resolver, Target
-from gpushare.crishim.rewrite import rewrite
 from gpushare.crishim.splice import INTERCEPTED, Forward, Refuse, Splice, Verdict
 
-from gpushare.assignment import Refusal, describe
-from gpushare.cards import Card
-from gpushare.contract.names import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID
-from gpushare.contract.resourceclaim import ClaimError
-from gpushare.contract.units import MemoryUnit
-from gpushare.memlimits.enforcer import PodLimiter
+from gpushare.enforcement.decide import Enforcer
 from gpushare.pb import cri_pb2
-from gpushare.settings import RewriteOptions, socket_path
+from gpushare.settings import socket_path
 
 log = logging.getLogger(__name__)
 
-EVENT_CORRECTED = "GPUAssignmentCorrected"
-EVENT_REFUSED = "GPUAssignmentRefused"
-#: the refusal reason (and metric label) of a pod whose memory limit the driver did not set
-MEMORY_LIMIT = "memory-limit"
 LISTEN_BACKLOG = 128
 #: threads settling CreateContainer calls (each may wait on the API server)
 DECIDE_WORKERS = 8
@@ -48,74 +40,27 @@ END_WORKERS = 8
 #: connecting to the runtime's unix socket is immediate unless its backlog is full
 CONNECT_TIMEOUT = 0.5
 
-#: (pod, reason, message, type) -> records a Kubernetes Event; must not block
-EventSink = Callable[[Target, str, str, str], None]
-
 
 @dataclass(frozen=True, slots=True)
-class CreateContainerGuard:
-    """Decode CreateContainer, resolve and enforce the container's card assignment, re-encode."""
-
-    resolver: Resolver
-    cards: Callable[[], Sequence[Card]]
-    unit: MemoryUnit
-    options: RewriteOptions
-    events: EventSink | None = None
-    #: sets the pod's GPU memory limits before its GPU containers are created (None: limits are off)
-    limiter: PodLimiter | None = None
+class CreateContainerGuard(Enforcer):
+    """Decode CreateContainer, decide about the container (:class:`Enforcer`), re-encode its config with
+    the decision's edits."""
 
     def __call__(self, request: bytes) -> Verdict:
         try:
             decoded = cri_pb2.CreateContainerRequest.FromString(request)
         except DecodeError as exc:
             return Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"CreateContainer request can't be decoded: {exc}")
-        cards = list(self.cards())
-        resolution = self.resolver.resolve(decoded, cards)
-        outcome = rewrite(decoded.config, resolution, cards, self.unit, self.options)
-        refusal = outcome.refusal or self._limit(decoded, resolution, cards)
-        if refusal is not None:
-            REFUSALS.labels(refusal.reason).inc()
-            log.warning("refused CreateContainer (%s): %s", refusal.reason, refusal.message)
-            self._event(resolution.target, EVENT_REFUSED, refusal.message, "Warning")
-            return Refuse(grpc.StatusCode.FAILED_PRECONDITION, refusal.message)
-        if outcome.config is None:
-            if resolution.wants_gpu:
-                log.info("%s: %s as assigned (%s)", resolution.target, describe(resolution.slices), resolution.source)
+        _, decision = self.decide(container_of(decoded))
+        if decision.refusal is not None:
+            REFUSALS.labels(decision.refusal.reason).inc()
+            return Refuse(grpc.StatusCode.FAILED_PRECONDITION, decision.refusal.message)
+        if decision.edits is None:
             return Forward(request)
-        if outcome.reason:
-            CORRECTIONS.labels(outcome.reason).inc()
-            log.warning("corrected CreateContainer (%s): %s", outcome.reason, outcome.message)
-            self._event(resolution.target, EVENT_CORRECTED, outcome.message, "Warning")
-        elif resolution.dra_env is not None:
-            log.info(
-                "%s: GPU from its ResourceClaims (CDI device(s) %s): %s",
-                resolution.target,
-                ", ".join(resolution.dra_devices),
-                " ".join(f"{k}={v}" for k, v in resolution.dra_env.items()),
-            )
-        else:
-            log.debug("%s requests no GPU: %s=%s", resolution.target, ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID)
-        decoded.config.CopyFrom(outcome.config)
+        if decision.reason:
+            CORRECTIONS.labels(decision.reason).inc()
+        decoded.config.CopyFrom(applied(decoded.config, decision.edits))
         return Forward(decoded.SerializeToString())
-
-    def _limit(
-        self, request: cri_pb2.CreateContainerRequest, resolution: Resolution, cards: Sequence[Card]
-    ) -> Refusal | None:
-        """Hold the pod to its share of each card it shares (through the device plugin and its
-        ResourceClaims), before its GPU container is created."""
-        if self.limiter is None or not resolution.wants_gpu or not any(card.limits_enforced for card in cards):
-            return None
-        annotations = request.sandbox_config.annotations
-        try:
-            held = self.resolver.pod_held(resolution, annotations, cards)
-        except ClaimError as exc:
-            return Refusal(MEMORY_LIMIT, f"{resolution.target}: its memory limits can't be set: {exc}")
-        why = self.limiter.apply(str(resolution.target), request.sandbox_config.linux.cgroup_parent, held, cards)
-        return None if why is None else Refusal(MEMORY_LIMIT, why)
-
-    def _event(self, target: Target, reason: str, message: str, type_: str) -> None:
-        if self.events is not None:
-            self.events(target, reason, message, type_)
 
 
 class CriShim:
@@ -147,6 +92,10 @@ class CriShim:
             self._pools.update(dict.fromkeys(SANDBOX_ENDS, self._end_pool))
         self._listener: socket.socket | None = None
         self._splices: set[Splice] = set()
+        #: the socket file this shim bound, so that it never removes a newer shim's from its path
+        self._bound: tuple[int, int] | None = None
+        #: set while draining: called once no connection is left
+        self._on_drained: Callable[[], None] | None = None
         self._runtime_down = False
         self.serving = False
 
@@ -156,12 +105,11 @@ class CriShim:
 
     def start(self) -> None:
         """Bind in a private directory, tighten the mode, then move the socket into place: nobody can
-        connect through a window of looser permissions."""
+        connect through a window of looser permissions. The move replaces a socket already there in
+        one step (rename(2)), so a shim taking over from another leaves no moment without one."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists() or self.path.is_symlink():
-            if not stat.S_ISSOCK(self.path.lstat().st_mode):
-                raise FileExistsError(f"--listen {self.path} exists and is not a socket")
-            self.path.unlink()
+        if (self.path.exists() or self.path.is_symlink()) and not stat.S_ISSOCK(self.path.lstat().st_mode):
+            raise FileExistsError(f"--listen {self.path} exists and is not a socket")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         private = Path(tempfile.mkdtemp(prefix=".cri-shim-", dir=self.path.parent))
         try:
@@ -169,6 +117,7 @@ class CriShim:
             listener.bind(str(staging))
             os.chmod(staging, 0o600)
             listener.listen(LISTEN_BACKLOG)
+            self._bound = _identity(staging)
             os.rename(staging, self.path)
         except BaseException:
             listener.close()
@@ -197,15 +146,46 @@ class CriShim:
         for pool in (self._pool, self._end_pool):  # calls under way hand their verdicts to nobody
             pool.shutdown(wait=True, cancel_futures=True)
         self._reactor.close()
-        if self.path.exists() and stat.S_ISSOCK(self.path.lstat().st_mode):
-            self.path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            if _identity(self.path) == self._bound:
+                self.path.unlink()
+
+    def drain(self, timeout: float) -> None:
+        """Stop as a shim that handed its path to another: accept nothing more, let the calls under way
+        on each connection finish (see :meth:`Splice.drain`), and stop once none is left or after
+        ``timeout`` seconds (a watch, such as GetContainerEvents, never ends by itself)."""
+        if not self.serving:
+            return
+        drained = threading.Event()
+
+        def begin() -> None:
+            assert self._listener is not None
+            self._reactor.unregister(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+            self._on_drained = drained.set
+            for splice in list(self._splices):
+                splice.drain()
+            self._check_drained()
+
+        self._reactor.call_soon(begin)
+        drained.wait(timeout)
+        self.stop()
+
+    def _check_drained(self) -> None:
+        if self._on_drained is not None and not self._splices:
+            self._on_drained()
 
     def _shut(self) -> None:
-        assert self._listener is not None
-        self._reactor.unregister(self._listener.fileno())
-        self._listener.close()
+        if self._listener is not None:
+            self._reactor.unregister(self._listener.fileno())
+            self._listener.close()
         for splice in list(self._splices):
             splice.close()
+
+    def _closed(self, splice: Splice) -> None:
+        self._splices.discard(splice)
+        self._check_drained()
 
     def _accept(self, _events: int) -> None:
         assert self._listener is not None
@@ -218,7 +198,7 @@ class CriShim:
             if runtime is None:
                 kubelet.close()
                 continue
-            splice = Splice(self._reactor, kubelet, runtime, self._decide, self._pools, self._splices.discard)
+            splice = Splice(self._reactor, kubelet, runtime, self._decide, self._pools, self._closed)
             self._splices.add(splice)
 
     def _decide(self, path: bytes, message: bytes) -> Verdict:
@@ -241,3 +221,9 @@ class CriShim:
             log.info("runtime %s reachable again", self.runtime)
             self._runtime_down = False
         return runtime
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    """Which file ``path`` names (device and inode), whatever was renamed onto it since."""
+    found = path.lstat()
+    return found.st_dev, found.st_ino

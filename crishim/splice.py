@@ -14,6 +14,13 @@ its DATA is held until the request is whole.
 a refusal, which resets the runtime's stream and answers kubelet with a gRPC status the shim
 encodes itself. The shim writes its own frames only between whole header blocks.
 
+A connection can be drained (:meth:`Splice.drain`), as a shim does that hands its socket to a newer one:
+a GOAWAY tells kubelet to open its next calls on a new connection, which reaches the newer shim, while
+the calls already under way finish here; a call kubelet opened before it read the GOAWAY is refused
+as unprocessed (REFUSED_STREAM, RFC 9113 section 8.7), which gRPC clients send again on their own
+(gRPC-Go's ``http2Client.handleRSTStream`` marks such a stream unprocessed for its transparent retry),
+and the connection closes once no call is left on it.
+
 What the shim can't follow (a malformed frame or header block) ends the connection: forwarding
 blindly could let a CreateContainer through unchecked. Kubelet reconnects, as it would to a runtime
 that went away.
@@ -40,6 +47,7 @@ from gpushare.crishim.frames import (
     END_HEADERS,
     END_STREAM,
     ERROR_CANCEL,
+    ERROR_REFUSED_STREAM,
     FRAME_HEADER,
     HEADERS,
     MIN_MAX_FRAME_SIZE,
@@ -51,6 +59,7 @@ from gpushare.crishim.frames import (
     GrpcFramingError,
     frame,
     frame_at,
+    goaway,
     grpc_message,
     header_block,
     headers_frame,
@@ -139,6 +148,9 @@ class Splice:
         self._kubelet_buf = b""
         self._runtime_buf = b""
         self._gated = False  # kubelet's next DATA frame waits for the runtime's window
+        #: the last stream the GOAWAY let through, once draining; the calls kubelet opens above it are refused
+        self._goaway_at: int | None = None
+        self._refused: set[int] = set()
         self.closed = False
         self._kubelet = Endpoint(reactor, kubelet, self._on_kubelet_data, self._hung_up, self._kubelet_drained)
         self._runtime = Endpoint(reactor, runtime, self._on_runtime_data, self._hung_up, self._runtime_drained)
@@ -146,6 +158,19 @@ class Splice:
     def close(self) -> None:
         """End both connections now."""
         self._end(Endpoint.close)
+
+    def drain(self) -> None:
+        """On the reactor thread: take no new call, let those under way finish, then close."""
+        if self.closed or self._goaway_at is not None:
+            return
+        self._goaway_at = self._last_stream
+        self._kubelet.write(goaway(self._last_stream))
+        self._close_if_drained()
+
+    def _close_if_drained(self) -> None:
+        """Called once the frames at hand are written, never from inside the frame loops."""
+        if self._goaway_at is not None and not self._started and not self._held:
+            self._end(Endpoint.finish)
 
     def _hung_up(self) -> None:
         """One side went away: the other still gets what was already relayed to it (a runtime's GOAWAY,
@@ -187,6 +212,7 @@ class Splice:
             self._kubelet.pause_reading()
         else:
             self._kubelet.resume_reading()
+        self._close_if_drained()
 
     def _kubelet_frames(self, buf: bytes) -> bytes:
         """Forward every complete frame of ``buf``, minus held DATA; returns what is left for later."""
@@ -199,7 +225,12 @@ class Splice:
             end, kind, flags, stream = found
             if kind == DATA:
                 held = self._held.get(stream)
-                if held is not None:
+                if stream in self._refused:  # nobody takes it: kubelet gets its connection window back
+                    out.append(buf[run:pos])
+                    run = end
+                    if end - pos > FRAME_HEADER:
+                        grants.append(window_update(0, end - pos - FRAME_HEADER))
+                elif held is not None:
                     out.append(buf[run:pos])
                     run = end
                     if self._hold(held, stream, flags, buf[pos + FRAME_HEADER : end], grants):
@@ -212,7 +243,11 @@ class Splice:
                 if block is None:
                     break  # its CONTINUATION frames are still on the way
                 fragment, end = block
-                if self._on_request_headers(stream, fragment) and flags & END_STREAM:
+                if self._refuses(stream, fragment):  # the runtime's HPACK decoder still sees the block
+                    out.extend((buf[run:end], rst_stream(stream, ERROR_CANCEL)))
+                    run = end
+                    grants.append(rst_stream(stream, ERROR_REFUSED_STREAM))
+                elif self._on_request_headers(stream, fragment) and flags & END_STREAM:
                     self._held[stream].complete = True  # a request without a message
                     settle.append(stream)
             elif kind == CONTINUATION:
@@ -228,6 +263,14 @@ class Splice:
             held = self._held[stream]
             self._pools[held.path].submit(self._settle, stream, held)
         return buf[pos:]
+
+    def _refuses(self, stream: int, fragment: bytes) -> bool:
+        """True for a header block of a call opened above the GOAWAY's last stream."""
+        if self._goaway_at is None or stream <= self._goaway_at:
+            return False
+        self._paths.path(fragment)  # keeps the table in step
+        self._refused.add(stream)
+        return True
 
     def _on_request_headers(self, stream: int, fragment: bytes) -> bool:
         """Follow a header block from kubelet; True if it opened a call the shim holds."""
@@ -286,6 +329,7 @@ class Splice:
             self._send_held()
         if self._gated:
             self._pump_kubelet()
+        self._close_if_drained()
 
     def _runtime_frames(self, buf: bytes) -> bytes:
         out: list[bytes] = []
@@ -358,6 +402,7 @@ class Splice:
             block = trailers_only_block(verdict.code.value[0], verdict.message)
             self._kubelet.write(headers_frame(stream, block, end_stream=True))
             self._ended(stream)
+            self._close_if_drained()
             return
         payload = grpc_message(verdict.message)
         for at in range(0, len(payload), MIN_MAX_FRAME_SIZE):

@@ -9,32 +9,20 @@ from typing import Any
 
 from gpushare.crishim.ending import SandboxEnd
 from gpushare.crishim.reconcile import Reconciler, reconcile_limits
-from gpushare.crishim.resolve import CachedPods, Resolver, Target
-from gpushare.crishim.server import CreateContainerGuard, CriShim, EventSink
+from gpushare.crishim.server import CreateContainerGuard, CriShim
 
+from gpushare.enforcement.wiring import build_enforcer
 from gpushare.gpus.backend import GpuBackend
 from gpushare.kube.errors import KubeConfigError
-from gpushare.kube.events import EventSource
 from gpushare.kube.nodeapi import NodeApi
 from gpushare.kube.transport import load_api
 from gpushare.kube.watch import WatchCache
-from gpushare.memlimits.enforcer import PodLimiter
 from gpushare.nodewiring import run_on_node
 from gpushare.settings import MetricsEndpoint, NodeSettings, ShimSettings
 
 log = logging.getLogger(__name__)
 
 COMPONENT = "gpushare-cri-shim"
-
-
-def pod_events(events: EventSource) -> EventSink:
-    """The guard's Events, recorded about the pod its CreateContainer call is for."""
-
-    def record(target: Target, reason: str, message: str, type_: str) -> None:
-        pod = {"kind": "Pod", "metadata": {"name": target.pod, "namespace": target.namespace, "uid": target.uid}}
-        events.record(pod, reason=reason, message=message, type_=type_)
-
-    return record
 
 
 @dataclass
@@ -53,8 +41,14 @@ class RunningShim:
         return self.shim.serving
 
     def stop(self) -> None:
+        self.drain(0.0)
+
+    def drain(self, timeout: float) -> None:
+        """Stop, giving the calls under way up to ``timeout`` seconds to finish (see :meth:`CriShim.drain`)."""
         if self.reconciler is not None:
             self.reconciler.stop()
+        if timeout > 0:
+            self.shim.drain(timeout)
         self.shim.stop()
         if self.own is not None:
             self.own.stop()
@@ -70,17 +64,9 @@ def start_cri_shim(
     if shared is None and api is not None:
         own = NodeApi(api, node.node_name, watch_pods=settings.allow_api_fetch).start()
     node_api = shared or own
-    cache = node_api.pods if node_api is not None and settings.allow_api_fetch else None
-    resolver = Resolver(node.memory_unit, CachedPods(api, cache, node.node_name) if cache is not None else None)
-    limiter = PodLimiter(backend.set_memory_limit, node.cgroup_layout(), node.memory_unit)
-    guard = CreateContainerGuard(
-        resolver,
-        backend.cards,
-        node.memory_unit,
-        settings.options,
-        pod_events(node_api.events.for_component(COMPONENT)) if node_api is not None else None,
-        limiter,
-    )
+    guard, cache = build_enforcer(CreateContainerGuard, node, settings, backend, api, node_api, COMPONENT)
+    resolver, limiter = guard.resolver, guard.limiter
+    assert limiter is not None  # build_enforcer always gives one
     limiting = any(card.limits_enforced for card in backend.cards())
     sandbox_end = SandboxEnd(settings.runtime, limiter, backend.cards) if limiting else None
     shim = CriShim(settings.listen, settings.runtime, guard, sandbox_end)
@@ -97,7 +83,8 @@ def start_cri_shim(
     return RunningShim(shim, cache, own, reconciler)
 
 
-def _api_for(node: NodeSettings, settings: ShimSettings) -> Any | None:
+def api_for(node: NodeSettings, settings: ShimSettings) -> Any | None:
+    """The API access ``--kubeconfig`` gives; None (with a warning) when there is none and the shim can do without."""
     try:
         return load_api(node.kubeconfig)
     except KubeConfigError as exc:
@@ -109,7 +96,7 @@ def _api_for(node: NodeSettings, settings: ShimSettings) -> Any | None:
 
 def run_cri_shim(node: NodeSettings, settings: ShimSettings, metrics: MetricsEndpoint | None) -> int:
     def start(backend: GpuBackend) -> RunningShim:
-        running = start_cri_shim(node, settings, backend, _api_for(node, settings))
+        running = start_cri_shim(node, settings, backend, api_for(node, settings))
         log.info(
             "CRI shim for node %s (%d card(s)): API lookups %s, device rewriting %s, CDI %s, unrequested GPUs %s",
             node.node_name,

@@ -314,6 +314,9 @@ class Binder:
         if refusal := kubelet_refusal(node_obj):
             _refuse(batch, "kubelet-not-watching", lambda r: f"bind {r.where}: {refusal}")
             return True
+        if refusal := self._cache.agent_problem(node):
+            _refuse(batch, "node-agent-not-ready", lambda r: f"bind {r.where}: {refusal}")
+            return True
         inventory = node_inventory(node_obj)
         listed = self._cache.pods_on(node)
         self._settle_bound(batch, node, node_obj, listed)

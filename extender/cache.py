@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpushare.extender.agents import agent_refusal, agent_up, is_node_agent
 from gpushare.extender.asks import PodAsk, read_ask
 from gpushare.extender.dra import DraView
 from gpushare.extender.fences import Fences
@@ -134,7 +135,7 @@ def placement_cards(
 
 
 class ClusterCache:
-    def __init__(self, api: Any, dra_steering: bool = False) -> None:
+    def __init__(self, api: Any, dra_steering: bool = False, node_agent_namespace: str = "") -> None:
         self.nodes = WatchCache(api, "nodes")
         self.pods = WatchCache(api, "pods")
         self.configmaps = WatchCache(api, "configmaps", namespace=FENCE_CONFIGMAP_NAMESPACE)
@@ -165,6 +166,10 @@ class ClusterCache:
         self._pods_allocatable: dict[str, int] = {}
         #: per node: its name, labels and taints, which decide the pods it may take
         self._facts: dict[str, NodeFacts] = {}
+        #: see :mod:`gpushare.extender.agents`: per node where the node agent ran as a pod of
+        #: ``node_agent_namespace``, the keys of its agent pods that are up (none: no GPU pods there)
+        self._agent_namespace = node_agent_namespace
+        self._agents_up: dict[str, set[str]] = {}
         self._host_free: dict[str, tuple[int, int]] = {}
         self._change_listeners: list[Callable[[str], None]] = []
         self._pod_listeners: list[Callable[[str, Mapping[str, Any], PodAsk], None]] = []
@@ -318,6 +323,12 @@ class ClusterCache:
                 if assumed is not None:
                     self._bump(assumed)
             self._workload.observe(key, ask if kind != "DELETED" else None)
+            if node and is_node_agent(pod, self._agent_namespace):
+                up = self._agents_up.setdefault(node, set())
+                if kind != "DELETED" and agent_up(pod):
+                    up.add(key)
+                else:
+                    up.discard(key)
         for listener in self._pod_listeners:
             listener(kind, pod, ask)
 
@@ -338,6 +349,12 @@ class ClusterCache:
         with self._lock:
             return sorted(self._inventory)
 
+    def agent_problem(self, node: str) -> str | None:
+        """Why ``node`` takes no GPU pods while its node agent pod is not up, or None."""
+        with self._lock:
+            down = self._agents_up.get(node) == set()
+        return agent_refusal(node) if down else None
+
     def problem(self, node: str) -> str | None:
         """Why ``node`` can't take GPU pods at all (a sentence naming it), or None."""
         with self._lock:
@@ -347,7 +364,9 @@ class ClusterCache:
             return f"node {node} is not known to the gpushare extender"
         if isinstance(inventory, str):
             return inventory
-        return f"node {node} takes no GPU pods until its ledger is repaired: {untrusted}" if untrusted else None
+        if untrusted:
+            return f"node {node} takes no GPU pods until its ledger is repaired: {untrusted}"
+        return self.agent_problem(node)
 
     def view(self, node: str) -> CachedNode | None:
         with self._lock:
@@ -355,7 +374,7 @@ class ClusterCache:
             if cached is not None:
                 return cached
             inventory = self._inventory.get(node)
-            if not isinstance(inventory, NodeInventory) or node not in self._ledgers:
+            if not isinstance(inventory, NodeInventory) or node not in self._ledgers or self.agent_problem(node):
                 return None
             pods = list(self._pods_by_node.get(node, {}).values())
             extra = [held for _, held in self._in_flight.on(node)]

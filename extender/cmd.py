@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prioritize-host entry): the node where the allocator's first fit leaves the least memory free wins; "
         "watches every ResourceSlice of the driver and every ResourceClaim (docs/dra.md, Placement)",
     )
+    parser.add_argument(
+        "--node-agent-namespace",
+        default="",
+        help="the namespace of gpushare's node agent DaemonSet: no GPU pod is placed on a node whose agent pod "
+        "there is not Ready (restarting, being upgraded), as kubelet would refuse it; default: not checked",
+    )
     add_metrics_host_flag(parser, "--health-host")
     limits = parser.add_argument_group("limits")
     limits.add_argument(
@@ -102,4 +108,11 @@ def serving(args: argparse.Namespace) -> Serving:
 def run(args: argparse.Namespace) -> int:
     from gpushare.extender.wiring import run_extender
 
-    return run_extender(args.kubeconfig, args.policy or "", serving(args), args.max_gang_members, args.dra_steering)
+    return run_extender(
+        args.kubeconfig,
+        args.policy or "",
+        serving(args),
+        args.max_gang_members,
+        args.dra_steering,
+        args.node_agent_namespace,
+    )

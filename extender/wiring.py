@@ -65,11 +65,12 @@ def start_extender(
     serving: Serving | None = None,
     max_gang_members: int = MAX_GANG_MEMBERS,
     dra_steering: bool = False,
+    node_agent_namespace: str = "",
 ) -> RunningExtender:
     serving = serving or Serving(port, host=host)
     host = serving.host or ("0.0.0.0" if serving.tls is not None else "127.0.0.1")
     policy = policy or placement.DEFAULT_POLICY
-    cache = ClusterCache(api, dra_steering)
+    cache = ClusterCache(api, dra_steering, node_agent_namespace)
     try:
         engine = PlacementEngine(cache, policy)
     except ValueError as exc:
@@ -127,6 +128,7 @@ def run_extender(
     serving: Serving,
     max_gang_members: int = MAX_GANG_MEMBERS,
     dra_steering: bool = False,
+    node_agent_namespace: str = "",
 ) -> int:
     # A filter that arrives while a watch or a bind thread runs Python waits for the GIL up to the
     # switch interval, which set the verbs' p99 (docs/extender.md has the figures).
@@ -138,6 +140,7 @@ def run_extender(
         serving=serving,
         max_gang_members=max_gang_members,
         dra_steering=dra_steering,
+        node_agent_namespace=node_agent_namespace,
     )
     try:
         wait_for_termination()

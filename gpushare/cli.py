@@ -18,6 +18,7 @@ from gpushare.advertiser import cmd as advertiser_cmd
 from gpushare.crishim import cmd as crishim_cmd
 from gpushare.deviceplugin import cmd as deviceplugin_cmd
 from gpushare.extender import cmd as extender_cmd
+from gpushare.extender import kubescheduler as kube_scheduler_cmd
 from gpushare.gpus.backend import InventoryError
 from gpushare.inspection import cmd as inspect_cmd
 from gpushare.kube.errors import KubeError
@@ -33,6 +34,7 @@ SUBCOMMANDS: dict[str, tuple[ModuleType, str]] = {
     "cri-shim": (crishim_cmd, "proxy CRI between kubelet and containerd, enforcing card assignments"),
     "advertiser": (advertiser_cmd, "publish this node's card inventory as a node annotation"),
     "extender": (extender_cmd, "serve the kube-scheduler extender (filter, prioritize, bind, preempt)"),
+    "kube-scheduler": (kube_scheduler_cmd, "run kube-scheduler, its extender entries made reachable from its pod"),
     "webhook": (webhook_cmd, "serve the admission webhook guarding gpushare's pod annotations"),
     "node": (node, "run advertiser, device plugin and CRI shim in one process"),
     "sandbox": (sandbox_cmd, "run a whole simulated cluster on this machine"),

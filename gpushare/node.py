@@ -1,9 +1,10 @@
-"""``gpushare node``: the advertiser, the device plugin and the CRI shim in one process, as the
-DaemonSet runs them. They share one card inventory, so a health event reaches all three at once, and
-one watch of the node's pods and one Event writer (:class:`gpushare.kube.nodeapi.NodeApi`), so a node
-costs the API server one pod watch. Each runs under :mod:`gpushare.supervisor`, which restarts one that
-dies (its docstring says why that beats exiting) and keeps ``/readyz`` false while one is down; the
-shared watch is supervised too, started first and stopped last, so a component's restart keeps it."""
+"""``gpushare node``: the advertiser, the device plugin and the enforcement of card assignments (the NRI
+plugin by default, or the CRI shim: ``--enforcement``) in one process, as the DaemonSet runs them. They
+share one card inventory, so a health event reaches all three at once, and one watch of the node's pods
+and one Event writer (:class:`gpushare.kube.nodeapi.NodeApi`), so a node costs the API server one pod
+watch. Each runs under :mod:`gpushare.supervisor`, which restarts one that dies (its docstring says why
+that beats exiting) and keeps ``/readyz`` false while one is down; the shared watch is supervised too,
+started first and stopped last, so a component's restart keeps it."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
+from gpushare.contract.names import NRI_SOCKET
 from gpushare.gpus.split import ALL_CARDS, EVERY_CARD, DraCards
 from gpushare.settings import add_device_plugin_flags, add_metrics_flags, add_node_flags, add_shim_flags
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from gpushare.draplugin.server import PluginPaths
     from gpushare.gpus.backend import GpuBackend
     from gpushare.kube.nodeapi import NodeApi
+    from gpushare.nriplugin.wiring import NriSettings
     from gpushare.settings import NodeSettings, ShimSettings
     from gpushare.supervisor import Supervised, Supervisor
 
@@ -27,6 +32,9 @@ DEFAULT_RUNTIME = "unix:///run/containerd/containerd.sock"
 DEFAULT_METRICS_PORT = 9410
 #: the component that holds the node's pod watch and Event writer
 NODE_API = "node-api"
+#: the values of --enforcement
+ENFORCE_NRI = "nri"
+ENFORCE_CRI_SHIM = "cri-shim"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +43,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_shim_flags(parser, listen=DEFAULT_LISTEN, runtime=DEFAULT_RUNTIME)
     add_metrics_flags(parser, DEFAULT_METRICS_PORT)
     parser.add_argument("--no-cri-shim", action="store_true", help="run only the advertiser and the device plugin")
+    parser.add_argument(
+        "--enforcement",
+        choices=(ENFORCE_NRI, ENFORCE_CRI_SHIM),
+        default=ENFORCE_NRI,
+        help="how containers are held to their cards and limits: as an NRI plugin of containerd (nri, the "
+        "default: kubelet is left as it is) or as a CRI shim kubelet is pointed at (cri-shim)",
+    )
+    parser.add_argument("--nri-socket", default=NRI_SOCKET, help="containerd's NRI socket (with --enforcement=nri)")
+    parser.add_argument(
+        "--detach-cri-shim",
+        metavar="CGROUPS",
+        default=None,
+        help="run the CRI shim as a process of its own that outlives the agent's container, so that kubelet "
+        "can still start containers (this agent's included) while the agent is down or upgraded; CGROUPS: "
+        "where the host's cgroup hierarchies are mounted (the shim leaves the agent's cgroup for one of its "
+        "own there). Needs the pod privileged and in the host's PID namespace (docs/operations.md)",
+    )
     parser.add_argument("--advertise-interval", type=float, default=60.0, help="seconds between inventory re-checks")
     parser.add_argument(
         "--dra",
@@ -59,17 +84,24 @@ def components(
     advertise_interval: float,
     dra: PluginPaths | None = None,
     dra_cards: DraCards = EVERY_CARD,
+    detach: Path | None = None,
+    nri: NriSettings | None = None,
 ) -> list[Supervised]:
     """The node agent's components, each as a way to start it afresh; ``shared`` first. With ``dra``
     the DRA kubelet plugin and the ResourceSlice too, its sockets under ``dra.kubelet_root``: they get
     the cards ``dra_cards`` picks, the advertiser and the device plugin the others (see
-    :mod:`gpushare.gpus.split`). The CRI shim sees every card: it enforces both ways."""
+    :mod:`gpushare.gpus.split`). The CRI shim sees every card: it enforces both ways. With ``detach``
+    (where the host's cgroups are mounted) the CRI shim runs outside the agent's container
+    (:mod:`gpushare.crishim.handover`). With ``nri`` the decision the CRI shim takes is taken by the NRI
+    plugin instead (:mod:`gpushare.nriplugin`), and no CRI shim runs."""
     from gpushare.advertiser.agent import Advertiser
     from gpushare.advertiser.slices import SlicePublisher
+    from gpushare.crishim.handover import start_detached_shim
     from gpushare.crishim.wiring import start_cri_shim
     from gpushare.deviceplugin.wiring import start_device_plugin
     from gpushare.draplugin.wiring import start_dra_plugin
     from gpushare.gpus.split import split_cards
+    from gpushare.nriplugin.wiring import start_nri_plugin
     from gpushare.supervisor import Supervised
 
     plugin_cards, dra_owned = split_cards(backend, dra_cards) if dra is not None else (backend, None)
@@ -84,7 +116,14 @@ def components(
         Supervised("advertiser", start_advertiser),
         Supervised("device-plugin", lambda: start_device_plugin(settings, plugin_cards, shared.api, shared)),
     ]
-    if shim is not None:
+    if shim is not None and nri is not None:
+        plugin = nri
+        found.append(
+            Supervised("nri-plugin", lambda: start_nri_plugin(settings, shim, plugin, backend, shared.api, shared))
+        )
+    elif shim is not None and detach is not None:
+        found.append(Supervised("cri-shim", lambda: start_detached_shim(settings, shim, detach)))
+    elif shim is not None:
         found.append(Supervised("cri-shim", lambda: start_cri_shim(settings, shim, backend, shared.api, shared)))
     if dra is not None and dra_owned is not None:
         owned = dra_owned
@@ -108,11 +147,13 @@ def run(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
+    from gpushare.contract.names import NRI_PLUGIN_INDEX, NRI_PLUGIN_NAME
     from gpushare.draplugin.server import PluginPaths
     from gpushare.gpus.split import parse_dra_cards
     from gpushare.kube.nodeapi import NodeApi
     from gpushare.kube.transport import load_api
     from gpushare.nodewiring import run_on_node
+    from gpushare.nriplugin.wiring import NriSettings
     from gpushare.settings import UsageError, device_plugin_settings, metrics_endpoint, shim_settings
     from gpushare.supervisor import Supervisor
 
@@ -126,16 +167,23 @@ def run(args: argparse.Namespace) -> int:
     if args.dra_cards != ALL_CARDS and dra is None:
         raise UsageError("--dra-cards picks the cards the DRA driver offers: it needs --dra")
     dra_cards = parse_dra_cards(args.dra_cards)
+    detach = Path(args.detach_cri_shim) if args.detach_cri_shim else None
+    nri = NriSettings(args.nri_socket, NRI_PLUGIN_NAME, NRI_PLUGIN_INDEX) if args.enforcement == ENFORCE_NRI else None
+    if nri is not None and detach is not None:
+        raise UsageError("--detach-cri-shim runs the CRI shim: it needs --enforcement=cri-shim")
+
+    enforcing = "off" if shim is None else f"NRI plugin on {nri.socket}" if nri else f"CRI shim on {shim.listen}"
 
     def start(backend: GpuBackend) -> Supervisor:
         shared = NodeApi(load_api(settings.kubeconfig), settings.node_name)
-        supervisor = Supervisor(components(settings, shim, backend, shared, args.advertise_interval, dra, dra_cards))
+        found = components(settings, shim, backend, shared, args.advertise_interval, dra, dra_cards, detach, nri)
+        supervisor = Supervisor(found)
         supervisor.start()
         log.info(
-            "node agent for %s: %d card(s), CRI shim %s, DRA plugin %s",
+            "node agent for %s: %d card(s), enforcement %s, DRA plugin %s",
             settings.node_name,
             len(backend.cards()),
-            "off" if shim is None else f"on {shim.listen}",
+            enforcing,
             "off" if dra is None else f"on {dra.dra_socket}",
         )
         return supervisor

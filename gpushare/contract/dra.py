@@ -79,6 +79,30 @@ def format_claim_env_key(uid: str, request: str) -> str:
     return f"{DRA_CDI_ENV_PREFIX}{uid}_{request}".upper().replace("-", "_")
 
 
+#: the length of a claim UID (a UUID, as the API server assigns them)
+CLAIM_UID_LENGTH = 36
+
+
+def parse_claim_env_key(key: str) -> str | None:
+    """The CDI device (:func:`format_claim_cdi_device`) whose spec sets the variable ``key``
+    (:func:`format_claim_env_key`); None for any other variable. The mapping inverts: a claim UID is a
+    UUID (fixed length, lower-case hex and ``-``) and a request name a DNS label (lower case, digits and
+    ``-``), so upper case and ``_`` stand for lower case and ``-`` in both."""
+    rest = key.removeprefix(DRA_CDI_ENV_PREFIX)
+    uid, after = rest[:CLAIM_UID_LENGTH], rest[CLAIM_UID_LENGTH:]
+    request = after.removeprefix("_")
+    if rest == key or request == after or not request:
+        return None
+    return format_claim_cdi_device(uid.lower().replace("_", "-"), request.lower().replace("_", "-"))
+
+
+def claim_env_devices(keys: Iterable[str]) -> tuple[str, ...]:
+    """The CDI devices of prepared claims whose specs set one of the variables ``keys``, each once, in
+    order: what shows that such a device was applied to a container once its CDI edits are (the env
+    NRI shows a plugin; containerd 2.2 doesn't fill NRI's ``Container.CDI_devices``)."""
+    return tuple(dict.fromkeys(d for d in map(parse_claim_env_key, keys) if d is not None))
+
+
 def format_card_memory(held: Mapping[str, int]) -> str:
     """``<card UUID>=<bytes>,...`` (sorted by UUID): what a prepared claim holds on each card."""
     return ",".join(f"{uuid}={amount}" for uuid, amount in sorted(held.items()))

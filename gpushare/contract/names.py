@@ -132,6 +132,8 @@ NODE_ANN_PENDING_BINDS = "gpushare.io/pending-binds"
 #: set by the node agent: "true" while kubelet watches its device plugin, "false" from the moment kubelet
 #: goes (its ListAndWatch streams end) until a kubelet is watching again; absent reads as "true"
 NODE_ANN_KUBELET_WATCHING = "gpushare.io/kubelet-watching"
+#: the label (key, value) of the node agent DaemonSet's pods, in the namespace gpushare is installed in
+NODE_AGENT_LABEL = ("app.kubernetes.io/name", "gpushare-node-agent")
 NODE_LABEL_MODEL = "gpushare.io/gpu-model"
 #: the taint kube-scheduler reads into a cordoned node (``spec.unschedulable``)
 TAINT_UNSCHEDULABLE = "node.kubernetes.io/unschedulable"
@@ -146,6 +148,27 @@ LABEL_GANG = "gpushare.io/gang"
 LABEL_GANG_MIN = "gpushare.io/gang-min"
 #: every pod label key gpushare reads
 KNOWN_POD_LABELS = frozenset({LABEL_GANG, LABEL_GANG_MIN})
+
+# --- the chart's own kube-scheduler ---------------------------------------------------------------
+
+#: the profile (``spec.schedulerName``) of the kube-scheduler the chart runs with the extender wired in;
+#: also its leader-election lease's name
+SCHEDULER_NAME = "gpushare-scheduler"
+#: the scheduler a pod gets when it names none
+DEFAULT_SCHEDULER_NAME = "default-scheduler"
+#: namespace label: with the value NAMESPACE_SCHEDULER_OPT_OUT, the chart's MutatingAdmissionPolicy leaves
+#: the namespace's GPU pods with the scheduler they name (the default one, unless they say otherwise)
+NAMESPACE_LABEL_SCHEDULER = "gpushare.io/scheduler"
+NAMESPACE_SCHEDULER_OPT_OUT = "default"
+#: the Service kube-scheduler reaches the extender at, and the variables kubelet gives every pod created
+#: after it in its namespace (``<NAME>_SERVICE_HOST`` and ``_PORT``, the name upper-cased, - as _)
+EXTENDER_SERVICE = "gpushare-extender"
+
+
+def service_env_prefix(service: str) -> str:
+    """The prefix of the variables kubelet sets for ``service`` (its pkg/kubelet/envvars: upper case, - as _)."""
+    return service.upper().replace("-", "_")
+
 
 # --- labels kubelet puts on CRI sandboxes and containers ------------------------------------------
 
@@ -168,6 +191,8 @@ VISIBLE_DEVICES_VOID = "void"
 # --- process env ----------------------------------------------------------------------------------
 
 ENV_NODE_NAME = "NODE_NAME"
+#: the node agent pod's UID (downward API): a detached CRI shim is adopted only by its own pod's agent
+ENV_POD_UID = "POD_UID"
 
 # --- device files ---------------------------------------------------------------------------------
 
@@ -186,6 +211,16 @@ def cdi_device_name(uuid: str) -> str:
 #: container annotations whose values name CDI devices (fully qualified, comma-separated): how kubelets
 #: before 1.31 passed DRA devices, and containerd still applies them beside the CRI field CDI_devices
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+
+# --- the Node Resource Interface (containerd's NRI) -----------------------------------------------
+
+#: where containerd (and CRI-O) listen for external NRI plugins unless configured otherwise
+#: (github.com/containerd/nri pkg/api/plugin.go, DefaultSocketPath)
+NRI_SOCKET = "/var/run/nri/nri.sock"
+#: the name gpushare's NRI plugin registers with, and its index: plugins are called in ascending index
+#: order (two digits), so a later plugin sees the env and devices gpushare set
+NRI_PLUGIN_NAME = "gpushare"
+NRI_PLUGIN_INDEX = "10"
 
 
 # --- dynamic resource allocation (resource.k8s.io/v1) ---------------------------------------------

@@ -67,6 +67,14 @@ def make_kubelet_client(workdir: Path) -> Pair:
     return _signed(directory, "apiserver", "/CN=kube-apiserver-kubelet-client", ca, "extendedKeyUsage=clientAuth\n")
 
 
+def make_front_proxy_ca(workdir: Path) -> Path:
+    """The CA kube-apiserver takes authenticating proxies' client certificates from
+    (``--requestheader-client-ca-file``, kubeadm's front-proxy CA); no proxy here holds one."""
+    directory = workdir / "front-proxy"
+    directory.mkdir(parents=True, exist_ok=True)
+    return Path(_self_signed(directory, "ca", "/CN=gpushare-front-proxy-ca").cert)
+
+
 def make_certs(
     directory: Path, server_names: tuple[str, ...] = ("localhost",), client_name: str = "kube-scheduler"
 ) -> Certs:

@@ -193,7 +193,7 @@ class Sandbox:
                    "--metrics-port", "0"]  # fmt: skip
         if self.containerd is not None:
             node.cri_address = f"unix://{directory / 'cri-shim.sock'}"
-            command += ["--listen", node.cri_address, "--runtime", self.containerd.address]
+            command += ["--enforcement", "cri-shim", "--listen", node.cri_address, "--runtime", self.containerd.address]
         else:
             command.append("--no-cri-shim")
         log_path = self.workdir / f"{spec.name}.log"

@@ -131,14 +131,26 @@ def build_busybox_image(path: Path, tags: Sequence[str] = (PAUSE_IMAGE, TEST_IMA
 # --- the daemon -------------------------------------------------------------------------------------------
 
 
+#: NRI's timeouts, written out at upstream's defaults (github.com/containerd/nri pkg/api/timeouts.go): a
+#: plugin has 5 s to register once connected and 2 s to answer each call, past which containerd drops it
+NRI_REGISTRATION_TIMEOUT = "5s"
+NRI_REQUEST_TIMEOUT = "2s"
+
+
 def render_config(
-    base: Path, sandbox_image: str = PAUSE_IMAGE, snapshotter: str = "native", private_cdi: bool = True
+    base: Path,
+    sandbox_image: str = PAUSE_IMAGE,
+    snapshotter: str = "native",
+    private_cdi: bool = True,
+    nri_socket: Path | None = None,
 ) -> str:
     """containerd 2's TOML configuration (version 3), with every path under ``base``. Images unpack for
     ``snapshotter``: ``native`` (a copy of the image per container: nothing to mount, fine for busybox)
     or ``overlayfs`` (for images the size of gpushare's, which a copy per container would slow down).
     CDI specs are read from ``base``/cdi with ``private_cdi``, else from containerd's defaults
-    (/etc/cdi and /var/run/cdi, as on a real host)."""
+    (/etc/cdi and /var/run/cdi, as on a real host). NRI takes external plugins on ``nri_socket``
+    (``base``/nri.sock by default; containerd's own default, /var/run/nri/nri.sock, would be shared by
+    every containerd on the machine), and launches none of its own (its plugin folders are under ``base``)."""
     images, runtime = "plugins.'io.containerd.cri.v1.images'", "plugins.'io.containerd.cri.v1.runtime'"
     return "\n".join(
         [
@@ -178,6 +190,13 @@ def render_config(
             f"[{runtime}.cni]",
             f"  bin_dirs = ['{base / 'cni-bin'}']",
             f"  conf_dir = '{base / 'cni-conf'}'",
+            "[plugins.'io.containerd.nri.v1.nri']",
+            "  disable = false",
+            f"  socket_path = '{nri_socket or base / 'nri.sock'}'",
+            f"  plugin_path = '{base / 'nri-plugins'}'",
+            f"  plugin_config_path = '{base / 'nri-conf'}'",
+            f"  plugin_registration_timeout = '{NRI_REGISTRATION_TIMEOUT}'",
+            f"  plugin_request_timeout = '{NRI_REQUEST_TIMEOUT}'",
             "",
         ]
     )
@@ -193,9 +212,12 @@ class Containerd:
         command_prefix: Sequence[str] = (),
         snapshotter: str = "native",
         private_cdi: bool = True,
+        nri_socket: Path | None = None,
     ) -> None:
         self.base = base
         self.private_cdi = private_cdi
+        #: where NRI plugins connect
+        self.nri_socket = nri_socket or base / "nri.sock"
         self.sandbox_image = sandbox_image
         self.snapshotter = snapshotter
         #: run containerd through this, e.g. ``nsenter --mount=...`` to start it in a node's mount namespace
@@ -219,7 +241,9 @@ class Containerd:
         if self.running:
             return
         self.base.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(render_config(self.base, self.sandbox_image, self.snapshotter, self.private_cdi))
+        self.config.write_text(
+            render_config(self.base, self.sandbox_image, self.snapshotter, self.private_cdi, self.nri_socket)
+        )
         with self.log_path.open("ab") as log_file:
             self._process = subprocess.Popen(
                 [*self.command_prefix, str(binaries.built("containerd")), "--config", str(self.config)],
@@ -353,9 +377,11 @@ def descendants(root: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def running_containerd(base: Path, images: Sequence[str] = (PAUSE_IMAGE, TEST_IMAGE)) -> Iterator[Containerd]:
+def running_containerd(
+    base: Path, images: Sequence[str] = (PAUSE_IMAGE, TEST_IMAGE), nri_socket: Path | None = None
+) -> Iterator[Containerd]:
     """A started containerd holding the busybox image under every name in ``images``; closed on exit."""
-    daemon = Containerd(base, sandbox_image=images[0])
+    daemon = Containerd(base, sandbox_image=images[0], nri_socket=nri_socket)
     try:
         daemon.start()
         daemon.import_image(build_busybox_image(base / "busybox.tar", images))

@@ -16,7 +16,13 @@ from typing import Any
 import yaml
 
 from gpushare.sandbox import binaries
-from gpushare.sandbox.certs import Certs, make_certs, make_kubelet_client
+from gpushare.sandbox.certs import (
+    Certs,
+    kubelet_client_ca,
+    make_certs,
+    make_front_proxy_ca,
+    make_kubelet_client,
+)
 from gpushare.sandbox.configfiles import (
     EXTENDER_SERVER_NAME,
     RBAC_MANIFESTS,
@@ -144,6 +150,15 @@ class ControlPlane:
                 # not verified (pkg/kubelet/client/kubelet_client.go)
                 f"--kubelet-client-certificate={kubelet_client.cert}",
                 f"--kubelet-client-key={kubelet_client.key}",
+                # client CAs, as kubeadm sets them (its cluster CA, its front-proxy CA and the headers
+                # beside it): kube-apiserver publishes them in kube-system/extension-apiserver-authentication,
+                # which a kube-scheduler run as a pod reads to authenticate its own callers (metrics, probes)
+                f"--client-ca-file={kubelet_client_ca(self.workdir)}",
+                f"--requestheader-client-ca-file={make_front_proxy_ca(self.workdir)}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
                 # at the address the node reports: its name resolves nowhere (the default tries it first)
                 "--kubelet-preferred-address-types=InternalIP",
                 *self._audit_flags(),

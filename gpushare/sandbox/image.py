@@ -1,7 +1,8 @@
 """The gpushare container image, built here from Debian's packages: no registry, no base image, no docker.
 
 ``mmdebstrap`` assembles a Debian root filesystem with Python; a customize hook installs the project's
-wheel and its dependencies (manylinux wheels for that Python) into a venv at ``/opt/gpushare``; :func:`pack`
+wheel and its dependencies (manylinux wheels for that Python) into a venv at ``/opt/gpushare``, and the
+kube-scheduler that build_kube.sh built into ``/usr/local/bin`` (:data:`KUBE_BINARIES`); :func:`pack`
 writes the tar as a one-layer OCI image archive that ``ctr images import`` loads under the name that
 deploy/*.yaml give (:data:`IMAGE`). The archive is cached by a hash of every input (:class:`Inputs`) in a
 directory beside the Kubernetes binaries, so an unchanged tree costs a package resolution and a wheel
@@ -9,6 +10,11 @@ resolution, not a build. The same inputs give a bit-identical archive (a fixed `
 Each checkout records the archive its own sources gave in ``build/gpushare.oci.tar`` (a link into the
 cache), so checkouts sharing the cache each test their own image; the cache keeps the
 :data:`KEEP` archives used last.
+
+kube-scheduler is what the chart's own scheduler Deployment runs (``gpushare kube-scheduler`` execs it), the
+same build the tests' clusters run. It goes into this image rather than one of its own: the launcher
+needs this image's Python anyway, so a second image would repeat its ~90 MB base to save the ~20 MB
+(zstd) the binary adds here, and would be a second archive to build, cache and import on every node.
 
 The project's source is the working tree as ``git add -A`` would record it: the tracked files with their
 changes and the untracked ones git doesn't ignore, which is what the checkout's editable install runs (a new
@@ -52,6 +58,8 @@ PYTHON_VERSION = "3.11"
 #: bookworm's glibc is 2.36: any manylinux wheel from 2.17 (manylinux2014) to it fits
 GLIBC_MINORS = range(17, 37)
 VENV = "/opt/gpushare"
+#: Kubernetes binaries from build_kube.sh's cache put in the image, at /usr/local/bin/<name>
+KUBE_BINARIES = ("kube-scheduler",)
 #: every file's time in the image (2025-05-20): rebuilding the same inputs gives the same bytes
 SOURCE_DATE_EPOCH = 1747699200
 #: the host's apt sources, used when they are for SUITE: they carry its updates and security suites
@@ -121,7 +129,8 @@ def keep(archive: Path, record: Path = RECORD, newest: int = KEEP) -> None:
 
 
 def mmdebstrap_args(work: Path) -> list[str]:
-    """mmdebstrap's options, before the suite; ``work`` holds the wheels and pip that the hook installs from."""
+    """mmdebstrap's options, before the suite; ``work`` holds the wheels, pip and the Kubernetes binaries (``bin/``)
+    that the hook installs from."""
     excludes = [f"--dpkgopt=path-exclude=/usr/share/{d}/*" for d in ("man", "locale", "doc")]
     includes = [f"--dpkgopt=path-include=/usr/share/{p}" for p in ("locale/locale.alias", "doc/*/copyright")]
     install = (
@@ -132,6 +141,8 @@ def mmdebstrap_args(work: Path) -> list[str]:
         ' rm -rf "$1/tmp/wheels" "$1/tmp/pipboot";'
         f' chroot "$1" env PYTHONDONTWRITEBYTECODE=1 {VENV}/bin/gpushare --help >/dev/null'
     )
+    # each one owned by root, executable by the pods' non-root users
+    kube = "".join(f'; install -m 0755 {work}/bin/{name} "$1/usr/local/bin/{name}"' for name in KUBE_BINARIES)
     return [
         "--variant=essential",
         "--include=python3,libstdc++6",  # grpc needs libstdc++
@@ -141,7 +152,7 @@ def mmdebstrap_args(work: Path) -> list[str]:
         "--skip=output/dev",  # the runtime mounts /dev
         # not the build host's
         '--customize-hook=echo localhost > "$1/etc/hostname"; : > "$1/etc/resolv.conf"',
-        f"--customize-hook={install}",
+        f"--customize-hook={install}{kube}",
     ]
 
 
@@ -166,6 +177,8 @@ class Inputs:
     source_tree: str
     #: the pip that installs the wheels into the image
     pip_version: str
+    #: (name, sha256) of each of :data:`KUBE_BINARIES`
+    kube_binaries: tuple[tuple[str, str], ...]
     #: this module's text: the mmdebstrap options, the hook and the packer
     recipe: str
 
@@ -359,7 +372,15 @@ def gather(work: Path) -> tuple[Inputs, str]:
     download = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", *pip_platform_args()]
     _run("pip download", [*download, "-d", str(wheels), *pyproject["project"]["dependencies"]])
     hashes = tuple((w.name, _sha256_file(w)) for w in sorted(wheels.glob("*.whl")))
-    inputs = Inputs(packages, hashes, tree, importlib.metadata.version("pip"), Path(__file__).read_text())
+    if absent := binaries.missing(KUBE_BINARIES):
+        raise ImageError(f"the image holds {', '.join(KUBE_BINARIES)}: {absent}")
+    (work / "bin").mkdir()
+    kube = []
+    for name in KUBE_BINARIES:
+        shutil.copyfile(binaries.built(name), work / "bin" / name)  # what is hashed is what is installed
+        kube.append((name, _sha256_file(work / "bin" / name)))
+    pip = importlib.metadata.version("pip")
+    inputs = Inputs(packages, hashes, tree, pip, tuple(kube), Path(__file__).read_text())
     return inputs, commit
 
 

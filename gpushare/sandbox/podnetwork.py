@@ -108,8 +108,22 @@ def make_address_link(link: str, addresses: Sequence[str]) -> None:
 
 
 def make_bridge(bridge: str, subnet: str) -> None:
-    """A routed node's bridge, up, with the subnet's gateway address (the host's route to its pods)."""
+    """A routed node's bridge, up, with the subnet's gateway address (the host's route to its pods).
+
+    Its pods reach one another's Services, as on any cluster, through two settings of this bridge alone,
+    which go with it: IPv4 forwarding of what arrives on it (the kernel asks the incoming device's own
+    ``forwarding``, so the machine's ``ip_forward`` stays as it is), for a pod to reach the pods of
+    another node and a Service's endpoints once kube-proxy has translated its address; and its frames
+    through netfilter (``nf_call_iptables``), so that the reply of an endpoint on the same bridge, which
+    never leaves it, is translated back from the Service's address too (what ``br_netfilter`` and
+    ``net.bridge.bridge-nf-call-iptables`` do for a kubeadm node)."""
     _ip("link", "add", "name", bridge, "type", "bridge")
+    _ip("link", "set", bridge, "type", "bridge", "nf_call_iptables", "1")
+    forwarding = Path("/proc/sys/net/ipv4/conf") / bridge / "forwarding"
+    try:
+        forwarding.write_text("1\n")
+    except OSError as exc:
+        raise ClusterError(f"{forwarding}: {exc}") from None
     _ip("addr", "add", f"{gateway(subnet)}/{ipaddress.ip_network(subnet).prefixlen}", "dev", bridge)
     _ip("link", "set", bridge, "up")
 

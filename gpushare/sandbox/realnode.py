@@ -7,9 +7,11 @@ that path, over ``/var/log/pods`` and over ``/var/lib/cni``; the node's containe
 all run inside it, as they would on a machine of their own. A node with ``host_paths`` goes further, for
 gpushare installed as pods whose hostPath volumes name a real host's paths: its own ``/var/lib/kubelet``
 (kubelet's configuration in ``config.yaml``, as kubeadm writes it), a private ``/run`` with containerd's
-directory at ``/run/containerd`` (and room for the CRI shim's ``/run/gpushare``), and the fake NVML
-driver library where the NVIDIA GPU operator puts the driver's. :class:`RealNode` is the node and its
-containerd; :class:`NodeRunner` starts its node agent and kubelet among the cluster's processes.
+directory at ``/run/containerd``, containerd's NRI socket where containerd 2 puts it by default
+(``/var/run/nri/nri.sock``, ``/var/run`` being ``/run``) and room for the CRI shim's ``/run/gpushare``,
+and the fake NVML driver library where the NVIDIA GPU operator puts the driver's. :class:`RealNode` is
+the node and its containerd; :class:`NodeRunner` starts its node agent and kubelet among the cluster's
+processes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from gpushare.contract.names import (
     CRI_LABEL_CONTAINER_NAME,
     CRI_LABEL_POD_NAME,
     CRI_LABEL_POD_NAMESPACE,
+    NRI_SOCKET,
     RESOURCE_MEM,
     dra_slice_name,
 )
@@ -154,11 +157,15 @@ class RealNode:
     def start_containerd(self, images: Sequence[Path], routes: Sequence[str] = ()) -> None:
         """The node's containerd in its namespace, on its pod network (routed to ``routes``: see
         :func:`~gpushare.sandbox.podnetwork.render_pod_network`), with ``images`` (archives) imported.
-        A node with host paths runs images the size of gpushare's, unpacked for overlayfs."""
+        A node with host paths runs images the size of gpushare's, unpacked for overlayfs, and takes NRI
+        plugins on ``/var/run/nri/nri.sock`` in its own ``/run``: where containerd 2 puts the socket
+        unconfigured (its internal/nri/config.go takes NRI's DefaultSocketPath, NRI on by default since 2.0),
+        so the node comes as a provider's does."""
         snapshotter = "overlayfs" if self.host_paths else "native"
         self.containerd = Containerd(
-            self.base / "ctrd", PAUSE_IMAGE, self.in_namespace, snapshotter, private_cdi=not self.host_paths
-        )
+            self.base / "ctrd", PAUSE_IMAGE, self.in_namespace, snapshotter, private_cdi=not self.host_paths,
+            nri_socket=Path(NRI_SOCKET) if self.host_paths else None,
+        )  # fmt: skip
         install_pod_network(self.containerd.base, self.bridge, self.subnet, self.base / "cni-ipam", routes)
         self.containerd.start()
         for image in images:
@@ -246,6 +253,7 @@ class NodeRunner:
                 "--node-name", node.name,
                 "--kubeconfig", str(self.agent_kubeconfig(node.name)),
                 "--gpus", *gpus,
+                "--enforcement", "cri-shim",
                 "--listen", f"unix://{node.cri_socket}",
                 "--runtime", node.containerd.address if node.containerd else "",
                 "--metrics-port", str(node.agent_metrics_port),

@@ -8,12 +8,14 @@ Until then nothing of gpushare runs. The cluster is what an operator starts from
 - kube-proxy, so Services work (:mod:`~gpushare.sandbox.kubeproxy`);
 - a control-plane "machine": a mount namespace with its own ``/etc/kubernetes`` (kube-scheduler's
   kubeconfig in ``scheduler.conf``, the administrator's in ``admin.conf``, as kubeadm leaves them) where
-  kube-scheduler runs, first without any extender, then with whatever configuration the operator wrote
-  there (:meth:`ShippedCluster.restart_scheduler`, what kubelet does when a static pod's manifest changes);
+  kube-scheduler runs as it comes, with no configuration file; only an operator who patches it (the
+  guide's "Patch the default scheduler") has it restarted with one (:meth:`ShippedCluster.restart_scheduler`,
+  what kubelet does when a static pod's manifest changes);
 - per node a machine with the paths a real host's programs use (:class:`~gpushare.sandbox.realnode.RealNode`
-  with ``host_paths``): containerd with the gpushare image imported, a kubelet on containerd's socket
-  configured from ``/var/lib/kubelet/config.yaml``, and a fake NVML driver presenting the node's machine
-  where the NVIDIA GPU operator puts the driver's library;
+  with ``host_paths``): containerd 2 with the gpushare image imported and NRI on at its default socket,
+  ``/var/run/nri/nri.sock`` in the node's own ``/run``, as containerd 2 comes; a kubelet on containerd's
+  socket configured from ``/var/lib/kubelet/config.yaml``; and a fake NVML driver presenting the node's
+  machine where the NVIDIA GPU operator puts the driver's library;
 - a routed pod network on private addresses (:class:`~gpushare.sandbox.podnetwork.RoutedNetwork`).
 
 Commands an operator runs on a machine run there with :meth:`ShippedCluster.run_on`.

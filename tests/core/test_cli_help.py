@@ -46,12 +46,14 @@ FLAGS = {
     | DEVICE_PLUGIN
     | SHIM
     | METRICS
-    | {"--no-cri-shim", "--advertise-interval", "--dra", "--dra-cards", "--kubelet-root", "--cdi-dir"},
+    | {"--no-cri-shim", "--advertise-interval", "--dra", "--dra-cards", "--kubelet-root", "--cdi-dir"}
+    | {"--enforcement", "--nri-socket", "--detach-cri-shim"},
     "extender": HELP
     | {"--port", "--kubeconfig", "--policy", "--host", "--health-port", "--health-host", "--max-gang-members"}
-    | {"--dra-steering"}
+    | {"--dra-steering", "--node-agent-namespace"}
     | {"--tls-cert", "--tls-key", "--client-ca", "--no-client-auth", "--max-body-bytes", "--read-timeout", "--workers"},
     "webhook": HELP | {"--port", "--host", "--tls-cert", "--tls-key", "--client-ca", "--trusted-user"},
+    "kube-scheduler": HELP | {"--config", "--write-config", "--kube-scheduler"},
 }
 
 #: defaults a reader looks for: ports, listen addresses, the runtime
@@ -61,6 +63,7 @@ SHOWN = {
         "--metrics-host": "127.0.0.1",
         "--listen": "unix:///run/gpushare/cri.sock",
         "--runtime": "unix:///run/containerd/containerd.sock",
+        "--nri-socket": "/var/run/nri/nri.sock",
     },
     "cri-shim": {"--metrics-port": "9446", "--runtime": "unix:///run/containerd/containerd.sock"},
     "device-plugin": {"--metrics-port": "9445", "--device-plugin-dir": "/var/lib/kubelet/device-plugins"},

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "plumbing",
         (
             "gpushare.pb",
+            "gpushare.ttrpc",
             "gpushare.kube",
             "gpushare.gpus",
             "gpushare.memlimits",
@@ -42,6 +43,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "gpushare.nodewiring",
         ),
     ),
+    # the decision about a container being created, shared by the CRI shim and the NRI plugin
+    ("enforcement", ("gpushare.enforcement",)),
     (
         "components",
         (
@@ -51,6 +54,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "gpushare.advertiser",
             "gpushare.extender",
             "gpushare.webhook",
+            "gpushare.nriplugin",
         ),
     ),
     (

@@ -39,8 +39,7 @@ from gpushare.crishim.frames import (
     rst_stream,
 )
 from gpushare.crishim.metrics import CORRECTIONS, REFUSALS
-from gpushare.crishim.resolve import Resolver
-from gpushare.crishim.server import EVENT_CORRECTED, CreateContainerGuard, CriShim
+from gpushare.crishim.server import CreateContainerGuard, CriShim
 from gpushare.crishim.wiring import RunningShim, start_cri_shim
 from gpushare.draplugin.cdi import remove_spec, write_spec
 from gpushare.draplugin.prepare import prepare_claim
@@ -68,6 +67,8 @@ from gpushare.contract.names import (
 )
 from gpushare.contract.resourceclaim import ClaimRef
 from gpushare.contract.units import GIB
+from gpushare.enforcement.decide import EVENT_CORRECTED
+from gpushare.enforcement.resolve import Resolver
 from gpushare.gpus.simulated import SimulatedBackend
 from gpushare.pb import cri_pb2 as pb
 from gpushare.pb import cri_pb2_grpc as pb_grpc

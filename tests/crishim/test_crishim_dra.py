@@ -10,7 +10,6 @@ import logging
 import grpc
 import pytest
 from gpushare.crishim.metrics import REFUSALS
-from gpushare.crishim.resolve import DRA_AND_DEVICE_PLUGIN, DRA_CLAIM, Resolver
 from gpushare.crishim.server import CreateContainerGuard
 from gpushare.crishim.splice import Forward, Refuse
 from podfactory import container, gpu_pod
@@ -20,6 +19,7 @@ from support.draclaims import claim, claim_pod, result
 
 from gpushare.contract.names import ENV_MEM_CONTAINER, ENV_MEM_DEV, ENV_MEM_IDX, ENV_MEM_POD, ENV_VISIBLE_DEVICES
 from gpushare.contract.units import GIB
+from gpushare.enforcement.resolve import DRA_AND_DEVICE_PLUGIN, DRA_CLAIM, Resolver
 from gpushare.pb import cri_pb2
 from gpushare.settings import RewriteOptions
 
@@ -68,7 +68,7 @@ def test_a_claims_container_gets_the_env_of_its_claims_card_whatever_its_spec_sa
 ) -> None:
     pods = train_pods(train_claim("first", UID_1, result(device="card-1", memory="8Gi")))
     config = with_claim(worker(("A", "b"), (ENV_VISIBLE_DEVICES, "all")), annotated)
-    with caplog.at_level(logging.INFO, logger="gpushare.crishim.server"):
+    with caplog.at_level(logging.INFO, logger="gpushare.enforcement.decide"):
         env = forwarded_env(guard(pods)(request_for(POD, {}, config).SerializeToString()))
     assert env == {
         "A": ["b"],

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpushare.crishim.resolve import CachedPods, Resolver, Target
-from gpushare.crishim.rewrite import rewrite
-from support.cri import env_of, plain_config, plugin_config, request_for
+from gpushare.crishim.edge import container_of
+from support.cri import env_of, plain_config, plugin_config, request_for, rewrite_config
 from support.crishim import A0, A1, CARDS, POD, FakePods, allocation_of, pod_dict, slice_of
 
 from gpushare.contract.names import ANN_MEM_IDX, ENV_MEM_CONTAINER, ENV_MEM_IDX, ENV_VISIBLE_DEVICES
 from gpushare.contract.pending import PendingBind
 from gpushare.contract.units import GIB
+from gpushare.enforcement.container import Target
+from gpushare.enforcement.resolve import CachedPods, Resolver
 from gpushare.settings import RewriteOptions
 
 SIDECAR = Target(POD.namespace, POD.pod, POD.uid, "sidecar")
@@ -20,8 +21,8 @@ SIDECAR = Target(POD.namespace, POD.pod, POD.uid, "sidecar")
 
 def decide(resolver: Resolver, annotations: dict[str, str], config: Any) -> tuple[Any, Any]:
     request = request_for(SIDECAR, annotations, config)
-    found = resolver.resolve(request, CARDS)
-    return found, rewrite(request.config, found, CARDS, GIB, RewriteOptions())
+    found = resolver.resolve(container_of(request), CARDS)
+    return found, rewrite_config(request.config, found, CARDS, GIB, RewriteOptions())
 
 
 def no_gpu_pod() -> dict[str, Any]:
@@ -53,7 +54,7 @@ def test_the_capacity_check_fails_closed_before_the_pods_were_ever_listed() -> N
     mine = {"worker": (slice_of(A0, 30),)}
     pods = FakePods([pod_dict("train", "uid-train", mine, mem=30)], synced=False)
     request = request_for(POD, allocation_of(**mine), plugin_config(POD, [slice_of(A0, 30)], pod_mem=30))
-    found = Resolver(GIB, pods).resolve(request, CARDS)
+    found = Resolver(GIB, pods).resolve(container_of(request), CARDS)
     assert found.refusal is not None and found.refusal.reason == "api-unavailable"
 
 
@@ -78,7 +79,7 @@ def test_while_the_api_server_is_down_over_commit_is_judged_from_the_last_synced
     mine = {"worker": (slice_of(A0, 30),)}
     cache = DisconnectedCache([*others, pod_dict("train", "uid-train", mine, mem=30)])
     request = request_for(POD, allocation_of(**mine), plugin_config(POD, [slice_of(A0, 30)], pod_mem=30))
-    found = Resolver(GIB, CachedPods(None, cache, "node-a")).resolve(request, CARDS)
+    found = Resolver(GIB, CachedPods(None, cache, "node-a")).resolve(container_of(request), CARDS)
     assert found.refusal is not None and found.refusal.reason == "overcommit"
 
 
@@ -88,8 +89,8 @@ def test_the_shim_refuses_a_container_whose_annotation_disagrees_with_the_ledger
     pods = FakePods([pod_dict("train", "uid-train", moved)])
     pods.recorded = {"uid-train": PendingBind("default/train", {A1.uuid: 20}, 0.0)}
     request = request_for(POD, allocation_of(**moved), plugin_config(POD, [slice_of(A0, 20)]))
-    found = Resolver(GIB, pods).resolve(request, CARDS)
+    found = Resolver(GIB, pods).resolve(container_of(request), CARDS)
     assert found.refusal is not None and found.refusal.reason == "ledger-mismatch"
     assert f"recorded card 1 ({A1.uuid}) 20 unit(s)" in found.refusal.message
     pods.recorded = {"uid-train": PendingBind("default/train", {A0.uuid: 20}, 0.0)}
-    assert Resolver(GIB, pods).resolve(request, CARDS).refusal is None
+    assert Resolver(GIB, pods).resolve(container_of(request), CARDS).refusal is None

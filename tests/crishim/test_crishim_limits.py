@@ -20,8 +20,7 @@ import grpc
 import pytest
 from gpushare.crishim.ending import SandboxEnd
 from gpushare.crishim.reconcile import cgroup_parent, clear_stopped, reconcile_limits
-from gpushare.crishim.resolve import Resolver, Target
-from gpushare.crishim.server import DECIDE_WORKERS, EVENT_REFUSED, CreateContainerGuard, CriShim
+from gpushare.crishim.server import DECIDE_WORKERS, CreateContainerGuard, CriShim
 from gpushare.crishim.splice import Forward, Refuse
 from support.cri import plain_config, plugin_config, request_for
 from support.crishim import A0, A1, CARDS, POD, FakePods, allocation_of, pod_dict, slice_of
@@ -29,6 +28,9 @@ from support.draclaims import claim, claim_pod, result
 
 from gpushare.cards import ENFORCED
 from gpushare.contract.units import GIB
+from gpushare.enforcement.container import Target
+from gpushare.enforcement.decide import EVENT_REFUSED
+from gpushare.enforcement.resolve import Resolver
 from gpushare.memlimits.cgroups import V2 as CGROUP_V2
 from gpushare.memlimits.cgroups import CgroupLayout
 from gpushare.memlimits.enforcer import NO_HARD_LIMIT, MemoryLimitError, PodLimiter

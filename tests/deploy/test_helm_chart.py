@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import ast
 import base64
+import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,13 @@ from cryptography import x509
 from support.docfiles import OPERATIONS, blocks
 
 from gpushare.cli import build_parser
+from gpushare.contract.names import (
+    DEFAULT_SCHEDULER_NAME,
+    NAMESPACE_LABEL_SCHEDULER,
+    NAMESPACE_SCHEDULER_OPT_OUT,
+    RESOURCES,
+    SCHEDULER_NAME,
+)
 from gpushare.sandbox import binaries
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +34,9 @@ CHART = DEPLOY / "helm" / "gpushare"
 NAMESPACE = "gpushare-system"
 #: the oldest Kubernetes the manifests support, as tests/deploy/test_deploy_manifests.py validates them
 KUBERNETES_VERSION = "1.30"
+#: the kinds of the chart's own kube-scheduler (scheduler.enabled) that only newer releases serve, with the
+#: release they are validated for: the one the e2e tests run
+NEWER_KINDS = {"MutatingAdmissionPolicy": "1.37", "MutatingAdmissionPolicyBinding": "1.37"}
 #: the Secrets the chart makes itself (certificates.source chart, the default; deploy/ leaves them to the operator)
 GENERATED_SECRETS = {
     "gpushare-ca",
@@ -76,7 +89,7 @@ def from_deploy(*left_out: str) -> dict[Key, dict[str, Any]]:
             (config,) = docs
             docs = [scheduler_config_map(config)]
         objects += docs
-    return by_key(objects)
+    return by_key([parse_scheduler_configs(o) for o in objects])
 
 
 def scheduler_config_map(config: dict[str, Any]) -> dict[str, Any]:
@@ -92,15 +105,24 @@ def scheduler_config_map(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def parse_scheduler_configs(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` with each kube-scheduler configuration a ConfigMap holds parsed (comments aside)."""
+    if obj["kind"] == "ConfigMap":
+        obj["data"] = {k: yaml.safe_load(v) if isinstance(v, str) else v for k, v in obj["data"].items()}
+    return obj
+
+
 def comparable(rendered: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
     """The rendered objects without the generated Secrets and the webhook's caBundle (which deploy/ leaves
-    to the operator), with the scheduler configuration parsed."""
+    to the operator), with the scheduler configurations parsed."""
     objects = by_key(
-        [o for o in rendered if not (o["kind"] == "Secret" and o["metadata"]["name"] in GENERATED_SECRETS)]
+        [
+            parse_scheduler_configs(o)
+            for o in rendered
+            if not (o["kind"] == "Secret" and o["metadata"]["name"] in GENERATED_SECRETS)
+        ]
     )
     for (kind, _, _), obj in objects.items():
-        if kind == "ConfigMap":
-            obj["data"]["scheduler-config.yaml"] = yaml.safe_load(obj["data"]["scheduler-config.yaml"])
         if kind == "ValidatingWebhookConfiguration":
             for hook in obj["webhooks"]:
                 hook["clientConfig"]["caBundle"] = ""
@@ -136,14 +158,19 @@ def test_the_chart_lints() -> None:
 
 
 @pytest.mark.parametrize(
-    ("admission", "left_out"),
-    [("policy", "webhook.yaml"), ("webhook", "admission-policy.yaml"), ("both", "")],
+    ("settings", "left_out"),
+    [
+        ((), ("webhook.yaml", "scheduler-config.yaml")),
+        (("admission=webhook",), ("admission-policy.yaml", "scheduler-config.yaml")),
+        (("admission=both",), ("scheduler-config.yaml",)),
+        (("scheduler.enabled=false",), ("webhook.yaml", "scheduler.yaml")),
+    ],
 )
-def test_the_chart_renders_what_deploy_holds(admission: str, left_out: str) -> None:
-    """At default values (admission=policy) the chart is deploy/*.yaml without the webhook; each
-    admission value gives the deploy/ files it names."""
-    settings = () if admission == "policy" else (f"admission={admission}",)
-    rendered, expected = comparable(render(*settings)), from_deploy(left_out)
+def test_the_chart_renders_what_deploy_holds(settings: tuple[str, ...], left_out: tuple[str, ...]) -> None:
+    """At default values (admission=policy, scheduler.enabled) the chart is deploy/*.yaml without the
+    webhook and without the configuration to copy onto the control plane; each admission value gives the
+    deploy/ files it names, and scheduler.enabled=false that configuration instead of deploy/scheduler.yaml."""
+    rendered, expected = comparable(render(*settings)), from_deploy(*left_out)
     assert rendered.keys() == expected.keys()
     for k, obj in expected.items():
         assert rendered[k] == obj, k
@@ -174,7 +201,7 @@ def test_generated_certificates_chain_to_their_cas() -> None:
     assert client_ca != ca and pem(secrets["gpushare-scheduler-client-ca"]["ca.crt"]) == client_ca
     pem(secrets["gpushare-scheduler-client"]["scheduler-client.crt"]).verify_directly_issued_by(client_ca)
     # what kube-scheduler's configuration checks the extender's certificate against
-    config = yaml.safe_load(one(objects, "ConfigMap", "gpushare-scheduler-config")["data"]["scheduler-config.yaml"])
+    config = yaml.safe_load(one(objects, "ConfigMap", "gpushare-kube-scheduler")["data"]["config.yaml"])
     assert config["extenders"][0]["tlsConfig"]["serverName"] == f"gpushare-extender.{NAMESPACE}.svc"
 
 
@@ -211,7 +238,7 @@ def test_a_value_becomes_the_components_flag(setting: str, kind: str, name: str,
 
 def test_the_image_value_changes_every_pod() -> None:
     templates = pod_templates(render("admission=both", "image.repository=registry.example/gpushare", "image.tag=9.9"))
-    assert templates.keys() == {"gpushare-node-agent", "gpushare-extender", "gpushare-webhook"}
+    assert templates.keys() == {"gpushare-node-agent", "gpushare-extender", "gpushare-webhook", "gpushare-scheduler"}
     for spec in templates.values():
         assert {c["image"] for c in spec["containers"]} == {"registry.example/gpushare:9.9"}
 
@@ -270,13 +297,18 @@ def test_an_unknown_admission_value_is_refused_by_name() -> None:
     assert done.returncode != 0 and 'admission: "off" is not one of policy, webhook, both' in done.stderr
 
 
-@pytest.mark.parametrize("admission", ["policy", "webhook"])
-def test_what_the_chart_renders_is_valid_for_kubernetes(admission: str) -> None:
-    for obj in render(f"admission={admission}"):
-        try:
-            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
+def validate(obj: dict[str, Any]) -> None:
+    """``obj`` against the oldest release that the chart supports, or that serves its kind."""
+    try:
+        kubernetes_validate.validate(obj, NEWER_KINDS.get(obj["kind"], KUBERNETES_VERSION), strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
+
+
+@pytest.mark.parametrize("settings", [("admission=policy",), ("admission=webhook",), ("scheduler.enabled=false",)])
+def test_what_the_chart_renders_is_valid_for_kubernetes(settings: tuple[str, ...]) -> None:
+    for obj in render(*settings):
+        validate(obj)
 
 
 def test_the_guides_values_file_sets_the_image(tmp_path: Path) -> None:
@@ -397,7 +429,7 @@ def test_cert_manager_certificates_chain_to_what_each_workload_mounts() -> None:
     certificates = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "Certificate"}
     for obj in objects:
         if not obj["apiVersion"].startswith("cert-manager.io/"):
-            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+            validate(obj)
             continue
         assert obj["apiVersion"] == "cert-manager.io/v1" and obj["metadata"]["namespace"] == NAMESPACE
         if obj["kind"] == "Certificate":
@@ -473,3 +505,234 @@ def test_the_metrics_peers_are_a_value_and_none_closes_the_health_port_to_all_bu
 
 def test_the_network_policies_can_be_left_out() -> None:
     assert not policies(render("admission=both", "networkPolicy.enabled=false"))
+
+
+# --- the chart's own kube-scheduler (scheduler.enabled) ---------------------------------------------------
+
+
+def scheduler_config(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return yaml.safe_load(one(objects, "ConfigMap", "gpushare-kube-scheduler")["data"]["config.yaml"])
+
+
+def test_the_scheduler_serves_its_profile_with_the_extender_entries_of_the_control_plane_path() -> None:
+    objects = render()
+    config = scheduler_config(objects)
+    assert config["profiles"] == [{"schedulerName": SCHEDULER_NAME}]
+    assert config["leaderElection"] == {
+        "leaderElect": True,
+        "resourceLock": "leases",
+        "resourceName": SCHEDULER_NAME,
+        "resourceNamespace": NAMESPACE,
+    }
+    assert "clientConnection" not in config, "the pod's service account, not a kubeconfig file"
+    # the same two entries as the configuration copied onto the control plane (scheduler.enabled=false)
+    (copied,) = [d for d in yaml.safe_load_all((DEPLOY / "scheduler-config.yaml").read_text()) if d]
+    assert config["extenders"] == copied["extenders"] and len(config["extenders"]) == 2
+    assert not [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "gpushare-scheduler-config"]
+
+
+def test_the_scheduler_deployment_runs_the_launcher_with_the_files_its_configuration_names() -> None:
+    objects = render()
+    deployment = one(objects, "Deployment", "gpushare-scheduler")
+    assert deployment["spec"]["replicas"] == 2
+    spec = deployment["spec"]["template"]["spec"]
+    # its own pods are placed by the control plane's scheduler, never by itself
+    assert spec["schedulerName"] == "default-scheduler" and spec["serviceAccountName"] == "gpushare-scheduler"
+    # the Service's variables, where the launcher finds the extender without cluster DNS
+    assert spec["enableServiceLinks"] is True
+    (container,) = spec["containers"]
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert args.run.__module__ == "gpushare.extender.kubescheduler"
+    assert args.scheduler_args[1:] == ["--feature-gates=SchedulerPopFromBackoffQ=false", "--v=2"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[mounts[str(Path(args.config).parent)]]["configMap"]["name"] == "gpushare-kube-scheduler"
+    assert "emptyDir" in volumes[mounts[str(Path(args.write_config).parent)]]
+    for entry in scheduler_config(objects)["extenders"]:
+        files = {Path(entry["tlsConfig"][f]) for f in ("certFile", "keyFile", "caFile")}
+        (directory,) = {f.parent for f in files}
+        client_volume = volumes[mounts[str(directory)]]
+        assert client_volume["secret"]["secretName"] == "gpushare-scheduler-client"
+    # the chart makes that Secret with the files' names as its keys
+    secret = one(objects, "Secret", "gpushare-scheduler-client")
+    assert set(secret["data"]) == {f.name for f in files}
+    probes = [container[p]["httpGet"] for p in ("livenessProbe", "readinessProbe")]
+    assert {(p["port"], p["scheme"]) for p in probes} == {("https", "HTTPS")}
+    assert {p["containerPort"] for p in container["ports"]} == {10259}  # kube-scheduler's secure port
+
+
+def test_with_cert_manager_the_scheduler_mounts_its_files_from_the_two_certificates_secrets() -> None:
+    objects = render("certificates.source=certManager")
+    (volume,) = [v for v in pod_templates(objects)["gpushare-scheduler"]["volumes"] if v["name"] == "extender-client"]
+    sources = {
+        s["secret"]["name"]: {i["key"]: i["path"] for i in s["secret"]["items"]} for s in volume["projected"]["sources"]
+    }
+    assert sources == {
+        "gpushare-scheduler-client": {"tls.crt": "scheduler-client.crt", "tls.key": "scheduler-client.key"},
+        "gpushare-extender-tls": {"ca.crt": "extender-ca.crt"},
+    }
+
+
+def test_the_schedulers_rbac_is_kubernetes_own_scheduler_roles_and_its_own_lease() -> None:
+    objects = render("scheduler.name=gpu-sched")
+    subject = [{"kind": "ServiceAccount", "name": "gpushare-scheduler", "namespace": NAMESPACE}]
+    bound = {
+        (o["kind"], o["metadata"].get("namespace", ""), o["roleRef"]["kind"], o["roleRef"]["name"])
+        for o in objects
+        if o["kind"] in ("ClusterRoleBinding", "RoleBinding") and o["subjects"] == subject
+    }
+    assert bound == {
+        ("ClusterRoleBinding", "", "ClusterRole", "system:kube-scheduler"),
+        ("ClusterRoleBinding", "", "ClusterRole", "system:volume-scheduler"),
+        ("RoleBinding", NAMESPACE, "Role", "gpushare-scheduler-lease"),
+        ("RoleBinding", "kube-system", "Role", "extension-apiserver-authentication-reader"),
+    }
+    (rule,) = one(objects, "Role", "gpushare-scheduler-lease")["rules"]
+    assert rule["resources"] == ["leases"] and rule["resourceNames"] == ["gpu-sched"]
+    assert scheduler_config(objects)["leaderElection"]["resourceName"] == "gpu-sched"
+    assert scheduler_config(objects)["profiles"] == [{"schedulerName": "gpu-sched"}]
+    (mutation,) = one(objects, "MutatingAdmissionPolicy", "gpushare-scheduler")["spec"]["mutations"]
+    assert mutation["applyConfiguration"]["expression"] == "Object{spec: Object.spec{schedulerName: 'gpu-sched'}}"
+
+
+def test_the_policy_reads_gpushares_resources_and_opt_out_label() -> None:
+    """Its wire names are names.py's (tests/deploy/test_scheduler_policy.py runs it on kube-apiserver)."""
+    spec = one(render(), "MutatingAdmissionPolicy", "gpushare-scheduler")["spec"]
+    conditions = {c["name"]: " ".join(c["expression"].split()) for c in spec["matchConditions"]}
+    (listed,) = re.findall(r"\[('[^]]*')\]", conditions["asks-for-gpushare"])
+    assert set(ast.literal_eval(f"[{listed}]")) == set(RESOURCES)
+    assert f"orValue('{DEFAULT_SCHEDULER_NAME}') == '{DEFAULT_SCHEDULER_NAME}'" in conditions["default-scheduler"]
+    (expression,) = spec["matchConstraints"]["namespaceSelector"]["matchExpressions"]
+    assert expression == {
+        "key": NAMESPACE_LABEL_SCHEDULER,
+        "operator": "NotIn",
+        "values": [NAMESPACE_SCHEDULER_OPT_OUT],
+    }
+    binding = one(render(), "MutatingAdmissionPolicyBinding", "gpushare-scheduler")
+    assert binding["spec"] == {"policyName": "gpushare-scheduler"}
+
+
+def test_without_the_scheduler_the_control_plane_configuration_is_rendered_instead() -> None:
+    objects = render("scheduler.enabled=false")
+    assert one(objects, "ConfigMap", "gpushare-scheduler-config")
+    assert not [
+        o
+        for o in objects
+        if o["metadata"]["name"].startswith("gpushare-scheduler") and o["kind"] != "ConfigMap" and o["kind"] != "Secret"
+    ]
+    assert not [o for o in objects if o["kind"].startswith("MutatingAdmissionPolicy")]
+
+
+def test_the_scheduler_on_a_release_without_mutating_admission_policies_is_refused_by_name() -> None:
+    done = helm("template", "gpushare", str(CHART), "--namespace", NAMESPACE, "--kube-version", "1.35.0")
+    assert done.returncode != 0
+    assert "scheduler.enabled needs MutatingAdmissionPolicy" in done.stderr and "v1.35.0" in done.stderr
+    done = helm(
+        "template",
+        "gpushare",
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--kube-version",
+        "1.35.0",
+        "--set=scheduler.enabled=false",
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_control_plane_cidrs_admit_the_charts_own_scheduler_to_the_verbs() -> None:
+    setting = r"networkPolicy.controlPlaneCIDRs={10.0.0.0/24}"
+    own = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "gpushare-scheduler"}}}
+    assert own in policies(render(setting))["gpushare-extender"]["https"]["from"]
+    assert own not in policies(render(setting, "scheduler.enabled=false"))["gpushare-extender"]["https"]["from"]
+
+
+# --- how the node agent holds containers to their cards (nodeAgent.enforcement) ----------------------------
+
+
+def agent(*settings: str) -> tuple[list[str], dict[str, str], dict[str, dict[str, str]]]:
+    """The node agent's arguments, its mounts (path: volume) and its host paths (volume: hostPath)."""
+    spec = pod_templates(render(*settings))["gpushare-node-agent"]
+    (container,) = spec["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    return container["args"], mounts, {v["name"]: v["hostPath"] for v in spec["volumes"] if "hostPath" in v}
+
+
+def test_by_default_the_agent_is_an_nri_plugin_and_serves_no_cri_socket() -> None:
+    args, mounts, host = agent()
+    assert {"--enforcement=nri", "--nri-socket=/var/run/nri/nri.sock"} <= set(args)
+    assert not [a for a in args if a.startswith("--listen")]
+    assert host[mounts["/var/run/nri"]] == {"path": "/var/run/nri", "type": "DirectoryOrCreate"}
+    assert "/run/gpushare" not in mounts
+
+
+def test_the_cri_shim_enforcement_serves_kubelets_socket_from_a_shim_that_outlives_the_agent() -> None:
+    args, mounts, host = agent("nodeAgent.enforcement=cri-shim")
+    assert {"--enforcement=cri-shim", "--listen=unix:///run/gpushare/cri.sock"} <= set(args)
+    assert not [a for a in args if a.startswith("--nri")]
+    assert host[mounts["/run/gpushare"]] == {"path": "/run/gpushare", "type": "DirectoryOrCreate"}
+    assert "/var/run/nri" not in mounts
+    # the shim leaves the container's cgroup, into the host's hierarchy the agent mounts, and is found
+    # again by the next agent: in the host's PID namespace, where a container is stopped by its cgroup
+    assert "--detach-cri-shim=/host/sys/fs/cgroup" in args and mounts["/host/sys/fs/cgroup"] == "cgroup"
+    spec = pod_templates(render("nodeAgent.enforcement=cri-shim"))["gpushare-node-agent"]
+    assert spec["hostPID"] is True
+    env = {e["name"]: e for e in spec["containers"][0]["env"]}
+    assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+    nri = pod_templates(render())["gpushare-node-agent"]
+    assert "hostPID" not in nri and "POD_UID" not in {e["name"] for e in nri["containers"][0]["env"]}
+
+
+def test_an_unknown_enforcement_is_refused_by_name() -> None:
+    done = helm("template", "gpushare", str(CHART), *TARGET, "--set=nodeAgent.enforcement=ebpf")
+    assert done.returncode != 0 and 'nodeAgent.enforcement: "ebpf" is not one of nri, cri-shim' in done.stderr
+
+
+# --- NOTES.txt --------------------------------------------------------------------------------------------
+
+
+def notes(tmp_path: Path, *settings: str) -> str:
+    """templates/NOTES.txt as ``helm install`` prints it (``helm template`` leaves it out: here it is
+    rendered from a copy of the chart, as a template of its own)."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    text = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "NOTES.txt").unlink()
+    (chart / "templates" / "_notes.tpl").write_text('{{- define "notes" -}}\n' + text + "{{- end }}\n")
+    (chart / "templates" / "notes.yaml").write_text('notes: |\n  {{- include "notes" . | nindent 2 }}\n')
+    done = helm(
+        "template",
+        "gpushare",
+        str(chart),
+        *TARGET,
+        "--show-only=templates/notes.yaml",
+        *(f"--set={s}" for s in settings),
+    )
+    assert done.returncode == 0, done.stderr
+    return yaml.safe_load(done.stdout)["notes"]
+
+
+def test_the_notes_say_what_to_check_and_that_nothing_is_left_to_do(tmp_path: Path) -> None:
+    text = notes(tmp_path)
+    assert f"kubectl -n {NAMESPACE} get pods -l app.kubernetes.io/name=gpushare-node-agent" in text
+    assert "kubectl get nodes -l gpushare=true\n" in text
+    assert f"kubectl -n {NAMESPACE} get lease {SCHEDULER_NAME} -o jsonpath='{{.spec.holderIdentity}}" in text
+    assert "aliyun.com/gpu-mem: 1" in text and f"# {SCHEDULER_NAME}" in text
+    assert "Nothing else to do" in text and "Still to do" not in text
+
+
+@pytest.mark.parametrize(
+    ("settings", "says", "not_says"),
+    [
+        (
+            ("nodeAgent.enforcement=cri-shim",),
+            "--container-runtime-endpoint=unix:///run/gpushare/cri.sock",
+            "control-plane",
+        ),
+        (("scheduler.enabled=false",), "on each control-plane node", "container-runtime-endpoint"),
+    ],
+)
+def test_the_notes_say_what_is_left_to_do(tmp_path: Path, settings: tuple[str, ...], says: str, not_says: str) -> None:
+    text = notes(tmp_path, *settings)
+    assert "Still to do" in text and says in text and not_says not in text
+    assert "Nothing else to do" not in text

@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPONENTS = ("deviceplugin", "draplugin", "crishim", "advertiser", "extender", "webhook")
+COMPONENTS = ("deviceplugin", "draplugin", "crishim", "nriplugin", "advertiser", "extender", "webhook")
 
 
 def test_every_package_folder_is_installed_and_listed_once() -> None:

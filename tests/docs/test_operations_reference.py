@@ -14,7 +14,7 @@ from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTO
 from support.docfiles import OPERATIONS, ROOT, section
 
 #: the commands whose flags docs/operations.md lists, each under the heading "`gpushare COMMAND`"
-TABLED = ("node", "device-plugin", "cri-shim", "advertiser", "extender", "webhook", "inspect")
+TABLED = ("node", "device-plugin", "cri-shim", "advertiser", "extender", "kube-scheduler", "webhook", "inspect")
 #: commands documented elsewhere, for contributors or for what-if replays, not run on a cluster
 ELSEWHERE = {"sandbox": "CONTRIBUTING.md", "apiserver": "CONTRIBUTING.md", "simulate": "docs/placement.md"}
 

@@ -44,6 +44,8 @@ def test_node_agent_runs_all_node_components_on_one_pod_watch(
             "sim:2xA100-80GB:81920",
             "--device-plugin-dir",
             str(directory),
+            "--enforcement",
+            "cri-shim",
             "--listen",
             f"unix://{shim_socket}",
             "--runtime",

@@ -22,6 +22,7 @@ INPUTS = image.Inputs(
     wheels=(("grpcio-1.85.1-cp311-cp311-manylinux_2_17_x86_64.whl", "ab" * 32),),
     source_tree="1" * 40,
     pip_version="23.2.1",
+    kube_binaries=(("kube-scheduler", "ef" * 32),),
     recipe="recipe",
 )
 
@@ -43,6 +44,7 @@ def test_the_same_inputs_give_the_same_key() -> None:
         {"wheels": ((INPUTS.wheels[0][0], "cd" * 32),)},
         {"source_tree": "2" * 40},
         {"pip_version": "24.0"},
+        {"kube_binaries": (("kube-scheduler", "01" * 32),)},
         {"recipe": "recipe, changed"},
     ],
 )
@@ -88,6 +90,14 @@ def test_containerd_runs_gpushare_from_the_image_the_manifests_name(tmp_path: Pa
         run = [*ctr, "run", "--rm", "--snapshotter", "native", image.containerd_name(image.IMAGE), "image-test"]
         result = subprocess.run([*run, "gpushare", "--help"], capture_output=True, text=True, check=False)
         assert result.returncode == 0 and "usage: gpushare" in result.stdout, result.stderr
+        # the chart's scheduler Deployment runs the cache's own kube-scheduler, as its non-root user
+        as_nobody = [*run[:-2], "--user", "65534:65534", image.containerd_name(image.IMAGE), "image-kube-scheduler"]
+        result = subprocess.run(
+            [*as_nobody, "sha256sum", "/usr/local/bin/kube-scheduler"], capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 0, result.stderr
+        built = hashlib.sha256(binaries.built("kube-scheduler").read_bytes()).hexdigest()
+        assert result.stdout.split()[0] == built
     finally:
         daemon.close()
 

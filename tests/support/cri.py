@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-from gpushare.crishim.resolve import Target
+from gpushare.crishim.edge import applied, container_of
 
+from gpushare.assignment import Refusal
+from gpushare.cards import Card
 from gpushare.contract.allocation import CardSlice
 from gpushare.contract.env import assigned_env
 from gpushare.contract.names import (
@@ -16,7 +19,12 @@ from gpushare.contract.names import (
     cdi_device_name,
     device_file,
 )
+from gpushare.contract.units import MemoryUnit
+from gpushare.enforcement.container import ContainerRequest, Target
+from gpushare.enforcement.resolve import Resolution
+from gpushare.enforcement.rewrite import rewrite
 from gpushare.pb import cri_pb2
+from gpushare.settings import RewriteOptions
 from support.crishim import CARDS, UNITS
 
 
@@ -69,3 +77,32 @@ def request_for(
             annotations=dict(annotations),
         ),
     )
+
+
+def container_for(target: Target, annotations: Mapping[str, str], config: cri_pb2.ContainerConfig) -> ContainerRequest:
+    """:func:`request_for` as the shim's edge reads it."""
+    return container_of(request_for(target, annotations, config))
+
+
+@dataclass(frozen=True, slots=True)
+class Rewritten:
+    """A decision as the CRI shim applies it: the corrected config (None: forwarded unchanged)."""
+
+    config: cri_pb2.ContainerConfig | None
+    refusal: Refusal | None
+    reason: str
+    message: str
+
+
+def rewrite_config(
+    config: cri_pb2.ContainerConfig,
+    resolution: Resolution,
+    cards: Sequence[Card],
+    unit: MemoryUnit,
+    options: RewriteOptions,
+) -> Rewritten:
+    """:func:`gpushare.enforcement.rewrite.rewrite` of ``config`` for ``resolution``'s container, applied
+    to ``config`` as the shim's edge does."""
+    decision = rewrite(container_for(resolution.target, {}, config), resolution, cards, unit, options)
+    fixed = applied(config, decision.edits) if decision.edits is not None else None
+    return Rewritten(fixed, decision.refusal, decision.reason, decision.message)

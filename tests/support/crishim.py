@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpushare.crishim.resolve import Target
 from podfactory import container, gpu_pod
 
 from gpushare.contract.allocation import CardSlice, format_allocation
@@ -15,6 +14,7 @@ from gpushare.contract.names import (
 )
 from gpushare.contract.pending import Ledger
 from gpushare.contract.units import GIB
+from gpushare.enforcement.container import Target
 from gpushare.gpus.simulated import simulated_cards
 from gpushare.kube.errors import KubeNotFound, KubeUnavailable
 

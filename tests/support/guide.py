@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpushare.sandbox.shippedcluster import CONTROL_PLANE, ShippedCluster
-from support.docfiles import OPERATIONS, ROOT, Block, blocks, e2e_step
+from support.docfiles import OPERATIONS, ROOT, Block, blocks, e2e_step, headings
 
 #: what a block's location label names, and where it runs
 LOCATIONS = ("cluster", "control-plane", "node")
@@ -26,12 +26,20 @@ systemctl() { printf '%s\\n' "$*" >>"$GPUSHARE_SYSTEMCTL"; }
 """
 
 
-def guide_steps() -> dict[str, Block]:
-    """Every ``e2e:STEP`` block of the guide, by step."""
+def guide_steps(within: str | None = None) -> dict[str, Block]:
+    """Every ``e2e:STEP`` block of the guide, by step; with ``within``, only those under that heading
+    (its exact text, down to the next heading of its level or higher)."""
+    lines = range(1, len(OPERATIONS.read_text().splitlines()) + 1)
+    if within is not None:
+        marks = headings(OPERATIONS)
+        found = [(n, lv) for n, lv, text in marks if text == within]
+        assert found, f"{OPERATIONS.name} has no heading {within!r}"
+        (start, level), *_ = found
+        lines = range(start, next((n for n, lv, _ in marks if n > start and lv <= level), lines.stop))
     steps = {}
     for block in blocks(OPERATIONS):
         for label in block.labels:
-            if (step := e2e_step(label)) is not None:
+            if (step := e2e_step(label)) is not None and block.line in lines:
                 steps[step] = block
     return steps
 

@@ -14,6 +14,14 @@
 {{- if ne .Values.admission "webhook" }}true{{ end }}
 {{- end }}
 
+{{/* how the node agent holds containers to their cards: "nri" or "cri-shim" (values.yaml, nodeAgent.enforcement) */}}
+{{- define "gpushare.enforcement" -}}
+{{- if not (has .Values.nodeAgent.enforcement (list "nri" "cri-shim")) }}
+{{- fail (printf "nodeAgent.enforcement: %q is not one of nri, cri-shim" .Values.nodeAgent.enforcement) }}
+{{- end }}
+{{- .Values.nodeAgent.enforcement }}
+{{- end }}
+
 {{/* the service accounts that alone may write gpushare's pod annotations, as CEL */}}
 {{- define "gpushare.notGpushare" -}}
 !(request.userInfo.username in [
@@ -82,4 +90,56 @@ data:
   tls.crt: {{ $cert.Cert | b64enc }}
   tls.key: {{ $cert.Key | b64enc }}
   ca.crt: {{ $ca.Cert | b64enc }}
+{{- end }}
+
+{{/*
+kube-scheduler's extender entries for the gpushare extender: the same in the configuration to copy onto
+the control plane (scheduler-config.yaml) and in the chart's own kube-scheduler's (scheduler.yaml)
+*/}}
+{{- define "gpushare.schedulerExtenders" -}}
+extenders:
+  # The extender serves HTTPS only and answers only a client holding a certificate signed by the CA in
+  # the Secret {{ include "gpushare.clientCASecret" . }} (see docs/operations.md, "Certificates"). A host-network
+  # kube-scheduler that can't resolve cluster names puts the Service's ClusterIP here instead (the
+  # chart's own, run by `gpushare kube-scheduler`, does so itself); the server name below is what its
+  # certificate is checked against either way.
+  - urlPrefix: https://gpushare-extender.{{ .Release.Namespace }}.svc:32766
+    filterVerb: filter
+    prioritizeVerb: prioritize
+    preemptVerb: preempt
+    bindVerb: bind
+    # prioritize answers 0..10; the scheduler multiplies by this weight before adding its own scores
+    weight: 5
+    enableHTTPS: true
+    tlsConfig: &extender-tls
+      # kube-scheduler's client certificate for the extender, and the CA that signed the extender's
+      # serving certificate (mounted into kube-scheduler's pod: from the control-plane node, or for the
+      # chart's own kube-scheduler from the Secret gpushare-scheduler-client)
+      certFile: /etc/kubernetes/gpushare/scheduler-client.crt
+      keyFile: /etc/kubernetes/gpushare/scheduler-client.key
+      caFile: /etc/kubernetes/gpushare/extender-ca.crt
+      serverName: gpushare-extender.{{ .Release.Namespace }}.svc
+      insecure: false
+    # a filter over thousands of nodes answers in milliseconds; a bind makes a handful of API calls
+    httpTimeout: 30s
+    # the extender watches nodes itself: the scheduler sends node names, not whole node objects
+    nodeCacheCapable: true
+    # without the extender no GPU pod may be placed: a failed call leaves the pod Pending
+    ignorable: false
+    managedResources:
+      - name: aliyun.com/gpu-mem
+        ignoredByScheduler: false
+      - name: aliyun.com/gpu-count
+        ignoredByScheduler: false
+  # The same extender, over the same mutual TLS (the extender serves nothing else when it has a certificate).
+  - urlPrefix: https://gpushare-extender.{{ .Release.Namespace }}.svc:32766
+    prioritizeVerb: prioritize-host
+    # 0..10 x 20 x 10: outweighs kube-scheduler's own spreading scores (0..200), which then only break ties
+    weight: 20
+    enableHTTPS: true
+    tlsConfig: *extender-tls
+    httpTimeout: 5s
+    nodeCacheCapable: true
+    # pods without GPUs must still schedule when the extender is down
+    ignorable: true
 {{- end }}

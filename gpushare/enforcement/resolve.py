@@ -1,10 +1,11 @@
-"""Which cards a container being created must get: read from the pod annotations kubelet passes in
-``sandbox_config``, or, when those are missing or stale, from the pod itself through the API server.
+"""Which cards a container being created (:class:`~gpushare.enforcement.container.ContainerRequest`)
+must get: read from the pod annotations kubelet passes for its sandbox, or, when those are missing or
+stale, from the pod itself through the API server.
 A container kubelet gave CDI devices of prepared DRA claims (kind ``gpu.gpushare.io/claim``) gets its
 cards from those claims instead: the env of every card they name (:func:`gpushare.usage.dra_env`), read
 from the pod's claims, each of which must be reserved for the pod.
 
-The pure part (:func:`target_of`, :func:`plugin_view`, :func:`from_annotations`, :func:`from_pod`,
+The pure part (:func:`plugin_view`, :func:`from_annotations`, :func:`from_pod`,
 :func:`from_dra`) works on plain values. :class:`Resolver` adds the node's pod cache: the API
 fallback, the over-commit check against every live pod on the node, and what a pod holds (its memory
 limits), ResourceClaims included.
@@ -29,10 +30,6 @@ from gpushare.contract.names import (
     ANN_ALLOCATION,
     ANN_FRAMEWORK_ALLOCATION,
     ANN_MEM_IDX,
-    CRI_LABEL_CONTAINER_NAME,
-    CRI_LABEL_POD_NAME,
-    CRI_LABEL_POD_NAMESPACE,
-    CRI_LABEL_POD_UID,
     CTR_ANN_CARDS,
     CTR_ANN_CONTAINER,
     CTR_ANN_POD_UID,
@@ -45,9 +42,9 @@ from gpushare.contract.pending import Ledger
 from gpushare.contract.request import parse_pod_request
 from gpushare.contract.resourceclaim import ClaimError
 from gpushare.contract.units import MemoryUnit
+from gpushare.enforcement.container import ContainerRequest, Target
 from gpushare.kube.errors import KubeError, KubeNotFound
 from gpushare.kube.objects import get_node, get_pod, get_resource_claim
-from gpushare.pb import cri_pb2
 from gpushare.placement.demand import ANY_CARD, CardRule
 from gpushare.usage import (
     card_by_minor,
@@ -69,28 +66,6 @@ SOURCE_DRA = "ResourceClaims"
 DRA_AND_DEVICE_PLUGIN = "dra-and-device-plugin"
 #: the refusal reason of a container whose CDI devices or ResourceClaims can't give it cards
 DRA_CLAIM = "dra-claim"
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """The pod and container a CreateContainer call is for."""
-
-    namespace: str
-    pod: str
-    uid: str
-    container: str
-
-    @property
-    def pod_key(self) -> str:
-        return f"{self.namespace}/{self.pod}"
-
-    def __str__(self) -> str:
-        return f"pod {self.pod_key} container {self.container}"
-
-    def claim(self, slices: tuple[CardSlice, ...], rule: CardRule = ANY_CARD) -> Claim:
-        """This container's claim on ``slices`` under the pod's card ``rule``, for
-        :func:`gpushare.assignment.check_assignment`."""
-        return Claim(self.pod_key, self.uid, self.container, slices, rule=rule)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,27 +119,16 @@ def refuse(target: Target, reason: str, why: str) -> Resolution:
     return Resolution(target=target, wants_gpu=True, refusal=Refusal(reason, f"{target}: {why}"))
 
 
-def target_of(request: cri_pb2.CreateContainerRequest) -> Target:
-    """Kubelet names the pod in the sandbox metadata and labels, the container in its metadata."""
-    sandbox, config = request.sandbox_config, request.config
-    labels = sandbox.labels
-    return Target(
-        namespace=sandbox.metadata.namespace or labels.get(CRI_LABEL_POD_NAMESPACE, ""),
-        pod=sandbox.metadata.name or labels.get(CRI_LABEL_POD_NAME, ""),
-        uid=sandbox.metadata.uid or labels.get(CRI_LABEL_POD_UID, ""),
-        container=config.metadata.name or config.labels.get(CRI_LABEL_CONTAINER_NAME, ""),
-    )
-
-
 def _split(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def plugin_view(config: cri_pb2.ContainerConfig) -> PluginView:
+def plugin_view(request: ContainerRequest) -> PluginView:
     """Our device plugin marks the containers it served with annotations; the original plugin leaves
-    only its env (see :class:`PluginView` for how far each is trusted)."""
-    env = {kv.key: kv.value for kv in config.envs}
-    annotations = config.annotations
+    only its env (see :class:`PluginView` for how far each is trusted). A repeated env key counts by its
+    last value."""
+    env = dict(request.env)
+    annotations = request.annotations
     units, pod_mem = (_int_or(env.get(key), None) for key in (ENV_MEM_CONTAINER, ENV_MEM_POD))
     served = CTR_ANN_CARDS in annotations or CTR_ANN_CONTAINER in annotations
     env_only = not served and units is not None
@@ -302,19 +266,19 @@ class PodLookup(Protocol):
 
 
 class Resolver:
-    """Resolve a CreateContainer call's assignment, asking the API only when allowed and needed."""
+    """Resolve a container's assignment, asking the API only when allowed and needed."""
 
     def __init__(self, unit: MemoryUnit, pods: PodLookup | None) -> None:
         self._unit = unit
         self._pods = pods
 
-    def resolve(self, request: cri_pb2.CreateContainerRequest, cards: Sequence[Card]) -> Resolution:
-        target = target_of(request)
-        plugin = plugin_view(request.config)
-        devices = claim_cdi_devices((d.name for d in request.config.CDI_devices), request.config.annotations)
+    def resolve(self, request: ContainerRequest, cards: Sequence[Card]) -> Resolution:
+        target = request.target
+        plugin = plugin_view(request)
+        devices = claim_cdi_devices(request.cdi_devices, request.annotations)
         if devices:
             return self._resolve_dra(target, devices, plugin, cards)
-        found = from_annotations(target, request.sandbox_config.annotations, plugin, cards)
+        found = from_annotations(target, request.sandbox_annotations, plugin, cards)
         if found is None:
             pod = self._api_pod(target, "no card assignment in sandbox_config")
             if isinstance(pod, Resolution):
