@@ -332,7 +332,8 @@ def test_once_the_plugin_is_gone_containers_are_created_without_it(
     assert session.session.cancelled()
     assert "GPUSHARE_NRI" not in crictl.process_env(create(crictl, pod("without"), "app"))
     calls = [session.observer.calls.get_nowait()[0] for _ in range(session.observer.calls.qsize())]
-    assert calls == ["synchronize", "create"]
+    # the handler heard of the session's end (it enforces nothing from then on), and of nothing after
+    assert calls == ["synchronize", "create", "shutdown"]
 
 
 def test_a_handler_that_cannot_decide_in_time_refuses_the_container_and_stays_connected(
