@@ -378,10 +378,13 @@ def descendants(root: int) -> list[int]:
 
 @contextlib.contextmanager
 def running_containerd(
-    base: Path, images: Sequence[str] = (PAUSE_IMAGE, TEST_IMAGE), nri_socket: Path | None = None
+    base: Path,
+    images: Sequence[str] = (PAUSE_IMAGE, TEST_IMAGE),
+    nri_socket: Path | None = None,
+    snapshotter: str = "native",
 ) -> Iterator[Containerd]:
     """A started containerd holding the busybox image under every name in ``images``; closed on exit."""
-    daemon = Containerd(base, sandbox_image=images[0], nri_socket=nri_socket)
+    daemon = Containerd(base, sandbox_image=images[0], nri_socket=nri_socket, snapshotter=snapshotter)
     try:
         daemon.start()
         daemon.import_image(build_busybox_image(base / "busybox.tar", images))
