@@ -3,10 +3,11 @@ as the CRI shim's (:class:`gpushare.enforcement.decide.Enforcer`) at CreateConta
 adjustment or a refusal; a pod's limits cleared when its sandbox ends; and at each session's start, the
 running containers checked and the misplaced ones evicted (:mod:`gpushare.nriplugin.sync`).
 
-Evicting: containerd 2.2 (NRI v0.11) honours evictions only in the answers to CreateContainer and
-UpdateContainer; ``SynchronizeResponse`` has no field for them and the runtime side of
-``UpdateContainers`` drops its ``evict`` list (pkg/adaptation/plugin.go). Its own eviction of a container
-is a CRI StopContainer with no grace period (``internal/cri/nri/nri_api_linux.go``, ``EvictContainer``),
+Evicting: containerd 2.2 (NRI v0.11) acts on no eviction a plugin sends: ``SynchronizeResponse`` has no
+field for them, the runtime side of ``UpdateContainers`` drops its ``evict`` list (pkg/adaptation/plugin.go),
+and a ``CreateContainer`` answer's is merged away (tests/nri/test_nri_containerd.py shows both leave the
+container running). Its own eviction of a container is a CRI StopContainer with no grace period
+(``internal/cri/nri/nri_api_linux.go``, ``EvictContainer``),
 so the plugin asks the runtime's CRI service for exactly that (``evict``), after Synchronize was answered:
 the runtime holds its NRI lock until then, and stopping a container takes the same lock.
 
