@@ -22,15 +22,14 @@ matched. Lists of peers would need list-typed attributes, alpha (``DRAListTypeAt
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpushare.advertiser.deviceorder import CardRoom
 from kubernetes.utils.quantity import parse_quantity
 
 from gpushare.cards import Card
-from gpushare.contract.dra import format_device_name, parse_device_name, parse_memory_bytes
-from gpushare.contract.errors import ContractError
+from gpushare.contract.dra import format_device_name
 from gpushare.contract.names import (
     DRA_API_VERSION,
     DRA_ATTR_INDEX,
@@ -43,6 +42,7 @@ from gpushare.contract.names import (
     DRA_DRIVER,
     dra_slice_name,
 )
+from gpushare.contract.resourceslice import ResourceSliceError
 from gpushare.contract.units import MemoryUnit
 
 #: the API server's limits on one slice and one string attribute
@@ -50,24 +50,6 @@ MAX_DEVICES = 128
 MAX_STRING_ATTRIBUTE = 64
 #: a DNS subdomain, which the slice's name must be
 MAX_NAME = 253
-
-
-class ResourceSliceError(ContractError):
-    """Cards, a node name or a generation that can't make a valid ResourceSlice, or a live slice whose
-    devices can't be read back."""
-
-
-@dataclass(frozen=True, slots=True)
-class OfferedCard:
-    """A card as a ResourceSlice of the driver offers it, read back (:func:`offered_cards`)."""
-
-    device: str
-    index: int
-    uuid: str
-    model: str
-    memory_bytes: int
-    #: ``requestPolicy.default`` of its memory: one of the node's memory units, in bytes (None when unset)
-    unit_bytes: int | None
 
 
 def _mib(mib: int) -> str:
@@ -145,11 +127,30 @@ def published_cards(cards: Sequence[Card], unit: MemoryUnit) -> list[Card]:
     return sorted((c for c in cards if c.healthy and unit.units_of(c.memory_mib) > 0), key=lambda c: c.index)
 
 
-def resource_slice(node_name: str, cards: Sequence[Card], unit: MemoryUnit, generation: int) -> dict[str, Any]:
+def card_rooms(cards: Sequence[Card], unit: MemoryUnit, used: Mapping[int, int]) -> list[CardRoom]:
+    """The cards the slice offers as :func:`~gpushare.advertiser.deviceorder.best_fit_order` weighs them:
+    the memory the slice offers of each and ``used`` (NVML index -> bytes allocated claims consume), in
+    bytes, with its NUMA node and NVLink clique."""
+    cliques = _cliques([c for c in cards if c.healthy])
+    return [
+        CardRoom(
+            c.index, unit.units_of(c.memory_mib) * unit.bytes, used.get(c.index, 0), c.numa_node, cliques.get(c.uuid)
+        )
+        for c in published_cards(cards, unit)
+    ]
+
+
+def resource_slice(
+    node_name: str, cards: Sequence[Card], unit: MemoryUnit, generation: int, order: Sequence[int] = ()
+) -> dict[str, Any]:
     """The ResourceSlice offering ``node_name``'s healthy ``cards`` in whole ``unit``\\ s, as pool
-    generation ``generation``. Raises :class:`ResourceSliceError` for input the API server would refuse."""
+    generation ``generation``; the devices of the NVML indexes ``order`` names first, in that order (the
+    order kube-scheduler's first fit meets them), the others after them in index order. Raises
+    :class:`ResourceSliceError` for input the API server would refuse."""
     _check(node_name, cards, unit, generation)
     cliques = _cliques([c for c in cards if c.healthy])
+    rank = {index: i for i, index in enumerate(order)}
+    offered = sorted(published_cards(cards, unit), key=lambda c: rank.get(c.index, len(rank)))
     return {
         "apiVersion": DRA_API_VERSION,
         "kind": "ResourceSlice",
@@ -158,7 +159,7 @@ def resource_slice(node_name: str, cards: Sequence[Card], unit: MemoryUnit, gene
             "driver": DRA_DRIVER,
             "nodeName": node_name,
             "pool": {"name": node_name, "generation": generation, "resourceSliceCount": 1},
-            "devices": [_device(c, unit, cliques.get(c.uuid)) for c in published_cards(cards, unit)],
+            "devices": [_device(c, unit, cliques.get(c.uuid)) for c in offered],
         },
     }
 
@@ -189,18 +190,6 @@ def slice_current(live: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     return _comparable(live.get("spec") or {}) == _comparable(desired.get("spec") or {})
 
 
-def live_pool(live: Mapping[str, Any]) -> str:
-    """The pool (the node) a live slice belongs to ("" when it names none)."""
-    pool = ((live.get("spec") or {}).get("pool") or {}).get("name")
-    return pool if isinstance(pool, str) else ""
-
-
-def live_generation(live: Mapping[str, Any]) -> int:
-    """The pool generation of a live slice (0 when it has none)."""
-    generation = ((live.get("spec") or {}).get("pool") or {}).get("generation")
-    return generation if isinstance(generation, int) else 0
-
-
 def device_changes(live: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> list[str]:
     """One phrase per device that ``desired`` adds, drops or changes compared with ``live``, in name order."""
 
@@ -218,58 +207,3 @@ def device_changes(live: Mapping[str, Any] | None, desired: Mapping[str, Any]) -
         elif before[name] != after[name]:
             changes.append(f"changes {name}")
     return changes
-
-
-def _string_attribute(device: Mapping[str, Any], name: str) -> str:
-    value = ((device.get("attributes") or {}).get(name) or {}).get("string")
-    return value if isinstance(value, str) else ""
-
-
-def _read(where: str, parse: Callable[[Any], int], raw: Any) -> int:
-    try:
-        return parse(raw)
-    except ContractError as exc:
-        raise ResourceSliceError(f"{where}: {exc}") from None
-
-
-def _offered_card(device: Any, where: str) -> OfferedCard:
-    if not isinstance(device, Mapping):
-        raise ResourceSliceError(f"{where}: {device!r} is not an object")
-    memory = (device.get("capacity") or {}).get(DRA_CAPACITY_MEMORY) or {}
-    default = (memory.get("requestPolicy") or {}).get("default")
-    at = f"{where}.capacity.{DRA_CAPACITY_MEMORY}"
-    return OfferedCard(
-        device=device.get("name"),
-        index=_read(f"{where}.name", parse_device_name, device.get("name")),
-        uuid=_string_attribute(device, DRA_ATTR_UUID),
-        model=_string_attribute(device, DRA_ATTR_MODEL),
-        memory_bytes=_read(f"{at}.value", parse_memory_bytes, memory.get("value")),
-        unit_bytes=None if default is None else _read(f"{at}.requestPolicy.default", parse_memory_bytes, default),
-    )
-
-
-def offered_cards(live: Mapping[str, Any]) -> tuple[OfferedCard, ...]:
-    """The cards a live slice of the driver offers (the inverse of :func:`resource_slice`), or a
-    :class:`ResourceSliceError` naming the slice, the device and the field that can't be read."""
-    name = (live.get("metadata") or {}).get("name", "?")
-    devices = (live.get("spec") or {}).get("devices") or []
-    return tuple(_offered_card(d, f"ResourceSlice {name}: spec.devices[{i}]") for i, d in enumerate(devices))
-
-
-def offered_by_pool(slices: Iterable[Mapping[str, Any]]) -> tuple[dict[str, tuple[OfferedCard, ...]], list[str]]:
-    """Each pool's cards, from its slices of the newest generation (the scheduler ignores older ones)."""
-    by_pool: dict[str, list[Mapping[str, Any]]] = {}
-    for live in slices:
-        by_pool.setdefault(live_pool(live), []).append(live)
-    offered: dict[str, tuple[OfferedCard, ...]] = {}
-    problems = []
-    for pool, lives in by_pool.items():
-        newest = max(live_generation(live) for live in lives)
-        cards: list[OfferedCard] = []
-        for live in (live for live in lives if live_generation(live) == newest):
-            try:
-                cards.extend(offered_cards(live))
-            except ResourceSliceError as exc:
-                problems.append(f"{exc}; its cards are not shown")
-        offered[pool] = tuple(sorted(cards, key=lambda c: c.index))
-    return offered, problems

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from gpushare.contract.allocation import CardSlice, format_allocation
-from gpushare.contract.env import assigned_env
+from gpushare.contract.env import assigned_env, toolkit_memory_env
 from gpushare.contract.names import (
     ANN_ALLOCATION,
     CTR_ANN_CARDS,
@@ -73,7 +73,8 @@ def container_config(kind: str, attempt: int) -> pb.ContainerConfig:
     if kind == "gpu":
         slices = (CardSlice(index=CARDS[0].index, uuid=CARDS[0].uuid, units=20),)
         units = {c.uuid: GIB.units_of(c.memory_mib) for c in CARDS}
-        config.envs.extend(pb.KeyValue(key=k, value=v) for k, v in assigned_env(slices, 20, units).items())
+        env = assigned_env(slices, 20, units) | toolkit_memory_env(slices, GIB.mib)
+        config.envs.extend(pb.KeyValue(key=k, value=v) for k, v in env.items())
         config.annotations.update(
             {CTR_ANN_POD_UID: "uid-gpu", CTR_ANN_POD: "default/bench-gpu", CTR_ANN_CONTAINER: "worker",
              CTR_ANN_CARDS: CARDS[0].uuid}

@@ -4,15 +4,23 @@ Starts a private containerd with ``--containers`` containers, and the shim as it
 node), then measures:
 - p50 and p99 latency of Version and of ListContainers, one call at a time;
 - throughput at ``--concurrency`` concurrent callers (separate processes, so the client's GIL isn't
-  what is measured).
+  what is measured);
+- p50 and p99 latency of StartContainer of a GPU container (``--starts`` a round per path, each on a
+  container created just before, untimed): straight to containerd, through the shim above (which
+  forwards it untouched), and through a second shim with memory limits on, on the fake libnvidia-ml
+  (``gpushare/sandbox/fakenvml``, machine dgx-a100), which holds the call while it asks containerd what
+  the container is, makes its cgroup and sets its limit (:mod:`gpushare.crishim.starting`). That shim
+  makes its cgroups under the machine's cgroup2 mount (``--cgroup-root``), in
+  ``gpushare-bench-PID``, removed afterwards.
 
-Run as root on a machine with containerd, runc and busybox-static:
-    python benchmarks/crishim_latency.py
+Run as root on a machine with containerd, runc, busybox-static, gcc and a cgroup2 mount:
+    python benchmarks/crishim_latency.py [--starts 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import statistics
@@ -26,8 +34,14 @@ from typing import Any
 
 import grpc
 
+from gpushare.contract.allocation import CardSlice, format_allocation
+from gpushare.contract.env import assigned_env, toolkit_memory_env
+from gpushare.contract.names import ANN_ALLOCATION, CTR_ANN_CARDS, CTR_ANN_CONTAINER, CTR_ANN_POD, CTR_ANN_POD_UID
+from gpushare.contract.units import GIB
+from gpushare.memlimits.cgroups import detect_layout
 from gpushare.pb import cri_pb2 as pb
 from gpushare.pb import cri_pb2_grpc as pb_grpc
+from gpushare.sandbox import cri_kubelet, fakenvml
 from gpushare.sandbox.containerd import TEST_IMAGE, containerd_available, running_containerd
 
 TARGET_ADDED_P50_MS = 0.3
@@ -57,16 +71,150 @@ def create_containers(address: str, count: int) -> None:
         )
 
 
-def start_shim(base: Path, runtime: str) -> tuple[subprocess.Popen[bytes], str]:
-    socket = base / "shim.sock"
+def start_shim(
+    base: Path,
+    runtime: str,
+    name: str = "shim",
+    gpus: tuple[str, ...] = ("--gpus", "sim:1xA100-80GB:81920"),
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], str]:
+    socket = base / f"{name}.sock"
     process = subprocess.Popen(
         [sys.executable, "-m", "gpushare.cli", "--log-level", "WARNING", "cri-shim", "--node-name", "bench",
-         "--gpus", "sim:1xA100-80GB:81920", "--no-api-fetch", "--metrics-port", "0",
-         "--listen", f"unix://{socket}", "--runtime", runtime],
+         *gpus, "--no-api-fetch", "--metrics-port", "0", "--listen", f"unix://{socket}", "--runtime", runtime],
+        env=env,
     )  # fmt: skip
     address = f"unix://{socket}"
     grpc.channel_ready_future(grpc.insecure_channel(address)).result(timeout=30)
     return process, address
+
+
+# --- StartContainer of a GPU container ------------------------------------------------------------------------
+
+FAKE_MACHINE = "dgx-a100"
+START_PATHS = ("direct", "shim", "shim+limits")
+#: the bench pod's UID (kubelet names its cgroup pod<UID>) and its GPU container's share of card 0
+START_UID = "6e6e6e6e-0000-4000-8000-000000000001"
+START_UNITS = 20
+
+
+def first_card(machine: str) -> CardSlice:
+    """``START_UNITS`` of the first card of a fake machine, whose description names its UUID."""
+    lines = fakenvml.machine_file(machine).read_text().splitlines()
+    uuid = next(line.split()[1] for line in lines if line.startswith("uuid "))
+    return CardSlice(index=0, uuid=uuid, units=START_UNITS)
+
+
+def gpu_sandbox(card: CardSlice, cgroup_parent: str) -> pb.PodSandboxConfig:
+    """The pod sandbox as kubelet describes it: its allocation annotation gives its worker ``card``."""
+    pod = {"metadata": {"name": "bench-gpu", "namespace": "default", "uid": START_UID}}
+    pod["metadata"]["annotations"] = {ANN_ALLOCATION: format_allocation({"worker": (card,)})}
+    config = cri_kubelet.sandbox_config(pod)
+    config.linux.cgroup_parent = cgroup_parent
+    return config
+
+
+def gpu_container(card: CardSlice, attempt: int) -> pb.ContainerConfig:
+    """The worker as kubelet creates it with the device plugin's answer for ``card``."""
+    slices = (card,)
+    env = assigned_env(slices, card.units, {card.uuid: 80}) | toolkit_memory_env(slices, GIB.mib)
+    return pb.ContainerConfig(
+        metadata=pb.ContainerMetadata(name="worker", attempt=attempt),
+        image=pb.ImageSpec(image=TEST_IMAGE),
+        command=["sleep", "60"],
+        envs=[pb.KeyValue(key=k, value=v) for k, v in env.items()],
+        annotations={CTR_ANN_POD_UID: START_UID, CTR_ANN_POD: "default/bench-gpu", CTR_ANN_CONTAINER: "worker",
+                     CTR_ANN_CARDS: card.uuid},
+    )  # fmt: skip
+
+
+Sandbox = tuple[str, pb.PodSandboxConfig]
+
+
+def create_gpu_container(runtime: pb_grpc.RuntimeServiceStub, sandbox: Sandbox, card: CardSlice, attempt: int) -> str:
+    config = gpu_container(card, attempt)
+    request = pb.CreateContainerRequest(pod_sandbox_id=sandbox[0], config=config, sandbox_config=sandbox[1])
+    return runtime.CreateContainer(request, timeout=60).container_id
+
+
+def remove_container(runtime: pb_grpc.RuntimeServiceStub, container: str) -> None:
+    runtime.StopContainer(pb.StopContainerRequest(container_id=container, timeout=0), timeout=60)
+    runtime.RemoveContainer(pb.RemoveContainerRequest(container_id=container), timeout=60)
+
+
+def timed_starts(
+    runtime: pb_grpc.RuntimeServiceStub, address: str, sandbox: Sandbox, card: CardSlice, calls: int, first: int
+) -> list[float]:
+    """``calls`` StartContainer calls on ``address``, each of a GPU container created (attempts from
+    ``first`` on) and afterwards removed straight on containerd, untimed; seconds."""
+    took = []
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.RuntimeServiceStub(channel)
+        for attempt in range(first, first + calls):
+            container = create_gpu_container(runtime, sandbox, card, attempt)
+            started = time.perf_counter()
+            stub.StartContainer(pb.StartContainerRequest(container_id=container), timeout=60)
+            took.append(time.perf_counter() - started)
+            remove_container(runtime, container)
+    return took
+
+
+def check_limited(fake: fakenvml.FakeNvml, card: CardSlice, pod: Path) -> None:
+    """Stop unless the limits shim set the container's limit on a cgroup in ``pod``: its figures would
+    otherwise be a plain forward's."""
+    share = card.units * GIB.bytes
+    if not any(
+        uuid == card.uuid and Path(path).parent == pod and hard == share
+        for (uuid, path), (_, hard) in fake.limits().items()
+    ):
+        raise SystemExit(f"the limits shim set no {share} B limit on a container cgroup in {pod}: {fake.limits()}")
+
+
+def start_latencies(base: Path, runtime: str, plain_shim: str, rounds: int, calls: int) -> dict[str, list[float]] | str:
+    """StartContainer latencies per path (see the module docstring), or why they can't be measured."""
+    if reason := fakenvml.gcc_missing():
+        return f"the fake libnvidia-ml can't be built: {reason}"
+    cgroup2 = detect_layout(Path("/proc/self/mountinfo").read_text()).unified
+    if cgroup2 is None:
+        return "no cgroup2 mount to make the containers' cgroups in"
+    bench = cgroup2 / f"gpushare-bench-{os.getpid()}"
+    pod = bench / f"pod{START_UID}"
+    pod.mkdir(parents=True)  # kubelet's pod cgroup, there before its sandbox
+    fake = fakenvml.prepare(FAKE_MACHINE, base)
+    card = first_card(FAKE_MACHINE)
+    gpus = ("--gpus", "nvml", "--cgroup-root", str(cgroup2))
+    limited, limited_address = start_shim(base, runtime, "shim-limits", gpus, fake.env())
+    channel = grpc.insecure_channel(runtime)
+    stub = pb_grpc.RuntimeServiceStub(channel)
+    sandbox_config = gpu_sandbox(card, f"/{bench.name}/{pod.name}")
+    sandbox_id = stub.RunPodSandbox(pb.RunPodSandboxRequest(config=sandbox_config), timeout=60).pod_sandbox_id
+    targets = {"direct": runtime, "shim": plain_shim, "shim+limits": limited_address}
+    samples: dict[str, list[float]] = {path: [] for path in START_PATHS}
+    sandbox = (sandbox_id, sandbox_config)
+    try:
+        warm = create_gpu_container(stub, sandbox, card, 0)
+        with grpc.insecure_channel(limited_address) as limited_channel:
+            request = pb.StartContainerRequest(container_id=warm)
+            pb_grpc.RuntimeServiceStub(limited_channel).StartContainer(request, timeout=60)
+        check_limited(fake, card, pod)
+        remove_container(stub, warm)
+        attempt = 1
+        for round_ in range(rounds):
+            order = START_PATHS[round_ % 3 :] + START_PATHS[: round_ % 3]
+            for path in order:
+                samples[path] += timed_starts(stub, targets[path], sandbox, card, calls, attempt)
+                attempt += calls
+    finally:
+        stub.StopPodSandbox(pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60)
+        stub.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60)
+        channel.close()
+        limited.terminate()
+        limited.wait(10)
+        made = [path for path in bench.rglob("*") if path.is_dir()]
+        for cgroup in [*sorted(made, key=lambda p: len(p.parts), reverse=True), bench]:
+            with contextlib.suppress(OSError):  # the runtime removed it already
+                cgroup.rmdir()
+    return samples
 
 
 def latencies(address: str, call: str, iterations: int) -> list[float]:
@@ -124,6 +272,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=4.0, help="throughput run per path and round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds; the paths swap order every round")
+    parser.add_argument("--starts", type=int, default=20, help="StartContainer calls per path and round (0: none)")
     args = parser.parse_args()
     reason = containerd_available()
     if reason:
@@ -149,6 +298,9 @@ def main() -> int:
                         if path == "shim":
                             shim_cpu[call].append((cpu_seconds(shim.pid) - before) / (rate * args.seconds))
             report(args, samples, rates, shim_cpu)
+            if args.starts:
+                starts = start_latencies(containerd.base, containerd.address, shim_address, args.rounds, args.starts)
+                report_starts(args, starts)
         finally:
             shim.terminate()
             shim.wait(10)
@@ -188,6 +340,22 @@ def report(
             f"({verdict} the {TARGET_THROUGHPUT_RATIO:.0%} target); "
             f"shim CPU {statistics.median(shim_cpu[call]) * 1e6:.0f} us per call"
         )
+
+
+def report_starts(args: argparse.Namespace, starts: dict[str, list[float]] | str) -> None:
+    if isinstance(starts, str):
+        print(f"\nStartContainer not measured: {starts}")
+        return
+    print(
+        f"\nStartContainer of a GPU container ({START_UNITS} GiB of card 0 of the fake {FAKE_MACHINE}), "
+        f"{args.rounds} rounds of {args.starts} per path (paths take turns going first); ms, from the client"
+    )
+    direct50 = percentile(starts["direct"], 50)
+    print(f"{'path':<14}{'median':>9}{'p99':>9}{'added p50':>11}")
+    for path in START_PATHS:
+        got = starts[path]
+        median, p99 = percentile(got, 50), percentile(got, 99)
+        print(f"{path:<14}{median:>9.3f}{p99:>9.3f}{median - direct50:>11.3f}")
 
 
 if __name__ == "__main__":

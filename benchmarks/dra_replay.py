@@ -1,9 +1,11 @@
-"""Where the real kube-scheduler places the same GPU pods through gpushare's extender, through DRA, and
-through DRA with the extender's prioritize steering the node.
+"""Where the real kube-scheduler places the same GPU pods through gpushare's extender, through DRA, through
+DRA with each node's slice ordered for first fit, and through DRA with the extender's prioritize steering
+the node.
 
     python benchmarks/dra_replay.py [--trace gpushare40] [--pods 300] [--seed 42] [--card-gib 32]
                                     [--nodes "12*8xV100-32GB:32768;8*8xA100-80GB:81920;4*4xT4-16GB:15360"]
-                                    [--rounds 1] [--policy NAME] [--whole-cards smallest|largest] [--keep]
+                                    [--rounds 1] [--policy NAME] [--whole-cards smallest|largest|both]
+                                    [--ways extender,DRA,DRA+order,DRA+prio] [--reorder-every 1] [--keep]
 
 Root and the built Kubernetes binaries are needed (see the README). One etcd, kube-apiserver and
 kube-controller-manager (without its node lifecycle controller) serve every run; no kubelets run. The
@@ -21,11 +23,18 @@ marked it Unschedulable, and nobody leaves, as in the paper's replay.
 - **extender**: pods with ``aliyun.com/gpu-mem``/``gpu-count`` limits; kube-scheduler with
   ``deploy/scheduler-config.yaml``'s extenders; the extender (its default policy unless ``--policy``)
   started for the run. What each pod holds is read as every gpushare component reads it
-  (:func:`gpushare.usage.node_usage`).
+  (:func:`gpushare.holdings.node.node_usage`).
 - **DRA**: each pod with its own ResourceClaim; kube-scheduler without the extender. What each pod holds
   is its claim's ``status.allocation.devices.results`` (pool, device, ``consumedCapacity.memory``). A
   whole-card claim lists the card sizes smallest first (``--whole-cards largest``: largest first), and
   kube-scheduler prefers nodes where an earlier one fits: the only say a claim has in where it goes.
+  With ``--whole-cards both`` every DRA way runs once with each order (columns ``<`` smallest first,
+  ``>`` largest first).
+- **DRA+order**: the same claims and kube-scheduler, but each node's slice lists its devices least free
+  first (:func:`gpushare.advertiser.deviceorder.best_fit_order`), rewritten as the node agent does with
+  ``--dra-order best-fit``: after each pod's decision (each ``--reorder-every``-th) every node whose
+  order changed gets its slice replaced (the next pod is created once the writes are answered); the
+  table counts those writes.
 - **DRA+prio** (DRA + extender prioritize): the same claims; kube-scheduler with only
   ``deploy/scheduler-config.yaml``'s ``prioritize-host`` entry (no filter, no bind), pointing at the
   extender started for the run, which scores each node by how tightly the allocator's first fit there
@@ -53,7 +62,8 @@ from pathlib import Path
 from typing import Any
 
 import nodeless
-from gpushare.advertiser.resourceslice import resource_slice
+from gpushare.advertiser.deviceorder import best_fit_order
+from gpushare.advertiser.resourceslice import card_rooms, resource_slice
 from kubernetes import client, utils
 from kubernetes.client.rest import ApiException
 from nodeless import NAMESPACE, RUN_LABEL
@@ -61,6 +71,8 @@ from realbench import real_cluster
 from trace_replay import TRACE_DIR
 
 from gpushare.cards import Card
+from gpushare.contract.names import dra_slice_name
+from gpushare.contract.resourceslice import live_generation
 from gpushare.contract.units import GIB
 from gpushare.gpus.backend import InventoryError
 from gpushare.gpus.simulated import parse_sim_spec, simulated_cards
@@ -70,7 +82,7 @@ from gpushare.kube.watch import WatchCache
 from gpushare.placement import DEFAULT_POLICY
 from gpushare.sandbox.binaries import KUBE_VERSION
 from gpushare.sandbox.configfiles import REPO
-from gpushare.sandbox.launch import ClusterError, Process, wait_for
+from gpushare.sandbox.launch import ClusterError, Process
 from gpushare.sandbox.realcluster import RealCluster
 from gpushare.simulate.kubereplay import (
     GpuAsk,
@@ -86,10 +98,12 @@ from gpushare.simulate.kubereplay import (
 )
 from gpushare.simulate.trace import TraceError, load_pods
 
-WAYS = ("extender", "DRA", "DRA+prio")
+WAYS = ("extender", "DRA", "DRA+order", "DRA+prio")
 #: the ways that place pods through ResourceClaims; the ways that run the extender
-CLAIM_WAYS = ("DRA", "DRA+prio")
+CLAIM_WAYS = ("DRA", "DRA+order", "DRA+prio")
 EXTENDER_WAYS = ("extender", "DRA+prio")
+#: the sign a DRA column carries for its whole-card claims' order
+ORDER_SIGNS = {False: "<", True: ">"}
 DEFAULT_NODES = "12*8xV100-32GB:32768;8*8xA100-80GB:81920;4*4xT4-16GB:15360"
 DEVICE_CLASS = REPO / "deploy" / "dra" / "deviceclass.yaml"
 #: how long one pod may wait for kube-scheduler's decision (binding, or Unschedulable)
@@ -154,11 +168,82 @@ class Decisions:
 
 
 @dataclass(frozen=True, slots=True)
+class Column:
+    """One way of placing the pods, with the order its whole-card claims list the card sizes in."""
+
+    way: str
+    largest_first: bool = False
+    #: whether the column's label says the order (only when both orders are run)
+    signed: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.way}{ORDER_SIGNS[self.largest_first]}" if self.signed and self.claims else self.way
+
+    @property
+    def claims(self) -> bool:
+        return self.way in CLAIM_WAYS
+
+
+def columns(ways: Sequence[str], whole_cards: str) -> list[Column]:
+    """The columns of ``ways`` (names of :data:`WAYS`), each DRA way once per whole-card order asked for."""
+    orders = {"smallest": (False,), "largest": (True,), "both": (False, True)}[whole_cards]
+    signed = len(orders) > 1
+    return [
+        Column(way, largest, signed)
+        for way in ways
+        for largest in (orders if way in CLAIM_WAYS else orders[:1])  # the extender's pods name no order
+    ]
+
+
+@dataclass(frozen=True, slots=True)
 class Run:
     outcome: Outcome
     #: from the first pod's creation (kube-scheduler just started) to the last pod's decision
     seconds: float
     late: int
+    #: ResourceSlice writes that reordered devices (DRA+order)
+    slice_writes: int = 0
+
+
+class SliceOrder:
+    """Each node's ResourceSlice with its devices least free first, rewritten when the order changes, as
+    the node agent's SlicePublisher does with ``--dra-order best-fit``."""
+
+    def __init__(self, resource: client.ResourceV1Api, cards: Mapping[str, Sequence[Card]]) -> None:
+        self.resource, self.cards = resource, cards
+        self.orders = {node: self._order(node, {}) for node in cards}
+        self.writes = 0
+
+    def _order(self, node: str, used: Mapping[int, int]) -> tuple[int, ...]:
+        return best_fit_order(card_rooms(self.cards[node], GIB, used))
+
+    def follow(self, claims: Sequence[Mapping[str, Any]]) -> None:
+        """Rewrite the slice of each node whose best-fit order changed with what ``claims`` consume."""
+        used: dict[str, dict[int, int]] = {}
+        for held in dra_shares(claims).values():
+            for share in held:
+                on_node = used.setdefault(share.node, {})
+                on_node[share.index] = on_node.get(share.index, 0) + share.gib * GIB.bytes
+        for node in self.cards:
+            order = self._order(node, used.get(node, {}))
+            if order != self.orders[node]:
+                self.write(node, order)
+                self.writes += 1
+
+    def write(self, node: str, order: Sequence[int]) -> None:
+        name = dra_slice_name(node)
+        live = self.resource.api_client.sanitize_for_serialization(self.resource.read_resource_slice(name))
+        desired = resource_slice(node, self.cards[node], GIB, live_generation(live) + 1, order)
+        desired["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
+        self.resource.replace_resource_slice(name, desired)
+        self.orders[node] = tuple(order)
+
+    def reset(self) -> None:
+        """Every slice back in NVML index order, for the ways that come after."""
+        for node, order in self.orders.items():
+            if list(order) != sorted(order):
+                self.write(node, sorted(order))
 
 
 class Replay:
@@ -172,13 +257,24 @@ class Replay:
         args: argparse.Namespace,
     ) -> None:
         self.cluster, self.cards, self.asks = cluster, cards, asks
-        self.policy, self.largest_first = args.policy, args.whole_cards == "largest"
+        self.policy, self.reorder_every = args.policy, args.reorder_every
         self.core = client.CoreV1Api(cluster.api)
         self.resource = client.ResourceV1Api(cluster.api)
         self.card_sizes = sorted({GIB.units_of(c.memory_mib) for node in cards.values() for c in node})
 
-    def run(self, way: str, run: str) -> Run:
+    def _claims(self, run: str) -> list[dict[str, Any]]:
+        listed = call(
+            "list ResourceClaims",
+            self.resource.list_namespaced_resource_claim,
+            NAMESPACE,
+            label_selector=f"{RUN_LABEL}={run}",
+        )
+        return listed.get("items") or []
+
+    def run(self, column: Column, run: str) -> Run:
+        way = column.way
         asks = [replace(ask, pod=f"{run}-{i:03d}") for i, ask in enumerate(self.asks)]
+        order = SliceOrder(self.resource, self.cards) if way == "DRA+order" else None
         decisions = Decisions()
         watch = WatchCache(self.cluster.api, "pods", label_selector=f"{RUN_LABEL}={run}")
         watch.add_listener(decisions)
@@ -194,38 +290,37 @@ class Replay:
             config = nodeless.scheduler_config(self.cluster, url, QPS, host_only=way in CLAIM_WAYS)
             scheduler, _ = nodeless.start_scheduler(self.cluster, run, config)
             started = time.monotonic()
-            for ask in asks:
-                self.submit(way, run, ask)
+            for i, ask in enumerate(asks, 1):
+                self.submit(column, run, ask)
                 decisions.wait(ask.pod, DECISION_TIMEOUT, scheduler.check)
+                if order is not None and i % self.reorder_every == 0:
+                    order.follow(self._claims(run))
             seconds = time.monotonic() - started
             pods = list_pods(self.cluster.api, label_selector=f"{RUN_LABEL}={run}")
             bound = {p["metadata"]["name"] for p in pods if (p.get("spec") or {}).get("nodeName")}
             if way not in CLAIM_WAYS:
                 shares = extender_shares(list_nodes(self.cluster.api), pods)
             else:
-                claims = call(
-                    "list ResourceClaims",
-                    self.resource.list_namespaced_resource_claim,
-                    NAMESPACE,
-                    label_selector=f"{RUN_LABEL}={run}",
-                )
-                shares = dra_shares(claims.get("items") or [])
-            result = Run(outcome(self.cards, shares, asks, bound), seconds, len(decisions.late))
+                shares = dra_shares(self._claims(run))
+            writes = 0 if order is None else order.writes
+            result = Run(outcome(self.cards, shares, asks, bound), seconds, len(decisions.late), writes)
         finally:
             for process in (scheduler, extender):
                 if process is not None:
                     process.stop()
             watch.stop()
+            if order is not None:
+                order.reset()
         self.clean(run)
         return result
 
-    def submit(self, way: str, run: str, ask: GpuAsk) -> None:
-        if way not in CLAIM_WAYS:
+    def submit(self, column: Column, run: str, ask: GpuAsk) -> None:
+        if not column.claims:
             self.core.create_namespaced_pod(NAMESPACE, nodeless.pod_body(ask.pod, run, extender_limits(ask)))
             return
         claim = {
             "metadata": {"name": ask.pod, "namespace": NAMESPACE, "labels": {RUN_LABEL: run}},
-            "spec": dra_claim_spec(ask, self.card_sizes, self.largest_first),
+            "spec": dra_claim_spec(ask, self.card_sizes, column.largest_first),
         }
         self.resource.create_namespaced_resource_claim(NAMESPACE, claim)
         self.core.create_namespaced_pod(NAMESPACE, nodeless.pod_body(ask.pod, run, {}, claim=ask.pod))
@@ -233,14 +328,7 @@ class Replay:
     def clean(self, run: str) -> None:
         """The run's pods and claims gone (kube-controller-manager releases a claim once its pod is)."""
         nodeless.delete_run_pods(self.core, run)
-        selector = f"{RUN_LABEL}={run}"
-        self.resource.delete_collection_namespaced_resource_claim(NAMESPACE, label_selector=selector)
-        wait_for(
-            lambda: not self.resource.list_namespaced_resource_claim(NAMESPACE, label_selector=selector, limit=1).items,
-            120,
-            f"the ResourceClaims of run {run} to be deleted",
-            0.5,
-        )
+        nodeless.delete_run_claims(self.resource, run)
 
 
 def build_cluster(cluster: RealCluster, nodes: Sequence[tuple[str, str]]) -> dict[str, list[Card]]:
@@ -255,7 +343,7 @@ def build_cluster(cluster: RealCluster, nodes: Sequence[tuple[str, str]]) -> dic
 
 
 def figures(runs: Mapping[str, Run], reference: GpuAsk | None, sizes: Sequence[int]) -> dict[str, dict[str, float]]:
-    """Per table row, each way's figure for one round; ``sizes``: the cluster's card sizes (GiB)."""
+    """Per table row, each column's figure for one round; ``sizes``: the cluster's card sizes (GiB)."""
     rows: dict[str, dict[str, float]] = {}
     for way, run in runs.items():
         out = run.outcome
@@ -271,10 +359,17 @@ def figures(runs: Mapping[str, Run], reference: GpuAsk | None, sizes: Sequence[i
             "empty cards": out.empty_cards,
             "cards partly used": out.partly_used_cards,
             "GiB free on partly used cards": out.free_on_partly_used,
+            **{
+                f"  of them on {size} GiB cards": sum(
+                    c.free for c in out.loads if c.capacity == size and 0 < c.used < c.capacity
+                )
+                for size in sizes
+            },
             "GiB free on cards that can't hold the median Pending ask": (
                 out.unusable_for(reference) if reference else float("nan")
             ),
             "pods bound after being found Unschedulable": run.late,
+            "ResourceSlice writes reordering devices": run.slice_writes,
             "seconds from first pod to last decision": run.seconds,
         }
         for row, value in values.items():
@@ -282,21 +377,26 @@ def figures(runs: Mapping[str, Run], reference: GpuAsk | None, sizes: Sequence[i
     return rows
 
 
-def table(rounds: Sequence[dict[str, dict[str, float]]]) -> str:
+def table(rounds: Sequence[dict[str, dict[str, float]]], cols: Sequence[Column]) -> str:
     """The medians over rounds (those with a figure: a round with no pod left Pending has no median
-    Pending ask), the ways side by side and each DRA way's ratio to the extender."""
+    Pending ask), the columns side by side and, with the extender run, each DRA column's ratio to it."""
     width = max(len(row) for row in rounds[0])
-    ratios = [f"{way}/ext" for way in CLAIM_WAYS]
-    lines = [f"{'':{width}}  " + "  ".join([*(f"{way:>9}" for way in WAYS), *(f"{r:>13}" for r in ratios)])]
+    labels = [c.label for c in cols]
+    extender = next((c.label for c in cols if c.way == "extender"), None)
+    ratios = [c.label for c in cols if c.claims] if extender else []
+    cell = max(9, *(len(label) for label in labels))
+    header = [*(f"{label:>{cell}}" for label in labels), *(f"{label + '/ext':>{cell + 4}}" for label in ratios)]
+    lines = [f"{'':{width}}  " + "  ".join(header)]
     for row in rounds[0]:
         known = [r[row] for r in rounds if not any(math.isnan(v) for v in r[row].values())]
         if not known:
-            lines.append(f"{row:{width}}  " + "  ".join([f"{'-':>9}"] * len(WAYS) + [f"{'-':>13}"] * len(ratios)))
+            dashes = [f"{'-':>{cell}}"] * len(labels) + [f"{'-':>{cell + 4}}"] * len(ratios)
+            lines.append(f"{row:{width}}  " + "  ".join(dashes))
             continue
-        medians = {way: statistics.median(r[way] for r in known) for way in WAYS}
-        ext = medians["extender"]
-        cells = [*(f"{medians[way]:9.1f}" for way in WAYS)]
-        cells += [f"{medians[way] / ext:13.2f}" if ext else f"{'-':>13}" for way in CLAIM_WAYS]
+        medians = {label: statistics.median(r[label] for r in known) for label in labels}
+        ext = medians[extender] if extender else 0
+        cells = [*(f"{medians[label]:{cell}.1f}" for label in labels)]
+        cells += [f"{medians[label] / ext:{cell + 4}.2f}" if ext else f"{'-':>{cell + 4}}" for label in ratios]
         lines.append(f"{row:{width}}  " + "  ".join(cells))
     return "\n".join(lines)
 
@@ -317,9 +417,9 @@ def describe(asks: Sequence[GpuAsk], cards: Mapping[str, Sequence[Card]], nodes:
 
 
 def replay_rounds(
-    args: argparse.Namespace, nodes: Sequence[tuple[str, str]], asks: Sequence[GpuAsk]
+    args: argparse.Namespace, nodes: Sequence[tuple[str, str]], asks: Sequence[GpuAsk], cols: Sequence[Column]
 ) -> list[dict[str, dict[str, float]]]:
-    """Every way ``--rounds`` times on one cluster, their order rotating; each round's figures."""
+    """Every column ``--rounds`` times on one cluster, their order rotating; each round's figures."""
     rounds = []
     with real_cluster(
         "gs-dra-", (), args.keep, scheduler_names=(), controllers=("*", "-node-lifecycle-controller")
@@ -330,13 +430,15 @@ def replay_rounds(
         replay = Replay(cluster, cards, asks, args)
         for round_ in range(args.rounds):
             runs = {}
-            shift = round_ % len(WAYS)
-            for way in WAYS[shift:] + WAYS[:shift]:
-                runs[way] = replay.run(way, f"r{round_}-{way.lower().replace('+', '-')}")
-                out = runs[way].outcome
+            shift = round_ % len(cols)
+            for col in [*cols[shift:], *cols[:shift]]:
+                name = f"r{round_}-{col.way.lower().replace('+', '-')}{'-large' if col.largest_first else ''}"
+                run = runs[col.label] = replay.run(col, name)
+                out = run.outcome
                 print(
-                    f"round {round_ + 1} {way}: {len(out.placed)} placed, {len(out.pending)} Pending, "
-                    f"{out.allocated_gib} GiB allocated, {runs[way].seconds:.0f}s",
+                    f"round {round_ + 1} {col.label}: {len(out.placed)} placed, {len(out.pending)} Pending, "
+                    f"{out.allocated_gib} GiB allocated, {out.free_on_partly_used} GiB free on partly used "
+                    f"cards, {run.slice_writes} slice writes, {run.seconds:.0f}s",
                     flush=True,
                 )
             reference = median_ask(a for run in runs.values() for a in run.outcome.pending)
@@ -357,14 +459,29 @@ def main() -> int:
     parser.add_argument("--policy", default="", help=f"the extender's placement policy (default {DEFAULT_POLICY})")
     parser.add_argument(
         "--whole-cards",
-        choices=("smallest", "largest"),
+        choices=("smallest", "largest", "both"),
         default="smallest",
-        help="which card size a DRA whole-card claim lists first (kube-scheduler prefers it)",
+        help="which card size a DRA whole-card claim lists first (kube-scheduler prefers it); both: each DRA "
+        "way runs once with each",
+    )
+    parser.add_argument(
+        "--ways", default=",".join(WAYS), help=f"the ways run, separated by commas (of {', '.join(WAYS)})"
+    )
+    parser.add_argument(
+        "--reorder-every",
+        type=int,
+        default=1,
+        help="DRA+order: rewrite the slices after every this many pods' decisions (a node agent that coalesces "
+        "the claim changes of a burst)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the working directory (logs) afterwards")
     args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    if args.rounds < 1 or args.reorder_every < 1:
+        parser.error("--rounds and --reorder-every must be at least 1")
+    ways = [w.strip() for w in args.ways.split(",") if w.strip()]
+    if unknown := [w for w in ways if w not in WAYS] or (not ways and ["(none)"]):
+        parser.error(f"--ways: {', '.join(unknown)} is not one of {', '.join(WAYS)}")
+    cols = columns(ways, args.whole_cards)
     try:
         nodes = parse_nodes(args.nodes)
         asks = arrivals(
@@ -375,16 +492,17 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     started = time.monotonic()
     try:
-        rounds = replay_rounds(args, nodes, asks)
+        rounds = replay_rounds(args, nodes, asks, cols)
     except (ClusterError, ReplayError, ApiException) as exc:
         print(f"dra_replay: {exc}", file=sys.stderr)
         return 1
+    whole = "smallest and the largest (<, >)" if args.whole_cards == "both" else args.whole_cards
     print(
         f"\nKubernetes {KUBE_VERSION}; extender policy {args.policy or DEFAULT_POLICY}; DRA whole-card claims "
-        f"list the {args.whole_cards} cards first; "
+        f"list the {whole} cards first; "
         f"medians of {args.rounds} round(s); {time.monotonic() - started:.0f}s in all"
     )
-    print(table(rounds))
+    print(table(rounds, cols))
     return 0
 
 

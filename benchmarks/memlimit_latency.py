@@ -1,7 +1,10 @@
-"""How long gpushare takes to set a pod's GPU memory limit: the CRI shim's code path
+"""How long gpushare takes to set and take off a pod's GPU memory limits: the node agent's code path
 (:class:`gpushare.memlimits.enforcer.PodLimiter` over :meth:`gpushare.gpus.nvml.NvmlBackend.set_memory_limit`,
 which calls ``nvmlDeviceSetMemoryLimits_v1``), timed per pod over ``--sets`` pods, each holding half of
-card 0, ``--live`` pods holding a limit at a time: median, p99 and max, in milliseconds.
+card 0, ``--live`` pods holding limits at a time: the pod's cgroup's limits (before its first container
+is created), its container's own (made and capped before the container's process starts), and taking
+both off again when the pod's sandbox ends (the oldest pod's, once more than ``--live`` hold limits);
+median, p99 and max of each, in milliseconds, side by side from one run.
 
 By default it runs on the fake libnvidia-ml (``gpushare/sandbox/fakenvml``, machine ``dgx-a100``), whose
 cgroups are plain directories in a scratch folder, in a child process that finds the fake first on
@@ -27,6 +30,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from gpushare.cards import Card
 from gpushare.contract.units import MIB_BYTES, parse_unit
 from gpushare.gpus.backend import InventoryError
 from gpushare.gpus.nvml import NvmlBackend
@@ -35,8 +39,6 @@ from gpushare.memlimits.enforcer import PodLimiter
 from gpushare.sandbox import fakenvml
 
 MACHINE = "dgx-a100"
-#: what NVML takes as "no limit": soft 0, hard NVML_DEVICE_MEMORY_LIMIT_MAX
-CLEARED = (0, 0xFFFFFFFFFFFFFFFF)
 
 
 def measure(root: Path, layout: CgroupLayout, sets: int, live: int) -> dict[str, object]:
@@ -51,39 +53,59 @@ def measure(root: Path, layout: CgroupLayout, sets: int, live: int) -> dict[str,
             raise SystemExit(f"card {card.index} ({card.uuid}) doesn't enforce limits: {card.memory_limits}")
         limiter = PodLimiter(backend.set_memory_limit, layout, unit)
         held = {card.uuid: card.memory_mib // 2}
-        took = []
+        took: dict[str, list[float]] = {"pod_ms": [], "container_ms": [], "clear_ms": []}
         for n in range(sets):
             pod = root / f"pod{n}"
             pod.mkdir()
             pods.append(pod)
+            who, where = f"pod bench/p{n} container main", f"/{root.name}/{pod.name}"
             start = time.perf_counter()
-            refused = limiter.apply(f"pod bench/p{n} container main", f"/{root.name}/{pod.name}", held, [card])
-            took.append(time.perf_counter() - start)
+            refused = limiter.apply(who, where, held, [card])
+            made = time.perf_counter()
+            refused = refused or limiter.apply_container(who, f"{where}/main", held, [card], make=True)
+            took["pod_ms"].append(made - start)
+            took["container_ms"].append(time.perf_counter() - made)
             if refused:
                 raise SystemExit(refused)
             if len(pods) > live:
-                _remove(backend, card.uuid, pods.popleft())
+                took["clear_ms"].append(_remove(limiter, card, root, pods.popleft()))
         while pods:
-            _remove(backend, card.uuid, pods.popleft())
+            _remove(limiter, card, root, pods.popleft())
     finally:
         backend.close()
         for pod in pods:
-            pod.rmdir()
-    took_ms = sorted(t * 1000 for t in took)
+            for cgroup in (pod / "main", pod):
+                if cgroup.is_dir():
+                    cgroup.rmdir()
     return {
         "card": f"{card.index} {card.model} ({card.uuid})",
         "limit_mib": held[card.uuid] * unit.bytes // MIB_BYTES,
         "sets": sets,
         "live_pods": live,
-        "median_ms": round(statistics.median(took_ms), 4),
-        "p99_ms": round(took_ms[min(len(took_ms) - 1, int(len(took_ms) * 0.99))], 4),
-        "max_ms": round(took_ms[-1], 4),
+    } | {step: _figures(times) for step, times in took.items()}
+
+
+def _figures(times: list[float]) -> dict[str, float]:
+    """Median, p99 and max of ``times`` (seconds), in milliseconds."""
+    took_ms = sorted(t * 1000 for t in times)
+    return {
+        "median": round(statistics.median(took_ms), 4),
+        "p99": round(took_ms[min(len(took_ms) - 1, int(len(took_ms) * 0.99))], 4),
+        "max": round(took_ms[-1], 4),
     }
 
 
-def _remove(backend: NvmlBackend, uuid: str, pod: Path) -> None:
-    backend.set_memory_limit(uuid, pod, *CLEARED)
+def _remove(limiter: PodLimiter, card: Card, root: Path, pod: Path) -> float:
+    """Take the pod's and its container's limits off as its sandbox's end does, then remove the cgroups
+    as kubelet does; how long the first took."""
+    start = time.perf_counter()
+    failed = limiter.clear(f"pod bench/{pod.name}", f"/{root.name}/{pod.name}", [card])
+    took = time.perf_counter() - start
+    if failed:
+        raise SystemExit("; ".join(failed))
+    (pod / "main").rmdir()
     pod.rmdir()
+    return took
 
 
 def on_fake(sets: int, live: int, record: bool) -> dict[str, object]:

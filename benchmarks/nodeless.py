@@ -139,6 +139,19 @@ def start_extender(
     return process, url
 
 
+def delete_run_claims(resource: client.ResourceV1Api, run: str) -> None:
+    """Delete the ResourceClaims of ``run`` and wait until they are gone (kube-controller-manager releases
+    a claim once its pod is: delete the pods first)."""
+    selector = f"{RUN_LABEL}={run}"
+    resource.delete_collection_namespaced_resource_claim(NAMESPACE, label_selector=selector)
+    wait_for(
+        lambda: not resource.list_namespaced_resource_claim(NAMESPACE, label_selector=selector, limit=1).items,
+        120,
+        f"the ResourceClaims of run {run} to be deleted",
+        0.5,
+    )
+
+
 def delete_run_pods(core: client.CoreV1Api, run: str) -> None:
     """Delete the pods of ``run`` at once (no kubelet to wait for) and wait until they are gone."""
     core.delete_collection_namespaced_pod(NAMESPACE, label_selector=f"{RUN_LABEL}={run}", grace_period_seconds=0)

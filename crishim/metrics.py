@@ -15,7 +15,7 @@ CORRECTIONS = Counter(
 )
 REFUSALS = Counter(
     "gpushare_crishim_refusals_total",
-    "CreateContainer requests refused with FAILED_PRECONDITION",
+    "CreateContainer and StartContainer requests refused with FAILED_PRECONDITION",
     ["reason"],
 )
 FORWARD_LATENCY = Histogram(

@@ -1,6 +1,7 @@
 """The CRI shim's listener: each kubelet connection is spliced onto its own runtime connection, and
-CreateContainer requests are checked before they go on (and, where limits are set, a sandbox's end
-clears them: :mod:`gpushare.crishim.ending`)."""
+CreateContainer requests are checked before they go on (and, where limits are set, a GPU container's
+start sets its own, :mod:`gpushare.crishim.starting`, and a sandbox's end clears its pod's,
+:mod:`gpushare.crishim.ending`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from gpushare.crishim.ending import SANDBOX_ENDS, SandboxEnd
 from gpushare.crishim.metrics import CORRECTIONS, REFUSALS
 from gpushare.crishim.reactor import Reactor
 from gpushare.crishim.splice import INTERCEPTED, Forward, Refuse, Splice, Verdict
+from gpushare.crishim.starting import CONTAINER_STARTS, ContainerStart
 
 from gpushare.enforcement.decide import Enforcer
 from gpushare.pb import cri_pb2
@@ -37,6 +39,8 @@ DECIDE_WORKERS = 8
 #: threads forwarding the StopPodSandbox and RemovePodSandbox calls that clear a pod's limits (each waits
 #: for the runtime to stop the sandbox)
 END_WORKERS = 8
+#: threads setting GPU containers' limits at StartContainer (each waits on the runtime and the driver)
+START_WORKERS = 8
 #: connecting to the runtime's unix socket is immediate unless its backlog is full
 CONNECT_TIMEOUT = 0.5
 
@@ -76,20 +80,28 @@ class CriShim:
         runtime: str,
         guard: CreateContainerGuard,
         sandbox_end: SandboxEnd | None = None,
+        container_start: ContainerStart | None = None,
     ) -> None:
-        """``sandbox_end`` clears a pod's limits when its sandbox ends (None: those calls pass untouched)."""
+        """``sandbox_end`` clears a pod's limits when its sandbox ends, ``container_start`` sets a GPU
+        container's as it starts (None: those calls pass untouched)."""
         self.path = socket_path(listen)
         self.runtime = runtime
         self._runtime_path = str(socket_path(runtime))
-        self._guard = guard
-        self._sandbox_end = sandbox_end
+        #: the held calls' deciders, by path
+        self._deciders: dict[bytes, Callable[[bytes], Verdict]] = dict.fromkeys(INTERCEPTED, guard)
         self._reactor = Reactor("cri-shim-io")
         self._pool = futures.ThreadPoolExecutor(max_workers=DECIDE_WORKERS, thread_name_prefix="cri-shim-decide")
         #: a sandbox's stop can take its pod's grace period: its own threads, so CreateContainer never waits
         self._end_pool = futures.ThreadPoolExecutor(max_workers=END_WORKERS, thread_name_prefix="cri-shim-end")
+        #: a start waits on the runtime's answers and the driver: its own threads too
+        self._start_pool = futures.ThreadPoolExecutor(max_workers=START_WORKERS, thread_name_prefix="cri-shim-start")
         self._pools: dict[bytes, futures.Executor] = dict.fromkeys(INTERCEPTED, self._pool)
         if sandbox_end is not None:
             self._pools.update(dict.fromkeys(SANDBOX_ENDS, self._end_pool))
+            self._deciders.update(dict.fromkeys(SANDBOX_ENDS, sandbox_end))
+        if container_start is not None:
+            self._pools.update(dict.fromkeys(CONTAINER_STARTS, self._start_pool))
+            self._deciders.update(dict.fromkeys(CONTAINER_STARTS, container_start))
         self._listener: socket.socket | None = None
         self._splices: set[Splice] = set()
         #: the socket file this shim bound, so that it never removes a newer shim's from its path
@@ -143,7 +155,7 @@ class CriShim:
         self.serving = False
         self._reactor.call_soon(self._shut)
         self._reactor.stop()
-        for pool in (self._pool, self._end_pool):  # calls under way hand their verdicts to nobody
+        for pool in (self._pool, self._end_pool, self._start_pool):  # calls under way hand their verdicts to nobody
             pool.shutdown(wait=True, cancel_futures=True)
         self._reactor.close()
         with contextlib.suppress(FileNotFoundError):
@@ -202,9 +214,7 @@ class CriShim:
             self._splices.add(splice)
 
     def _decide(self, path: bytes, message: bytes) -> Verdict:
-        if path in INTERCEPTED or self._sandbox_end is None:
-            return self._guard(message)
-        return self._sandbox_end(message)
+        return self._deciders[path](message)
 
     def _connect_runtime(self) -> socket.socket | None:
         runtime = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

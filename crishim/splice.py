@@ -7,8 +7,8 @@ socket hops, not a second gRPC stack.
 
 The shim reads only what it must: frame headers, kubelet's header blocks (to learn each new call's
 method), and the runtime's SETTINGS and window updates (for flow control, see :mod:`gpushare.crishim.flow`).
-A call to an intercepted method (CreateContainer; StopPodSandbox and RemovePodSandbox where limits are
-set) has its header block forwarded at once (the runtime's HPACK decoder must see every block) while
+A call to an intercepted method (CreateContainer; StartContainer, StopPodSandbox and RemovePodSandbox
+where limits are set) has its header block forwarded at once (the runtime's HPACK decoder must see every block) while
 its DATA is held until the request is whole.
 ``decide`` then says, on a worker thread, what goes on: the request as it was, a corrected copy, or
 a refusal, which resets the runtime's stream and answers kubelet with a gRPC status the shim
@@ -379,17 +379,18 @@ class Splice:
         self._reactor.call_soon(lambda: self._apply(stream, held, verdict))
 
     def _verdict(self, held: _Held) -> Verdict:
+        method = held.path.rsplit(b"/", 1)[-1].decode(errors="replace")
         if held.too_large:
-            return Refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, f"CreateContainer request over {MAX_HELD_BYTES} bytes")
+            return Refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} request over {MAX_HELD_BYTES} bytes")
         try:
             message = single_grpc_message(bytes(held.body))
         except GrpcFramingError as exc:
-            return Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"CreateContainer: {exc}")
+            return Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {exc}")
         try:
             return self._decide(held.path, message)
-        except Exception:  # a bug must not start a container unchecked
-            log.exception("CreateContainer check failed; refusing the request")
-            return Refuse(grpc.StatusCode.INTERNAL, "the GPU assignment check failed; see the CRI shim's log")
+        except Exception:  # a bug must not let a held call through unchecked
+            log.exception("%s check failed; refusing the request", method)
+            return Refuse(grpc.StatusCode.INTERNAL, f"the shim's {method} check failed; see the CRI shim's log")
 
     def _apply(self, stream: int, held: _Held, verdict: Verdict) -> None:
         self._held.pop(stream, None)

@@ -10,6 +10,7 @@ from typing import Any
 from gpushare.crishim.ending import SandboxEnd
 from gpushare.crishim.reconcile import Reconciler, reconcile_limits
 from gpushare.crishim.server import CreateContainerGuard, CriShim
+from gpushare.crishim.starting import ContainerStart
 
 from gpushare.enforcement.wiring import build_enforcer
 from gpushare.gpus.backend import GpuBackend
@@ -33,6 +34,8 @@ class RunningShim:
     own: NodeApi | None
     #: setting the running pods' memory limits after the start (None: no card enforces them)
     reconciler: Reconciler | None = None
+    #: setting GPU containers' own limits as they start (None: no card enforces them)
+    container_start: ContainerStart | None = None
 
     def alive(self) -> bool:
         return self.shim.alive()
@@ -50,6 +53,8 @@ class RunningShim:
         if timeout > 0:
             self.shim.drain(timeout)
         self.shim.stop()
+        if self.container_start is not None:
+            self.container_start.close()
         if self.own is not None:
             self.own.stop()
 
@@ -69,10 +74,13 @@ def start_cri_shim(
     assert limiter is not None  # build_enforcer always gives one
     limiting = any(card.limits_enforced for card in backend.cards())
     sandbox_end = SandboxEnd(settings.runtime, limiter, backend.cards) if limiting else None
-    shim = CriShim(settings.listen, settings.runtime, guard, sandbox_end)
+    container_start = ContainerStart(settings.runtime, guard) if limiting else None
+    shim = CriShim(settings.listen, settings.runtime, guard, sandbox_end, container_start)
     try:
         shim.start()
     except BaseException:
+        if container_start is not None:
+            container_start.close()
         if own is not None:
             own.stop()
         raise
@@ -80,7 +88,7 @@ def start_cri_shim(
     if limiting:
         run = functools.partial(reconcile_limits, settings.runtime, resolver, limiter, backend.cards)
         reconciler = Reconciler(run, cache.wait_synced if cache is not None else None).start()
-    return RunningShim(shim, cache, own, reconciler)
+    return RunningShim(shim, cache, own, reconciler, container_start)
 
 
 def api_for(node: NodeSettings, settings: ShimSettings) -> Any | None:

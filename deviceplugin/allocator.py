@@ -29,13 +29,13 @@ from gpushare.contract.names import ENV_CGPU_DISABLE
 from gpushare.contract.pending import Ledger
 from gpushare.contract.request import pod_key
 from gpushare.contract.units import MemoryUnit
+from gpushare.holdings.node import node_ledger, node_usage
 from gpushare.kube.errors import KubeError, KubeUnavailable
 from gpushare.kube.events import EventSource
 from gpushare.kube.objects import get_node, list_pods, patch_pod
 from gpushare.kube.watch import WatchCache
 from gpushare.placement.demand import ANY_CARD, CardRule
 from gpushare.settings import DEFAULT_REREAD, Reread
-from gpushare.usage import node_ledger, node_usage
 
 log = logging.getLogger(__name__)
 REFUSAL_EVENT_REASON = "GPUAllocationRefused"

@@ -19,7 +19,7 @@ from gpushare.cards import Card
 from gpushare.contract.aliyun import format_bool, parse_bool
 from gpushare.contract.allocation import CardSlice, format_assigned_containers, validate_allocation
 from gpushare.contract.cardrule import parse_card_rule
-from gpushare.contract.env import assigned_env
+from gpushare.contract.env import assigned_env, toolkit_memory_env
 from gpushare.contract.errors import AnnotationError, ContractError
 from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.names import (
@@ -38,8 +38,9 @@ from gpushare.contract.names import (
 )
 from gpushare.contract.pending import Ledger
 from gpushare.contract.units import MemoryUnit
+from gpushare.holdings.node import node_usage
+from gpushare.holdings.pod import pod_allocation
 from gpushare.placement.demand import ANY_CARD, CardRule
-from gpushare.usage import node_usage, pod_allocation
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,7 @@ def decide(
     unit: MemoryUnit,
     ledger: Ledger | None = None,
 ) -> Decision:
-    """``ledger``: the node's, as last read (see :mod:`gpushare.usage`)."""
+    """``ledger``: the node's, as last read (see :func:`gpushare.holdings.node.node_ledger`)."""
     try:
         match = match_container(pods, node, resource, units)
     except AnnotationError as exc:
@@ -110,7 +111,7 @@ def decide(
         pod=match.pod,
         container=name,
         slices=slices,
-        envs=assigned_env(slices, match.request.effective_mem, card_units),
+        envs=assigned_env(slices, match.request.effective_mem, card_units) | toolkit_memory_env(slices, unit.mib),
         annotations={
             CTR_ANN_POD_UID: meta.get("uid", ""),
             CTR_ANN_POD: key,

@@ -1,7 +1,7 @@
 """Publishes on the node whether a kubelet is watching the device plugin (``gpushare.io/kubelet-watching``).
 
 When kubelet goes, its ListAndWatch streams end at once; from then until a kubelet watches again the
-extender places no GPU pod on the node (:func:`gpushare.usage.kubelet_refusal`). Without that, a pod bound
+extender places no GPU pod on the node (:func:`gpushare.holdings.node.kubelet_refusal`). Without that, a pod bound
 while kubelet restarts can be admitted by the new kubelet before the plugin has registered with it, and
 fail for good with ``UnexpectedAdmissionError``. A thread of its own writes the latest state, so a
 stream's end never waits on the API server; a failed write is retried with back-off while it is still

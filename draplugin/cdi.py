@@ -4,7 +4,7 @@ One spec file per claim, kind ``gpu.gpushare.io/claim``, one CDI device per requ
 named ``<claim UID>-<request>``. A device sets one variable of its own, ``GPUSHARE_CLAIM_<UID>_<REQUEST>``
 (its cards' UUIDs): the GPU env a container sees (``NVIDIA_VISIBLE_DEVICES``, ``ALIYUN_COM_GPU_MEM_*``) is
 set by the CRI shim over all of the container's claims, since the runtime would give it only the last
-device's value of a variable several devices set (:func:`gpushare.usage.dra_env`).
+device's value of a variable several devices set (:func:`gpushare.holdings.dra.dra_env`).
 
 The spec's annotations record the claim and the memory it holds on each card, in bytes
 (:func:`gpushare.contract.dra.format_card_memory`): the spec files are the plugin's record of what it

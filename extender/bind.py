@@ -65,18 +65,12 @@ from gpushare.contract.nodeselection import node_refusal, parse_node_facts
 from gpushare.contract.pending import LEDGER_BYTES, Ledger, LedgerError, PendingBind, format_pending_binds
 from gpushare.contract.request import PodRequest, annotations_of
 from gpushare.contract.units import MemoryUnit
+from gpushare.holdings.node import alibaba_total_per_card, kubelet_refusal, node_inventory, node_ledger
+from gpushare.holdings.pod import held_units, holds_resources
 from gpushare.kube.errors import KubeConflict, KubeError, KubeNotFound
 from gpushare.kube.events import EventRecorder
 from gpushare.kube.objects import bind_pod, get_node, get_pod, list_pods, patch_node
 from gpushare.placement.gangplan import taking, within
-from gpushare.usage import (
-    alibaba_total_per_card,
-    held_units,
-    holds_resources,
-    kubelet_refusal,
-    node_inventory,
-    node_ledger,
-)
 
 log = logging.getLogger(__name__)
 

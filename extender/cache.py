@@ -45,8 +45,9 @@ from gpushare.contract.nodeselection import NodeFacts, parse_node_facts
 from gpushare.contract.pending import Ledger, PendingBind
 from gpushare.contract.request import PodRequest, annotations_of
 from gpushare.contract.units import parse_host_quantity
+from gpushare.holdings.node import kubelet_refusal, node_inventory, node_ledger, node_usage
+from gpushare.holdings.pod import holds_resources
 from gpushare.kube.watch import WatchCache
-from gpushare.usage import holds_resources, kubelet_refusal, node_inventory, node_ledger, node_usage
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def placement_cards(
     requests: Mapping[str, PodRequest | ContractError] | None = None,
 ) -> tuple[placement.CardCapacity, ...]:
     """The node's cards with the units held by ``pods`` (and ``extra``: units per card UUID of binds in
-    flight) marked used, by the one rule of :mod:`gpushare.usage` over the node's ``ledger``. Cards whose
+    flight) marked used, by the one rule of :mod:`gpushare.holdings.node` over the node's ``ledger``. Cards whose
     minor is in ``fenced`` (the original extender's unhealthy-GPU ConfigMap) take no new pods.
     ``requests``: the pods' requests by pod key, as read already."""
     used, _, bad = node_usage(pods, inventory, ledger=ledger, requests=requests)

@@ -1,7 +1,7 @@
 """The extender's view of the DRA driver ``gpu.gpushare.io``, from two watches: the cards each node's
 ResourceSlice offers, what allocated ResourceClaims consume of them, and the requests of the claims a
 pod waits on. Thin: the slices and claims are read by the readers ``inspect`` uses
-(:func:`~gpushare.advertiser.resourceslice.offered_by_pool`, :func:`~gpushare.contract.resourceclaim.claim_shares`),
+(:func:`~gpushare.contract.resourceslice.offered_by_pool`, :func:`~gpushare.contract.resourceclaim.claim_shares`),
 the choice is :mod:`gpushare.placement.dra`'s."""
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from gpushare.advertiser.resourceslice import live_pool, offered_by_pool
-
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import DRA_DRIVER
 from gpushare.contract.request import pod_key
 from gpushare.contract.resourceclaim import ClaimError, ClaimShare, asks_driver, claim_shares, driver_requests
+from gpushare.contract.resourceslice import live_pool, offered_by_pool
+from gpushare.holdings.dra import pod_claim_names
 from gpushare.kube.watch import WatchCache
 from gpushare.placement.dra import DeviceAsk, DraCard
-from gpushare.usage import pod_claim_names
 
 log = logging.getLogger(__name__)
 

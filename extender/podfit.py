@@ -5,7 +5,7 @@ Init containers run one at a time and end before the app containers start, so a 
 of its app containers' sum and its largest init container. Here the app containers are placed
 together and each init container on its own, all on the node's cards as they are before the pod:
 whatever each of them takes fits in a card's free units, so their largest does too, and that largest
-is what :func:`gpushare.usage.held_units` then counts the pod for.
+is what :func:`gpushare.holdings.pod.held_units` then counts the pod for.
 """
 
 from __future__ import annotations

@@ -43,12 +43,13 @@ from gpushare.contract.names import ANN_GANG_HOLD, ANN_GANG_RETRY, NODE_ANN_PEND
 from gpushare.contract.nodeselection import NodeFacts, PodNodes, node_refusal
 from gpushare.contract.pending import HOLD_BYTES, HOLD_SECONDS, PendingBind, format_pending_binds
 from gpushare.contract.request import annotations_of
+from gpushare.holdings.node import node_inventory
+from gpushare.holdings.pod import holds_resources
 from gpushare.kube.errors import KubeConflict, KubeError
 from gpushare.kube.objects import get_node, patch_node, patch_pod_annotations
 from gpushare.placement import Policy
 from gpushare.placement.gangplan import GangPlan, Member, Room, Spot, plan_gang
 from gpushare.settings import MAX_GANG_MEMBERS
-from gpushare.usage import holds_resources, node_inventory
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpushare.holdings.pod import holds_resources
 from gpushare.kube.errors import KubeError
 from gpushare.kube.objects import patch_pod_annotations
-from gpushare.usage import holds_resources
 
 if TYPE_CHECKING:
     from gpushare.extender.cache import ClusterCache

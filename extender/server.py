@@ -22,9 +22,9 @@ from gpushare.extender.wire import BadRequest, encode
 from prometheus_client import generate_latest
 
 from gpushare.contract.errors import quoted
+from gpushare.holdings.node import node_usage
 from gpushare.observability import Exposition, health_reply
 from gpushare.tlshttp import HttpServer, Limits, Reply, Request, ServerTLS, parse_json
-from gpushare.usage import node_usage
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from gpushare.contract.errors import LedgerMismatch
 from gpushare.contract.names import NODE_ANN_PENDING_BINDS
 from gpushare.contract.pending import Ledger
 from gpushare.contract.units import MemoryUnit
+from gpushare.holdings.pod import PodCards, describe_held
 from gpushare.placement.demand import ANY_CARD, CardCapacity, CardRule
-from gpushare.usage import PodCards, describe_held
 
 
 class Refusal(Exception):
@@ -68,7 +68,7 @@ class Claim:
 @dataclass(frozen=True, slots=True)
 class Holdings:
     """What the node's live pods hold: units per card UUID and the pods counted (see
-    :func:`gpushare.usage.node_usage`), and the node's ledger they were counted with."""
+    :func:`gpushare.holdings.node.node_usage`), and the node's ledger they were counted with."""
 
     used: Mapping[str, int]
     pods: Sequence[PodCards]

@@ -29,6 +29,9 @@ class Card:
     #: :data:`ENFORCED` when the NVIDIA driver caps each container at its share of this card
     #: (per-cgroup memory limits, driver 615+ on cgroup v2), else why it doesn't
     memory_limits: str = NOT_REPORTED
+    #: what the driver keeps of the card for itself (NVML's ``nvmlMemory_v2_t.reserved``, "reserved for
+    #: system use (driver or firmware)"): no cgroup can be guaranteed it
+    reserved_mib: int = 0
 
     @property
     def limits_enforced(self) -> bool:

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
+from gpushare.advertiser.deviceorder import DRA_ORDERS, ORDER_INDEX
 from gpushare.contract.names import NRI_SOCKET
 from gpushare.gpus.split import ALL_CARDS, EVERY_CARD, DraCards
 from gpushare.settings import add_device_plugin_flags, add_metrics_flags, add_node_flags, add_shim_flags
@@ -72,6 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --dra: the cards the DRA driver offers, 'all' (default) or NVML indexes / UUIDs separated by "
         "commas; the others stay with the device plugin and the extender (a card is offered one way at a time)",
     )
+    parser.add_argument(
+        "--dra-order",
+        choices=DRA_ORDERS,
+        default=ORDER_INDEX,
+        help="with --dra: the order of the devices in the node's ResourceSlice, which kube-scheduler's first fit "
+        "follows: index (NVML index, the default) or best-fit (least free memory first, rewritten as claims "
+        "are allocated and released; watches every ResourceClaim)",
+    )
     parser.add_argument("--kubelet-root", default="/var/lib/kubelet", help="kubelet's --root-dir (with --dra)")
     parser.add_argument("--cdi-dir", default="/var/run/cdi", help="where containerd reads CDI specs (with --dra)")
 
@@ -86,6 +95,7 @@ def components(
     dra_cards: DraCards = EVERY_CARD,
     detach: Path | None = None,
     nri: NriSettings | None = None,
+    dra_order: str = ORDER_INDEX,
 ) -> list[Supervised]:
     """The node agent's components, each as a way to start it afresh; ``shared`` first. With ``dra``
     the DRA kubelet plugin and the ResourceSlice too, its sockets under ``dra.kubelet_root``: they get
@@ -130,7 +140,7 @@ def components(
 
         def start_slice_publisher() -> SlicePublisher:
             unit, interval = settings.memory_unit, advertise_interval
-            publisher = SlicePublisher(shared.api, settings.node_name, owned, unit, interval)
+            publisher = SlicePublisher(shared.api, settings.node_name, owned, unit, interval, order=dra_order)
             publisher.start()
             return publisher
 
@@ -166,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     dra = PluginPaths(Path(args.kubelet_root), Path(args.cdi_dir)) if args.dra else None
     if args.dra_cards != ALL_CARDS and dra is None:
         raise UsageError("--dra-cards picks the cards the DRA driver offers: it needs --dra")
+    if args.dra_order != ORDER_INDEX and dra is None:
+        raise UsageError("--dra-order orders the DRA driver's ResourceSlice: it needs --dra")
     dra_cards = parse_dra_cards(args.dra_cards)
     detach = Path(args.detach_cri_shim) if args.detach_cri_shim else None
     nri = NriSettings(args.nri_socket, NRI_PLUGIN_NAME, NRI_PLUGIN_INDEX) if args.enforcement == ENFORCE_NRI else None
@@ -176,7 +188,9 @@ def run(args: argparse.Namespace) -> int:
 
     def start(backend: GpuBackend) -> Supervisor:
         shared = NodeApi(load_api(settings.kubeconfig), settings.node_name)
-        found = components(settings, shim, backend, shared, args.advertise_interval, dra, dra_cards, detach, nri)
+        found = components(
+            settings, shim, backend, shared, args.advertise_interval, dra, dra_cards, detach, nri, args.dra_order
+        )
         supervisor = Supervisor(found)
         supervisor.start()
         log.info(

@@ -1,7 +1,8 @@
 """gpushare's NRI plugin decisions (:class:`~gpushare.nriplugin.session.PluginHandler`): the same decision
 as the CRI shim's (:class:`gpushare.enforcement.decide.Enforcer`) at CreateContainer, answered as an
-adjustment or a refusal; a pod's limits cleared when its sandbox ends; and at each session's start, the
-running containers checked and the misplaced ones evicted (:mod:`gpushare.nriplugin.sync`).
+adjustment or a refusal; a GPU container's own memory limits at StartContainer, when its cgroup exists
+and its process doesn't run yet; a pod's limits cleared when its sandbox ends; and at each session's
+start, the running containers checked and the misplaced ones evicted (:mod:`gpushare.nriplugin.sync`).
 
 Evicting: containerd 2.2 (NRI v0.11) acts on no eviction a plugin sends: ``SynchronizeResponse`` has no
 field for them, the runtime side of ``UpdateContainers`` drops its ``evict`` list (pkg/adaptation/plugin.go),
@@ -27,7 +28,7 @@ from gpushare.nriplugin.sync import Running, ended_pods, evictions, live_contain
 
 from gpushare.enforcement.container import Target
 from gpushare.enforcement.decide import Enforcer
-from gpushare.enforcement.limits import SandboxState, limit_running_pod, runs_elsewhere
+from gpushare.enforcement.limits import SandboxState, limit_container, limit_running_pod, runs_elsewhere
 from gpushare.pb import nri_pb2
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 EVENT_EVICTED = "GPUContainerEvicted"
 #: the events the plugin subscribes to
 EVENTS = frozenset({nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_POD_SANDBOX, nri_pb2.REMOVE_POD_SANDBOX})
+#: and, where some card enforces memory limits, to the containers' starts
+LIMIT_EVENTS = EVENTS | {nri_pb2.START_CONTAINER}
 
 #: stops a container at once (container ID); raises when the runtime fails
 Evict = Callable[[str], None]
@@ -61,7 +64,7 @@ class Handler:
 
     async def configure(self, request: nri_pb2.ConfigureRequest, runtime: Runtime) -> Collection[int]:
         self.registered = True
-        return EVENTS
+        return LIMIT_EVENTS if self._limiting else EVENTS
 
     async def synchronize(
         self, pods: Sequence[nri_pb2.PodSandbox], containers: Sequence[nri_pb2.Container]
@@ -93,6 +96,8 @@ class Handler:
             with limiter.lock:
                 for pod in ended_pods(pods, states):
                     limiter.clear(f"pod {pod.namespace}/{pod.name}", pod.linux.cgroup_parent, cards)
+                ready = {state.pod_uid for state in states if state.ready}
+                limiter.sweep((pod.linux.cgroup_parent for pod in pods), ready, cards)
             for pod in {pod.id: pod for pod, _ in live}.values():
                 target = Target(pod.namespace, pod.name, pod.uid, "")
                 cgroup = pod.linux.cgroup_parent
@@ -108,6 +113,19 @@ class Handler:
             resolution = enforcer.resolver.resolve(request, cards)
             if resolution.refusal is not None:
                 log.error("running container left as it is: %s", resolution.refusal.message)
+            elif self._limiting and enforcer.limiter is not None and pod.uid not in unlimited:
+                refusal = limit_container(
+                    enforcer.resolver,
+                    enforcer.limiter,
+                    resolution,
+                    request.sandbox_annotations,
+                    container.linux.cgroups_path,
+                    cards,
+                    make=False,
+                )
+                if refusal is not None:
+                    unlimited[pod.uid] = refusal.message
+                    log.error("running container's memory limits not set: %s", refusal.message)
             running.append(Running(container.id, request, resolution))
         found = evictions(running, unlimited, enforcer.options.block_unrequested_gpu)
         targets = {c.id: c.resolution.target for c in running}
@@ -131,6 +149,14 @@ class Handler:
         if decision.edits is None:
             return nri_pb2.CreateContainerResponse()
         return nri_pb2.CreateContainerResponse(adjust=adjustment(decision.edits, self._device_node))
+
+    async def start_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container) -> None:
+        """Hold a GPU container to its share on its own cgroup before its process starts; refuse the start
+        when that can't be done."""
+        request = container_of(pod, container)
+        refusal = await asyncio.to_thread(self._enforcer.start, request, container.linux.cgroups_path)
+        if refusal is not None:
+            raise ContainerRefused(refusal.message)
 
     async def stop_pod_sandbox(self, pod: nri_pb2.PodSandbox) -> None:
         """The runtime calls it once the sandbox's containers are stopped (containerd v2.2

@@ -34,7 +34,11 @@ What the runtime does with the answers (containerd 2.2.9, checked by tests/nri/t
   ``UpdateContainers`` and merges ``CreateContainer`` answers without their ``evict`` list. The
   ``update`` of ``UpdateContainers`` (a running container's resources) is applied;
 - errors from the pod sandbox events are only logged by containerd, and would stop the event from
-  reaching plugins with a higher index, so the session logs a handler's failure there and answers OK.
+  reaching plugins with a higher index, so the session logs a handler's failure there and answers OK;
+- an error from the ``StartContainer`` event fails the CRI StartContainer call ("NRI container start
+  failed"): containerd sends it once the container's task (and so its cgroup) exists and before the task
+  starts (``internal/cri/server/container_start.go``), and NRI v0.11 hands a plugin's error back
+  (``pkg/adaptation/plugin.go``, StateChange). :meth:`PluginHandler.start_container` refuses there.
 
 The protocol below is the stable surface between this module and the plugin's decisions
 (nriplugin/handler.py). Messages are the generated ``gpushare.pb.nri_pb2`` classes.
@@ -62,7 +66,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: the events a :class:`PluginHandler` can subscribe to, as ``nri_pb2.Event`` values
-HANDLED_EVENTS = frozenset({nri_pb2.CREATE_CONTAINER, nri_pb2.STOP_POD_SANDBOX, nri_pb2.REMOVE_POD_SANDBOX})
+HANDLED_EVENTS = frozenset(
+    {nri_pb2.CREATE_CONTAINER, nri_pb2.START_CONTAINER, nri_pb2.STOP_POD_SANDBOX, nri_pb2.REMOVE_POD_SANDBOX}
+)
 #: how long before the runtime's request timeout the session answers for a handler that has not
 #: decided, in seconds (never less than half the timeout)
 ANSWER_MARGIN = 0.25
@@ -128,6 +134,11 @@ class PluginHandler(Protocol):
         """The adjustment (env, annotations, devices, CDI devices) and updates for a container about to
         be created (evictions are dropped by containerd 2.2.9, see above). Raise :class:`ContainerRefused`
         to refuse it; any other exception refuses it too, as an internal error."""
+        ...
+
+    async def start_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container) -> None:
+        """A container is about to start: its cgroup exists, its process doesn't run yet. Raise
+        :class:`ContainerRefused` to fail the start (any other exception fails it too)."""
         ...
 
     async def stop_pod_sandbox(self, pod: nri_pb2.PodSandbox) -> None:
@@ -249,17 +260,26 @@ class _PluginService:
         return nri_pb2.SynchronizeResponse(update=updates)
 
     async def create_container(self, request: nri_pb2.CreateContainerRequest) -> nri_pb2.CreateContainerResponse:
+        return await self._refusable("CreateContainer", request.container.name, self._handler.create_container(request))
+
+    async def _refusable(self, what: str, container: str, call: Awaitable[T]) -> T:
+        """A handler's answer to a call that may refuse the container: its refusal as FAILED_PRECONDITION,
+        any other failure as INTERNAL."""
         try:
-            return await self._bounded("CreateContainer", self._handler.create_container(request))
+            return await self._bounded(what, call)
         except ContainerRefused as exc:
             raise Status(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         except Status:
             raise
         except Exception as exc:
-            log.exception("NRI plugin %s: create_container failed on %s", self._name, request.container.name)
+            log.exception("NRI plugin %s: %s failed on %s", self._name, what, container)
             raise Status(grpc.StatusCode.INTERNAL, f"NRI plugin {self._name} failed: {exc!r}") from None
 
     async def state_change(self, event: nri_pb2.StateChangeEvent) -> nri_pb2.Empty:
+        if event.event == nri_pb2.START_CONTAINER:
+            starting = self._handler.start_container(event.pod, event.container)
+            await self._refusable("StartContainer", event.container.name, starting)
+            return nri_pb2.Empty()
         handle = {
             nri_pb2.STOP_POD_SANDBOX: self._handler.stop_pod_sandbox,
             nri_pb2.REMOVE_POD_SANDBOX: self._handler.remove_pod_sandbox,

@@ -47,6 +47,7 @@ def format_inventory(cards: Iterable[Card], unit: MemoryUnit) -> str:
                     "nvlinkPeers": list(c.nvlink_peers),
                     "healthy": c.healthy,
                     "memoryLimits": c.memory_limits,
+                    "reservedMiB": c.reserved_mib,
                 }
                 for c in sorted(cards, key=lambda c: c.index)
             ],
@@ -70,6 +71,7 @@ def _inventory_card(node: str, raw: Any) -> Card:
             nvlink_peers=tuple(str(p) for p in raw.get("nvlinkPeers") or ()),
             healthy=bool(raw.get("healthy", True)),
             memory_limits=str(raw.get("memoryLimits", NOT_REPORTED)),
+            reserved_mib=int(raw.get("reservedMiB", 0)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise AnnotationError(f"{where}: card entry {quoted(raw)} is missing or has a bad field ({exc})") from None
@@ -78,6 +80,8 @@ def _inventory_card(node: str, raw: Any) -> Card:
     if not card.uuid.startswith("GPU-") or card.index < 0 or card.memory_mib <= 0:
         raise AnnotationError(f"{where}: card entry {quoted(raw)} has an invalid uuid, index or memory")
     bounded(card.memory_mib, UNITS_LIMIT, f"{where}: card {card.index} memoryMiB")
+    if not 0 <= card.reserved_mib < card.memory_mib:
+        raise AnnotationError(f"{where}: card {card.index} reservedMiB {card.reserved_mib} is not within its memoryMiB")
     for field, number in (("index", card.index), ("minor", card.minor), ("numa", card.numa_node or 0)):
         bounded(number, CARDS_LIMIT, f"{where}: card {card.index} {field}", low=-CARDS_LIMIT)
     return card

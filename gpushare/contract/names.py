@@ -187,6 +187,10 @@ ENV_MEM_DEV = "ALIYUN_COM_GPU_MEM_DEV"
 ENV_MEM_PREFIX = "ALIYUN_COM_GPU_MEM_"
 #: what a container that must not see any GPU gets in NVIDIA_VISIBLE_DEVICES
 VISIBLE_DEVICES_VOID = "void"
+#: what NVIDIA's container toolkit hook ``nvidia-cdi-hook apply-cuda-memory-limits`` reads (MiB; the plural
+#: first) and sets as the soft and hard limit of the container's cgroup, where it is installed
+ENV_TOOLKIT_MEMORY_REQUEST = ("NVIDIA_GPU_MEMORY_REQUESTS", "NVIDIA_GPU_MEMORY_REQUEST")
+ENV_TOOLKIT_MEMORY_LIMIT = ("NVIDIA_GPU_MEMORY_LIMITS", "NVIDIA_GPU_MEMORY_LIMIT")
 
 # --- process env ----------------------------------------------------------------------------------
 
@@ -244,7 +248,7 @@ DRA_ATTR_NVLINK_CLIQUE = "nvlinkClique"
 #: device names in the node's ResourceSlice are ``card-<NVML index>`` (see :mod:`gpushare.contract.dra`)
 DRA_DEVICE_PREFIX = "card-"
 #: the one env variable a claim's CDI device sets (``GPUSHARE_CLAIM_<UID>_<REQUEST>``: the request's card
-#: UUIDs); the GPU env a container sees is set by the CRI shim over all its claims (gpushare/usage.py)
+#: UUIDs); the GPU env a container sees is set by the CRI shim over all its claims (gpushare/holdings/dra.py)
 DRA_CDI_ENV_PREFIX = "GPUSHARE_CLAIM_"
 #: annotations of a prepared claim's CDI spec: the claim (``<namespace>/<name>``) and the memory it holds
 #: on each card (``<card UUID>=<bytes>,...``), which the kubelet plugin sums before preparing another claim

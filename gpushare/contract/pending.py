@@ -3,7 +3,7 @@ to the node, with what the pod holds there, from before the binding until the po
 and the gang holds: cards set aside for a gang member that isn't bound yet (an entry with a ``gang``).
 
 Only the extender writes it (tenants can't write Node objects), so it is the record of a pod's cards
-that its owner can't rewrite; see :mod:`gpushare.usage` for how it outranks pod annotations.
+that its owner can't rewrite; see :mod:`gpushare.holdings.pod` for how it outranks pod annotations.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A ResourceClaim's shares of a node's cards: what the DRA kubelet plugin prepares, what a pod
-holds through its claims (:func:`gpushare.usage.dra_held`), and what each claim holds of every node
+holds through its claims (:func:`gpushare.holdings.dra.dra_held`), and what each claim holds of every node
 (:func:`claim_shares`, which the extender and ``inspect`` count).
 
 Pure: the claim as the API server returns it (a plain dict) in, a :class:`ClaimAllocation` (or card

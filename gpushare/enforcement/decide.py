@@ -1,6 +1,6 @@
 """The whole decision about a container being created, as both transports take it: resolve its cards,
 rewrite what it was given, set its pod's memory limits, and say so (one log line naming pod, container
-and card, and a Kubernetes Event for a correction or a refusal)."""
+and card, and a Kubernetes Event for a correction or a refusal); and, as it starts, its own limits."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gpushare.assignment import describe
+from gpushare.assignment import Refusal, describe
 from gpushare.cards import Card
 from gpushare.contract.names import ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID
 from gpushare.contract.units import MemoryUnit
 from gpushare.enforcement.container import ContainerRequest, Decision, Target
-from gpushare.enforcement.limits import limit_pod
+from gpushare.enforcement.limits import limit_container, limit_pod
 from gpushare.enforcement.resolve import Resolution, Resolver
 from gpushare.enforcement.rewrite import rewrite
 from gpushare.memlimits.enforcer import PodLimiter
@@ -69,6 +69,24 @@ class Enforcer:
         else:
             log.debug("%s requests no GPU: %s=%s", resolution.target, ENV_VISIBLE_DEVICES, VISIBLE_DEVICES_VOID)
         return resolution, decision
+
+    def start(self, request: ContainerRequest, cgroups_path: str, make: bool = False) -> Refusal | None:
+        """Set the limits of a container about to start on its own cgroup (``cgroups_path``, as its runtime
+        spec names it); the refusal when they can't be, its start must then fail. Nothing to do for a
+        container with no GPU, or where no card enforces limits."""
+        if self.limiter is None:
+            return None
+        cards = list(self.cards())
+        if not any(card.limits_enforced for card in cards):
+            return None
+        resolution = self.resolver.resolve(request, cards)
+        refusal = resolution.refusal or limit_container(
+            self.resolver, self.limiter, resolution, request.sandbox_annotations, cgroups_path, cards, make
+        )
+        if refusal is not None:
+            log.warning("refused StartContainer (%s): %s", refusal.reason, refusal.message)
+            self._event(resolution.target, EVENT_REFUSED, refusal.message, "Warning")
+        return refusal
 
     def _event(self, target: Target, reason: str, message: str, type_: str) -> None:
         if self.events is not None:

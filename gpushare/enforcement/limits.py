@@ -1,5 +1,6 @@
-"""A pod's GPU memory limits, set before its GPU container is created, whichever transport heard of the
-container; and the one rule for taking them off when a sandbox of the pod ends."""
+"""A pod's GPU memory limits, set before its GPU container is created, and a GPU container's, set before
+its process starts, whichever transport heard of the container; and the one rule for taking them off
+when a sandbox of the pod ends."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 from gpushare.assignment import Refusal
 from gpushare.cards import Card
+from gpushare.contract.names import ENV_VISIBLE_DEVICES
 from gpushare.contract.resourceclaim import ClaimError
 from gpushare.enforcement.container import Target
 from gpushare.enforcement.resolve import Resolution, Resolver
@@ -35,6 +37,44 @@ def limit_pod(
     except ClaimError as exc:
         return Refusal(MEMORY_LIMIT, f"{resolution.target}: its memory limits can't be set: {exc}")
     why = limiter.apply(str(resolution.target), cgroup_parent, held, cards)
+    return None if why is None else Refusal(MEMORY_LIMIT, why)
+
+
+def container_held(
+    resolver: Resolver, resolution: Resolution, sandbox_annotations: Mapping[str, str], cards: Sequence[Card]
+) -> dict[str, int]:
+    """Units the container holds per card UUID: its slices; for a container given cards by ResourceClaims,
+    what its pod's claims hold on the cards its claims' env names (claims don't say which of a pod's
+    containers uses how much). Raises ClaimError as :meth:`Resolver.pod_held`."""
+    if not resolution.dra_devices:
+        held: dict[str, int] = {}
+        for part in resolution.slices:
+            held[part.uuid] = held.get(part.uuid, 0) + part.units
+        return held
+    seen = set((resolution.dra_env or {}).get(ENV_VISIBLE_DEVICES, "").split(","))
+    pod = resolver.pod_held(resolution, sandbox_annotations, cards)
+    return {uuid: units for uuid, units in pod.items() if uuid in seen}
+
+
+def limit_container(
+    resolver: Resolver,
+    limiter: PodLimiter,
+    resolution: Resolution,
+    sandbox_annotations: Mapping[str, str],
+    cgroups_path: str,
+    cards: Sequence[Card],
+    make: bool,
+) -> Refusal | None:
+    """Hold the GPU container to its share of each card it shares, on its own cgroup (``cgroups_path``,
+    from its runtime spec), before its process starts; the refusal when that can't be done. ``make``:
+    create the cgroup first (see :meth:`PodLimiter.apply_container`)."""
+    if not resolution.wants_gpu:
+        return None
+    try:
+        held = container_held(resolver, resolution, sandbox_annotations, cards)
+    except ClaimError as exc:
+        return Refusal(MEMORY_LIMIT, f"{resolution.target}: its memory limits can't be set: {exc}")
+    why = limiter.apply_container(str(resolution.target), cgroups_path, held, cards, make)
     return None if why is None else Refusal(MEMORY_LIMIT, why)
 
 

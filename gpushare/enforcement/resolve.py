@@ -2,7 +2,7 @@
 must get: read from the pod annotations kubelet passes for its sandbox, or, when those are missing or
 stale, from the pod itself through the API server.
 A container kubelet gave CDI devices of prepared DRA claims (kind ``gpu.gpushare.io/claim``) gets its
-cards from those claims instead: the env of every card they name (:func:`gpushare.usage.dra_env`), read
+cards from those claims instead: the env of every card they name (:func:`gpushare.holdings.dra.dra_env`), read
 from the pod's claims, each of which must be reserved for the pod.
 
 The pure part (:func:`plugin_view`, :func:`from_annotations`, :func:`from_pod`,
@@ -43,19 +43,12 @@ from gpushare.contract.request import parse_pod_request
 from gpushare.contract.resourceclaim import ClaimError
 from gpushare.contract.units import MemoryUnit
 from gpushare.enforcement.container import ContainerRequest, Target
+from gpushare.holdings.dra import dra_env, dra_held, pod_claim_names
+from gpushare.holdings.node import node_ledger, node_usage
+from gpushare.holdings.pod import card_by_minor, pod_allocation, pod_cards
 from gpushare.kube.errors import KubeError, KubeNotFound
 from gpushare.kube.objects import get_node, get_pod, get_resource_claim
 from gpushare.placement.demand import ANY_CARD, CardRule
-from gpushare.usage import (
-    card_by_minor,
-    dra_env,
-    dra_held,
-    node_ledger,
-    node_usage,
-    pod_allocation,
-    pod_cards,
-    pod_claim_names,
-)
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +97,7 @@ class Resolution:
     pod_held: Mapping[str, int] | None = None
     #: the CDI devices of DRA claims kubelet gave the container (its cards come from them, not ``slices``)
     dra_devices: tuple[str, ...] = ()
-    #: the GPU env of the cards those claims give the container (:func:`gpushare.usage.dra_env`)
+    #: the GPU env of the cards those claims give the container (:func:`gpushare.holdings.dra.dra_env`)
     dra_env: Mapping[str, str] | None = None
     #: the pod's ResourceClaims by name as read for that env, which its memory limits count too: one
     #: read of each per container, and the env and the limits from the same claims
@@ -262,7 +255,7 @@ class PodLookup(Protocol):
         that list has never been known."""
 
     def ledger(self) -> Ledger:
-        """The node's ledger (see :mod:`gpushare.usage`): as it is now, else as last read."""
+        """The node's ledger (see :mod:`gpushare.holdings.node`): as it is now, else as last read."""
 
 
 class Resolver:
@@ -304,7 +297,7 @@ class Resolver:
         self, target: Target, devices: tuple[str, ...], plugin: PluginView, cards: Sequence[Card]
     ) -> Resolution:
         """A container with CDI devices of DRA claims gets the env of every card they give it, read from
-        the pod's claims (:func:`gpushare.usage.dra_env`): a device that names no claim reserved for the
+        the pod's claims (:func:`gpushare.holdings.dra.dra_env`): a device that names no claim reserved for the
         pod, or a claim another pod holds, refuses it. Only the device plugin's env, which a pod spec can
         set as well, needs the pod's spec to say whether it also asks the device plugin for a GPU."""
         listed = ", ".join(devices)
@@ -340,7 +333,7 @@ class Resolver:
         return replace(found, dra_env=env, dra_claims=claims)
 
     def _claims(self, pod: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-        """The pod's ResourceClaims by name (:func:`gpushare.usage.pod_claim_names`); ClaimError when one
+        """The pod's ResourceClaims by name (:func:`gpushare.holdings.dra.pod_claim_names`); ClaimError when one
         can't be read."""
         assert self._pods is not None
         namespace = (pod.get("metadata") or {}).get("namespace", "default")
@@ -355,9 +348,9 @@ class Resolver:
     def pod_held(self, found: Resolution, annotations: Mapping[str, str], cards: Sequence[Card]) -> dict[str, int]:
         """Units ``found``'s pod holds per card UUID, which its memory limits are: what it holds through
         the device plugin plus what its ResourceClaims were allocated on this node's cards
-        (:func:`gpushare.usage.dra_held`).
+        (:func:`gpushare.holdings.dra.dra_held`).
 
-        Through the device plugin: by the node's rule (:func:`gpushare.usage.pod_cards`, the node's
+        Through the device plugin: by the node's rule (:func:`gpushare.holdings.pod.pod_cards`, the node's
         ledger first), as the over-commit check counted it or else from the pod when it can be had;
         else (API lookups off or failing) the pod's allocation annotation summed per card, which is at
         least what it holds. Never less than the container's own cards.

@@ -8,7 +8,7 @@ belong to another pod. Whenever that differs from the assignment, every GPU-rela
 container is rebuilt from the assignment: env, annotations and, when enabled, device nodes and CDI names.
 A container whose cards come from DRA claims keeps its claims' CDI devices (the runtime applies them)
 and gets the GPU env of all their cards set here: each claim's CDI spec could only name its own cards,
-and the runtime would keep the last one's (see :func:`gpushare.usage.dra_env`).
+and the runtime would keep the last one's (see :func:`gpushare.holdings.dra.dra_env`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from gpushare.assignment import Refusal, check_assignment, describe
 from gpushare.cards import Card
-from gpushare.contract.env import assigned_env
+from gpushare.contract.env import assigned_env, toolkit_memory_env
 from gpushare.contract.names import (
     CDI_KIND,
     CTR_ANN_CARDS,
@@ -100,9 +100,12 @@ def rewrite(
         return Decision(refusal=refusal)
 
     wanted = tuple(s.uuid for s in slices)
+    memory = toolkit_memory_env(slices, unit.mib)
     mismatch = _mismatch(request, wanted, target.uid)
     if mismatch is None:
-        return Decision()
+        if all(request.env_values(key) == [value] for key, value in memory.items()):
+            return Decision()
+        return Decision(edits=Edits(env=memory))  # a silent hardening: the device plugin doesn't set them
 
     by_uuid = {c.uuid: c for c in cards}
     assigned_cards = [by_uuid[u] for u in wanted]
@@ -110,7 +113,7 @@ def rewrite(
     devices = device_edits(request, assigned_cards) if options.rewrite_devices else no_change
     cdi = cdi_edits(request, assigned_cards) if options.cdi else no_change
     fixed = Edits(
-        env=assigned_env(slices, resolution.pod_mem, {c.uuid: unit.units_of(c.memory_mib) for c in cards}),
+        env=assigned_env(slices, resolution.pod_mem, {c.uuid: unit.units_of(c.memory_mib) for c in cards}) | memory,
         annotations={
             CTR_ANN_POD_UID: target.uid,
             CTR_ANN_POD: target.pod_key,

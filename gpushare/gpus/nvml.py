@@ -168,6 +168,7 @@ class NvmlBackend(CardBook):
                 memory_mib=ask(nv.nvmlDeviceGetMemoryInfo, handle).total // (1024 * 1024),
                 minor=ask(nv.nvmlDeviceGetMinorNumber, handle),
                 numa_node=self._numa_node(handle, bus_id),
+                reserved_mib=self._reserved_mib(handle, who),
             )
         except NvmlCallFailed as exc:
             raise _LeftOut(f"{who}: {exc}") from None
@@ -176,6 +177,18 @@ class NvmlBackend(CardBook):
             card.uuid, index, card.minor, bus_id, card.model, card.memory_mib, card.numa_node,
         )  # fmt: skip
         return _Found(card, handle)
+
+    def _reserved_mib(self, handle: object, who: str) -> int:
+        """What the driver keeps of the card for itself (``nvmlMemory_v2_t.reserved``, NVML's
+        nvmlDeviceGetMemoryInfo_v2); 0 where the driver lacks the call (before r510), as the v1 answer
+        counts it as used and can't tell it apart."""
+        nv = self._nvml
+        try:
+            info = self._ask(nv.nvmlDeviceGetMemoryInfo, handle, nv.nvmlMemory_v2)
+        except NvmlCallFailed as exc:
+            log.warning("%s: reserved memory unknown, taken as 0: %s", who, exc)
+            return 0
+        return int(info.reserved) // (1024 * 1024)
 
     def _mig_enabled(self, handle: object) -> bool:
         nv = self._nvml

@@ -3,9 +3,9 @@ and the shares of them that ResourceClaims were allocated. Pure: the objects as 
 them in, plain values out; what can't be read becomes a problem naming the slice or claim, never a
 silent gap.
 
-A node's ResourceSlices are read back with :func:`gpushare.advertiser.resourceslice.offered_by_pool`, a
+A node's ResourceSlices are read back with :func:`gpushare.contract.resourceslice.offered_by_pool`, a
 claim's shares with :func:`gpushare.contract.resourceclaim.claim_shares`, the readers the extender uses
-too (over :func:`~gpushare.advertiser.resourceslice.offered_cards` and
+too (over :func:`~gpushare.contract.resourceslice.offered_cards` and
 :func:`~gpushare.contract.resourceclaim.driver_shares`, the node agent's).
 """
 
@@ -15,9 +15,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.advertiser.resourceslice import OfferedCard, offered_by_pool
 from gpushare.contract.errors import ContractError
 from gpushare.contract.resourceclaim import ClaimShare, claim_shares
+from gpushare.contract.resourceslice import OfferedCard, offered_by_pool
 
 
 @dataclass(frozen=True, slots=True)

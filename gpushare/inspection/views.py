@@ -3,9 +3,9 @@
 Each node is shown in its own memory unit (the one its inventory annotation declares), and each card
 with its own total, so nodes with mixed card sizes or units read as they are. Nodes that carry no
 inventory annotation but do advertise ``aliyun.com/gpu-mem`` (an original gpushare device plugin) are
-shown as :func:`gpushare.usage.inferred_inventory` sees them, with a note saying so.
+shown as :func:`gpushare.holdings.node.inferred_inventory` sees them, with a note saying so.
 
-What each pod holds comes from :func:`gpushare.usage.node_usage`, as for every other component.
+What each pod holds comes from :func:`gpushare.holdings.node.node_usage`, as for every other component.
 
 Cards offered through the DRA driver ``gpu.gpushare.io`` (the node's ResourceSlice, read by
 :mod:`gpushare.inspection.dra`) are cards of their node too, in the node's unit, held by ResourceClaims
@@ -19,15 +19,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gpushare.advertiser.resourceslice import OfferedCard
 from gpushare.cards import ENFORCED, NOT_REPORTED
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_MEM
 from gpushare.contract.request import annotations_of, parse_pod_request, pod_key, requests_gpu
 from gpushare.contract.resourceclaim import ClaimShare
+from gpushare.contract.resourceslice import OfferedCard
 from gpushare.contract.units import GIB, MIB_BYTES, MemoryUnit
+from gpushare.holdings.node import MIB, node_inventory, node_ledger, node_usage
+from gpushare.holdings.pod import holds_resources
 from gpushare.inspection.dra import DraCards
-from gpushare.usage import MIB, holds_resources, node_inventory, node_ledger, node_usage
 
 #: how a card is offered: through the device plugin and the extender (listed in the node's inventory),
 #: through the DRA driver (a device of the node's ResourceSlice), or, against the rule, both ways

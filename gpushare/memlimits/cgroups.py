@@ -1,9 +1,13 @@
 """Where a container's cgroup is, read from plain text: the mount table says which cgroup layout the
 node has and where its cgroup v2 hierarchy is; the container's runtime spec names its cgroup (in
-cgroupfs or systemd form). Pure: strings in, paths out."""
+cgroupfs or systemd form). Pure (strings in, paths out), but for :func:`pod_cgroups`, which lists
+kubelet's pod cgroups."""
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -101,3 +105,39 @@ def unified_path(proc_cgroup: str) -> str | None:
         if line.startswith("0::"):
             return line[3:]
     return None
+
+
+#: a pod's cgroup as kubelet names it: ``pod<uid>`` (cgroupfs) or ``kubepods[-<qos>]-pod<uid>.slice``
+#: (systemd, with the UID's dashes written as underscores)
+_UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
+_POD_CGROUP = re.compile(rf"(?:^|-)pod({_UID})(?:\.slice)?$")
+#: kubelet's QoS class cgroups below its root (cgroupfs, systemd)
+_QOS = ("burstable", "besteffort", "kubepods-burstable.slice", "kubepods-besteffort.slice")
+
+
+def pod_uid_of(name: str) -> str | None:
+    """The pod UID a cgroup directory's name says it is kubelet's cgroup for, or None."""
+    found = _POD_CGROUP.search(name)
+    return found.group(1).replace("_", "-") if found else None
+
+
+def kubepods_root(pod_cgroup: Path) -> Path:
+    """Kubelet's pod hierarchy root (``kubepods``, ``kubepods.slice``) above one of its pod cgroups."""
+    parent = pod_cgroup.parent
+    return parent.parent if parent.name in _QOS else parent
+
+
+def pod_cgroups(roots: Iterable[Path]) -> dict[str, Path]:
+    """Every pod cgroup directly under ``roots`` (kubelet's pod hierarchy roots) or under their QoS
+    class cgroups, by pod UID."""
+    found: dict[str, Path] = {}
+    for root in roots:
+        for directory in (root, *(root / qos for qos in _QOS)):
+            try:
+                entries = [e for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue
+            for entry in entries:
+                if (uid := pod_uid_of(entry.name)) is not None:
+                    found[uid] = Path(entry.path)
+    return found

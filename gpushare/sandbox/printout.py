@@ -69,7 +69,7 @@ class PodOutcome:
 
 def cards_of(pod: Mapping[str, Any], cards: Iterable[Card]) -> str:
     """The pod's cards per container, for the report."""
-    from gpushare.usage import pod_allocation
+    from gpushare.holdings.pod import pod_allocation
 
     allocation = pod_allocation(pod, list(cards)) or {}
     return "; ".join(

@@ -192,14 +192,18 @@ class RealNode:
         return dict(line.split("=", 1) for line in reply.stdout.decode().splitlines() if "=" in line)
 
     def pod_cgroup(self, namespace: str, pod: str, container: str) -> Path:
-        """The cgroup v2 directory of the pod a running container belongs to, as the kernel says its
-        process is in it: the parent of the container's own cgroup."""
+        """The cgroup v2 directory of the pod a running container belongs to: the parent of the
+        container's own cgroup."""
+        return self.container_cgroup(namespace, pod, container).parent
+
+    def container_cgroup(self, namespace: str, pod: str, container: str) -> Path:
+        """The cgroup v2 directory of a running container, as the kernel says its process is in it."""
         pid = self.container_pid(namespace, pod, container)
         path = unified_path(Path(f"/proc/{pid}/cgroup").read_text())
         unified = detect_layout(Path("/proc/self/mountinfo").read_text()).unified
         if path is None or unified is None:
             raise ClusterError(f"pod {namespace}/{pod} on node {self.name}: its process {pid} is in no cgroup v2")
-        return (unified / path.lstrip("/")).parent
+        return unified / path.lstrip("/")
 
     def container_pid(self, namespace: str, pod: str, container: str) -> int:
         """The host PID of a running container's process, from containerd's verbose container status."""

@@ -32,9 +32,9 @@ from gpushare.contract.errors import ContractError
 from gpushare.contract.names import DRA_CAPACITY_MEMORY, DRA_DRIVER, RESOURCE_COUNT, RESOURCE_MEM
 from gpushare.contract.resourceclaim import ClaimRef, claim_allocation
 from gpushare.contract.units import GIB
+from gpushare.holdings.node import node_inventory, node_ledger, node_usage
 from gpushare.simulate.replay import arrival_order
 from gpushare.simulate.trace import MILLI_PER_CARD, TracePod
-from gpushare.usage import node_inventory, node_ledger, node_usage
 
 GIB_BYTES = GIB.bytes
 #: the claim's one request, which the pod's container names
@@ -147,7 +147,7 @@ class Share:
 
 
 def extender_shares(nodes: Iterable[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]]) -> dict[str, list[Share]]:
-    """Per pod name, what it holds on each card by the extender's record (:func:`gpushare.usage.node_usage`,
+    """Per pod name, what it holds on each card by the extender's record (:func:`gpushare.holdings.node.node_usage`,
     the node's ledger first, then the pod's annotations), in GiB."""
     held: dict[str, list[Share]] = {}
     for node in nodes:

@@ -30,10 +30,10 @@ from gpushare.contract.inventory import parse_inventory
 from gpushare.contract.names import NODE_ANN_INVENTORY, RESOURCE_MEM
 from gpushare.contract.request import parse_pod_request, requests_gpu
 from gpushare.contract.units import MIB_BYTES, parse_host_quantity
+from gpushare.holdings.pod import holds_resources, pod_allocation
 from gpushare.kube.objects import list_nodes, list_pods
 from gpushare.placement.demand import CardRule
 from gpushare.simulate.trace import CARD_MODEL_SEPARATOR, MILLI_PER_CARD, NODE_COLUMNS, POD_COLUMNS
-from gpushare.usage import holds_resources, pod_allocation
 
 log = logging.getLogger(__name__)
 

@@ -5,17 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from gpushare.advertiser.resourceslice import (
-    OfferedCard,
-    ResourceSliceError,
-    device_changes,
-    offered_cards,
-    resource_slice,
-    slice_current,
-)
+from gpushare.advertiser.resourceslice import device_changes, resource_slice, slice_current
 
 from gpushare.cards import Card
 from gpushare.contract.dra import DraDeviceNameError, format_device_name, parse_device_name
+from gpushare.contract.resourceslice import OfferedCard, ResourceSliceError, offered_cards
 from gpushare.contract.units import GIB, MemoryUnit
 from gpushare.gpus.simulated import simulated_cards
 

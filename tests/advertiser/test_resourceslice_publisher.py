@@ -3,19 +3,23 @@ alone otherwise, and written again after someone (kubelet, at its start) deletes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
-from gpushare.advertiser.resourceslice import ResourceSliceError, resource_slice
+from gpushare.advertiser.deviceorder import ORDER_BEST_FIT
+from gpushare.advertiser.resourceslice import resource_slice
 from gpushare.advertiser.slices import SlicePublisher
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from support.inspecting import dra_claim
 from support.realapi import real_api_server
 from support.waiting import wait_until
 
+from gpushare.contract.resourceslice import ResourceSliceError
 from gpushare.contract.units import GIB, MemoryUnit
 from gpushare.gpus.backend import CardBook
 from gpushare.gpus.simulated import SimulatedBackend, simulated_cards
@@ -141,3 +145,39 @@ def test_the_running_publisher_follows_health_and_recreates_a_deleted_slice(
     finally:
         publisher.stop()
     assert not publisher.alive()
+
+
+def allocate(resource: client.ResourceV1Api, claim: dict[str, Any]) -> None:
+    """Create ``claim`` and write its allocation, as kube-scheduler does."""
+    del claim["metadata"]["uid"]
+    status = claim.pop("status")
+    created = resource.api_client.sanitize_for_serialization(resource.create_namespaced_resource_claim("team", claim))
+    resource.replace_namespaced_resource_claim_status(claim["metadata"]["name"], "team", {**created, "status": status})
+
+
+def test_best_fit_lists_the_card_a_claim_holds_first_with_one_write_per_change(
+    real_api: client.ApiClient, resource: client.ResourceV1Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    with contextlib.suppress(ApiException):
+        client.CoreV1Api(real_api).create_namespace({"metadata": {"name": "team"}})
+    publisher = SlicePublisher(real_api, "n1", SimulatedBackend("n1", SPEC), GIB, interval=3600, order=ORDER_BEST_FIT)
+    with caplog.at_level(logging.INFO, logger="gpushare.advertiser.slices"):
+        publisher.start()
+        try:
+            wait_until(publisher.ready, 10, "the first publication")
+            assert offered(resource) == ["card-0", "card-1", "card-2"]  # nothing allocated: index order
+            first = live(resource)["spec"]["pool"]["generation"]
+            allocate(resource, dra_claim("elsewhere", "n2", (0, "70Gi")))  # another node's card orders nothing
+            allocate(resource, dra_claim("train", "n1", (1, "8Gi")))
+            wait_until(lambda: offered(resource)[0] == "card-1", 10, "card 1, which a claim holds, to come first")
+            assert offered(resource) == ["card-1", "card-0", "card-2"]
+            assert live(resource)["spec"]["pool"]["generation"] == first + 1
+            resource.delete_namespaced_resource_claim("train", "team")  # released: back to index order
+            wait_until(lambda: offered(resource)[0] == "card-0", 10, "card 1 to go back to its place")
+            assert live(resource)["spec"]["pool"]["generation"] == first + 2
+        finally:
+            publisher.stop()
+            resource.delete_collection_namespaced_resource_claim("team")
+    assert f"node n1: ResourceSlice {NAME} lists its devices least free first: card-1, card-0, card-2 " in "\n".join(
+        logged(caplog)
+    )

@@ -7,8 +7,8 @@ from gpushare.cards import ENFORCED
 from gpushare.contract.allocation import CardSlice
 from gpushare.contract.units import GIB
 from gpushare.gpus.simulated import SIMULATED_LIMITS, simulated_cards
+from gpushare.holdings.pod import PodCards
 from gpushare.placement import CardRule
-from gpushare.usage import PodCards
 
 CARDS = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
 A0, A1, T4 = CARDS

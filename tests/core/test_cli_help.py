@@ -46,7 +46,7 @@ FLAGS = {
     | DEVICE_PLUGIN
     | SHIM
     | METRICS
-    | {"--no-cri-shim", "--advertise-interval", "--dra", "--dra-cards", "--kubelet-root", "--cdi-dir"}
+    | {"--no-cri-shim", "--advertise-interval", "--dra", "--dra-cards", "--dra-order", "--kubelet-root", "--cdi-dir"}
     | {"--enforcement", "--nri-socket", "--detach-cri-shim"},
     "extender": HELP
     | {"--port", "--kubeconfig", "--policy", "--host", "--health-port", "--health-host", "--max-gang-members"}

@@ -27,7 +27,7 @@ from gpushare.contract.pending import PendingBind, format_pending_binds, parse_p
 from gpushare.contract.request import parse_pod_request
 from gpushare.contract.units import GIB, format_unit, parse_unit
 from gpushare.gpus.simulated import simulated_cards
-from gpushare.usage import pod_allocation
+from gpushare.holdings.pod import pod_allocation
 
 
 def pod(containers, init=(), annotations=None, name="p", uid="u1"):

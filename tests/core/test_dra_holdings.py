@@ -11,8 +11,8 @@ from support.draclaims import CARDS, NODE, claim, claim_pod, result
 from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.resourceclaim import ClaimError
 from gpushare.contract.units import GIB
+from gpushare.holdings.dra import dra_env, dra_held, pod_claim_names
 from gpushare.memlimits.policy import pod_limits
-from gpushare.usage import dra_env, dra_held, pod_claim_names
 
 A, B = CARDS
 INVENTORY = NodeInventory(GIB, CARDS)

@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the wire formats, parsed into that plain data
     ("contract", ("gpushare.contract",)),
     # what a pod holds, and whether an assignment is valid
-    ("rules", ("gpushare.usage", "gpushare.assignment")),
+    ("rules", ("gpushare.holdings", "gpushare.assignment")),
     (
         "plumbing",
         (
@@ -305,3 +305,30 @@ def test_no_import_reaches_up_a_layer() -> None:
         if layer_rank(unit_of(target)) > layer_rank(unit_of(module))
     )
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def component_crossings(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """Each import of one component's module by another component's, as ``importer -> imported``."""
+    components = dict(LAYERS)["components"]
+    return sorted(
+        f"{module} -> {target}"
+        for module, imported in graph.items()
+        for target in imported
+        if unit_of(module) in components and unit_of(target) in components and unit_of(target) != unit_of(module)
+    )
+
+
+def test_no_component_imports_another() -> None:
+    """A rule two components read lives below them (``contract/``, ``holdings/``), where a reader finds it
+    by its name, not inside one of them. Running several components together is the commands' job, above
+    them (``gpushare.node`` runs the node-side ones in one process, ``gpushare.cli`` starts each), so no
+    import between two components is needed, and none is allowed."""
+    assert component_crossings(
+        {
+            "gpushare.extender.dra": {"gpushare.advertiser.resourceslice", "gpushare.contract.dra"},
+            "gpushare.extender.bind": {"gpushare.extender.cache"},
+            "gpushare.node": {"gpushare.advertiser.agent"},
+        }
+    ) == ["gpushare.extender.dra -> gpushare.advertiser.resourceslice"]
+    crossings = component_crossings(import_graph())
+    assert not crossings, "imports between components (move what they share below them):\n" + "\n".join(crossings)

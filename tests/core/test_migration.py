@@ -27,8 +27,8 @@ from gpushare.contract.names import (
     RESOURCE_MEM,
 )
 from gpushare.contract.units import GIB
+from gpushare.holdings.node import node_inventory, node_usage
 from gpushare.inspection.views import build_node
-from gpushare.usage import node_inventory, node_usage
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -26,7 +26,7 @@ from gpushare.contract.units import (
     parse_host_quantity,
     parse_unit,
 )
-from gpushare.usage import inferred_inventory
+from gpushare.holdings.node import inferred_inventory
 
 BEYOND = "9" * 30
 

@@ -11,7 +11,8 @@ from gpushare.contract.pending import LedgerError, PendingBind, format_pending_b
 from gpushare.contract.request import parse_pod_request
 from gpushare.contract.units import GIB
 from gpushare.gpus.simulated import simulated_cards
-from gpushare.usage import capped, node_usage, pod_allocation
+from gpushare.holdings.node import node_usage
+from gpushare.holdings.pod import capped, pod_allocation
 
 CARDS = simulated_cards("n1", "2xA100-80GB:81920,1xT4:15360")
 A0, A1, T4 = CARDS

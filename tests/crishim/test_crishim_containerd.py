@@ -51,7 +51,7 @@ from support.waiting import wait_until
 
 from gpushare.contract.allocation import CardSlice, format_allocation
 from gpushare.contract.dra import format_claim_env_key
-from gpushare.contract.env import assigned_env
+from gpushare.contract.env import assigned_env, toolkit_memory_env
 from gpushare.contract.names import (
     ANN_ALLOCATION,
     CRI_LABEL_CONTAINER_NAME,
@@ -168,7 +168,7 @@ def sandbox_config(pod: str, uid: str, annotations: dict[str, str] | None = None
 def plugin_answer(pod: str, uid: str, container: str, slices: tuple[CardSlice, ...]) -> dict[str, Any]:
     """What our device plugin's Allocate answer puts into a container it believes belongs to ``pod``."""
     return {
-        "envs": assigned_env(slices, sum(s.units for s in slices), UNITS),
+        "envs": assigned_env(slices, sum(s.units for s in slices), UNITS) | toolkit_memory_env(slices, GIB.mib),
         "annotations": {
             CTR_ANN_POD_UID: uid,
             CTR_ANN_POD: f"default/{pod}",

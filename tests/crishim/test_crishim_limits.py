@@ -3,12 +3,19 @@ the driver's limit goes on the pod's cgroup, on the cards that enforce limits, a
 doesn't set refuses the container. A pod's share includes what its ResourceClaims were allocated; a
 claim that can't be read refuses the container too. When the shim starts, the running pods' cgroups
 get their limits again, and when a pod's sandbox ends (StopPodSandbox, RemovePodSandbox) the shim
-takes them off its cgroup once the runtime has stopped it; kubelet's call goes on unchanged."""
+takes them off its cgroup once the runtime has stopped it; kubelet's call goes on unchanged.
+
+A GPU container's own cgroup gets its share too, soft 0, as kubelet starts it (StartContainer): the
+shim makes the cgroup its runtime spec names, sets the limits, and only then forwards the call; a limit
+the driver doesn't set, or a runtime that doesn't say what the container is, refuses the start. At the
+shim's start the running GPU containers get theirs, and the pod cgroups of pods that ended while it was
+away, which the runtime no longer lists, are found and cleared."""
 
 from __future__ import annotations
 
 import json
 import logging
+import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -18,10 +25,13 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.json_format import MessageToDict
+from gpushare.crishim.edge import cgroup_parent
 from gpushare.crishim.ending import SandboxEnd
-from gpushare.crishim.reconcile import cgroup_parent, clear_stopped, reconcile_limits
+from gpushare.crishim.reconcile import clear_stopped, reconcile_limits
 from gpushare.crishim.server import DECIDE_WORKERS, CreateContainerGuard, CriShim
 from gpushare.crishim.splice import Forward, Refuse
+from gpushare.crishim.starting import ContainerStart
 from support.cri import plain_config, plugin_config, request_for
 from support.crishim import A0, A1, CARDS, POD, FakePods, allocation_of, pod_dict, slice_of
 from support.draclaims import claim, claim_pod, result
@@ -35,6 +45,7 @@ from gpushare.memlimits.cgroups import V2 as CGROUP_V2
 from gpushare.memlimits.cgroups import CgroupLayout
 from gpushare.memlimits.enforcer import NO_HARD_LIMIT, MemoryLimitError, PodLimiter
 from gpushare.pb import cri_pb2, cri_pb2_grpc
+from gpushare.sandbox.containerd import TEST_IMAGE, Containerd, containerd_available, running_containerd
 from gpushare.settings import RewriteOptions
 
 ROOT = Path("/sys/fs/cgroup")
@@ -215,16 +226,70 @@ def test_a_dra_pod_whose_claims_cant_be_counted_is_refused_naming_the_claim(pods
 # --- the running pods' limits when the shim starts ------------------------------------------------------------
 
 
+def pod_cgroup(uid: str) -> str:
+    """The cgroup kubelet gives the pod ``uid`` (cgroupfs driver, burstable)."""
+    return f"/kubepods/burstable/pod{uid}"
+
+
 class Sandboxes(cri_pb2_grpc.RuntimeServiceServicer):
-    """A runtime whose ready sandboxes are those of the pods it is given, each in its own cgroup."""
+    """A runtime whose ready sandboxes are those of the pods it is given, each in its own cgroup, and
+    whose containers, each in a cgroup of its own inside its pod's, are those it is given."""
 
     def __init__(self, *pods: Target) -> None:
         self.pods = pods
         #: pods with a stopped sandbox (id ``old-<uid>``) as well
         self.stopped: tuple[Target, ...] = ()
-        #: what happened, in order: ("stop", sandbox id), as the limits' Driver below records ("set", ...)
+        #: each pod's annotations, by pod UID
+        self.annotations: dict[str, dict[str, str]] = {}
+        #: container id -> (its pod's UID, its config as the runtime keeps it, its state)
+        self.containers: dict[str, tuple[str, cri_pb2.ContainerConfig, int]] = {}
+        #: what happened, in order: ("stop", sandbox id), ("start", container id), as the limits' Driver
+        #: below records ("set", card UUID)
         self.calls: list[tuple[str, str]] = []
         self.stop_fails = False
+        #: ContainerStatus answers with this code, as a runtime that is restarting does
+        self.status_fails: grpc.StatusCode | None = None
+        #: where the containers' cgroups are; StartContainer notes whether the container's was there
+        self.cgroup_root: Path | None = None
+        self.cgroup_there: dict[str, bool] = {}
+
+    def add_container(self, id_: str, pod: Target, config: cri_pb2.ContainerConfig, state: int) -> str:
+        """A container of ``pod`` (whose sandbox is ready), as kubelet created it; its cgroup path."""
+        self.containers[id_] = (pod.uid, config, state)
+        return f"{pod_cgroup(pod.uid)}/{id_}"
+
+    def ListContainers(self, request: Any, context: Any) -> cri_pb2.ListContainersResponse:
+        wanted = request.filter.state.state if request.filter.HasField("state") else None
+        return cri_pb2.ListContainersResponse(
+            containers=[
+                cri_pb2.Container(id=id_, pod_sandbox_id=f"sb-{uid}", metadata=config.metadata, state=state)
+                for id_, (uid, config, state) in self.containers.items()
+                if wanted is None or state == wanted
+            ]
+        )
+
+    def ContainerStatus(self, request: Any, context: Any) -> cri_pb2.ContainerStatusResponse:
+        """As containerd 2 answers a verbose status: the container's config and runtime spec in ``info``."""
+        if self.status_fails is not None:
+            context.abort(self.status_fails, "the runtime is restarting")
+        if request.container_id not in self.containers:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"container {request.container_id!r} not found")
+        uid, config, state = self.containers[request.container_id]
+        info = {
+            "sandboxID": f"sb-{uid}",
+            "config": MessageToDict(config, preserving_proto_field_name=True),
+            "runtimeSpec": {"linux": {"cgroupsPath": f"{pod_cgroup(uid)}/{request.container_id}"}},
+        }
+        status = cri_pb2.ContainerStatus(id=request.container_id, metadata=config.metadata, state=state)
+        return cri_pb2.ContainerStatusResponse(status=status, info={"info": json.dumps(info)})
+
+    def StartContainer(self, request: Any, context: Any) -> cri_pb2.StartContainerResponse:
+        self.calls.append(("start", request.container_id))
+        if self.cgroup_root is not None:
+            uid = self.containers[request.container_id][0]
+            cgroup = self.cgroup_root.joinpath(pod_cgroup(uid).lstrip("/"), request.container_id)
+            self.cgroup_there[request.container_id] = cgroup.is_dir()
+        return cri_pb2.StartContainerResponse()
 
     def ListPodSandbox(self, request: Any, context: Any) -> cri_pb2.ListPodSandboxResponse:
         return cri_pb2.ListPodSandboxResponse(
@@ -233,6 +298,7 @@ class Sandboxes(cri_pb2_grpc.RuntimeServiceServicer):
                     id=f"sb-{p.uid}",
                     metadata=cri_pb2.PodSandboxMetadata(name=p.pod, namespace=p.namespace, uid=p.uid),
                     state=cri_pb2.SANDBOX_READY,
+                    annotations=self.annotations.get(p.uid, {}),
                 )
                 for p in self.pods
             ]
@@ -251,9 +317,10 @@ class Sandboxes(cri_pb2_grpc.RuntimeServiceServicer):
         pod = next((p for p in (*self.pods, *self.stopped) if p.uid == uid), None)
         if pod is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"sandbox {request.pod_sandbox_id} not found")
-        info = {"config": {"linux": {"cgroup_parent": f"/kubepods/burstable/pod{uid}"}}}
+        info = {"config": {"linux": {"cgroup_parent": pod_cgroup(uid)}}}
         meta = cri_pb2.PodSandboxMetadata(name=pod.pod, namespace=pod.namespace, uid=pod.uid)
-        status = cri_pb2.PodSandboxStatus(id=request.pod_sandbox_id, metadata=meta)
+        annotations = self.annotations.get(uid, {})
+        status = cri_pb2.PodSandboxStatus(id=request.pod_sandbox_id, metadata=meta, annotations=annotations)
         return cri_pb2.PodSandboxStatusResponse(status=status, info={"info": json.dumps(info)})
 
     def StopPodSandbox(self, request: Any, context: Any) -> cri_pb2.StopPodSandboxResponse:
@@ -287,7 +354,7 @@ def test_running_dra_pods_get_their_limits_when_the_shim_starts(
     driver = Driver()
     with caplog.at_level(logging.ERROR, logger="gpushare.crishim.reconcile"):
         done = reconcile_limits(address, Resolver(GIB, pods), PodLimiter(driver, V2, GIB), lambda: ENFORCING)
-    assert done == (1, 1)
+    assert (done.pods, done.pods_failed) == (1, 1)
     pod = ROOT / "kubepods" / "burstable" / "poduid-train"
     assert driver.set == [(A0.uuid, pod, 12 << 30, 12 << 30), (A1.uuid, pod, 20 << 30, 20 << 30)]
     assert [r.getMessage() for r in caplog.records] == [
@@ -460,3 +527,276 @@ def test_sandboxes_slow_to_stop_never_hold_up_a_containers_check(
     finally:
         gate.set()
         shim.stop()
+
+
+# --- a GPU container's own limits as it starts ----------------------------------------------------------------
+
+WORKER_ID, SIDECAR_ID = "ctr-worker", "ctr-sidecar"
+#: the worker's share: 8 GiB of A0 and 20 GiB of A1 (the T4 enforces no limits)
+WORKER_SLICES = (slice_of(A0, 8), slice_of(A1, 20))
+
+
+def starting(address: str, sandboxes: Sandboxes, root: Path, refuse_on: str = "") -> tuple[ContainerStart, Driver]:
+    """The shim's StartContainer check on the runtime ``sandboxes``, whose pod default/train has a GPU
+    worker and a sidecar with no GPU, both created; the pod's cgroup is under ``root``."""
+    sandboxes.pods = (POD,)
+    sandboxes.annotations[POD.uid] = allocation_of(worker=WORKER_SLICES)
+    sandboxes.add_container(WORKER_ID, POD, plugin_config(POD, list(WORKER_SLICES)), cri_pb2.CONTAINER_CREATED)
+    sandboxes.add_container(SIDECAR_ID, POD, plain_config(("PATH", "/bin")), cri_pb2.CONTAINER_CREATED)
+    sandboxes.cgroup_root = root
+    (root / pod_cgroup(POD.uid).lstrip("/")).mkdir(parents=True)
+    driver = OrderedDriver(sandboxes.calls, refuse_on)
+    limiter = PodLimiter(driver, CgroupLayout(CGROUP_V2, root), GIB)
+    enforcer = CreateContainerGuard(Resolver(GIB, None), lambda: ENFORCING, GIB, RewriteOptions(), None, limiter)
+    return ContainerStart(address, enforcer), driver
+
+
+def start_through_shim(tmp_path: Path, address: str, start: ContainerStart, container: str) -> None:
+    """Kubelet's StartContainer of ``container``, through a shim that checks it with ``start``."""
+    shim = CriShim(f"unix://{tmp_path}/shim.sock", address, guard(Driver()), None, start)
+    shim.start()
+    try:
+        with grpc.insecure_channel(shim.address) as channel:
+            request = cri_pb2.StartContainerRequest(container_id=container)
+            cri_pb2_grpc.RuntimeServiceStub(channel).StartContainer(request, timeout=10)
+    finally:
+        shim.stop()
+        start.close()
+
+
+def test_a_gpu_containers_start_gets_its_own_cgroup_limited_to_its_share_before_the_runtime_starts_it(
+    runtime: tuple[str, Sandboxes], tmp_path: Path
+) -> None:
+    address, sandboxes = runtime
+    start, driver = starting(address, sandboxes, tmp_path)
+    start_through_shim(tmp_path, address, start, WORKER_ID)
+    cgroup = tmp_path / "kubepods" / "burstable" / f"pod{POD.uid}" / WORKER_ID  # as its runtime spec names it
+    assert driver.set == [(A0.uuid, cgroup, 0, 8 << 30), (A1.uuid, cgroup, 0, 20 << 30)]
+    assert sandboxes.calls == [("set", A0.uuid), ("set", A1.uuid), ("start", WORKER_ID)]
+    assert sandboxes.cgroup_there == {WORKER_ID: True}  # made before the runtime's runc would
+
+
+def test_a_container_without_a_gpu_starts_untouched(runtime: tuple[str, Sandboxes], tmp_path: Path) -> None:
+    address, sandboxes = runtime
+    start, driver = starting(address, sandboxes, tmp_path)
+    start_through_shim(tmp_path, address, start, SIDECAR_ID)
+    assert sandboxes.calls == [("start", SIDECAR_ID)]
+    assert driver.set == []  # not one call to the driver
+    assert sandboxes.cgroup_there == {SIDECAR_ID: False}  # its cgroup is the runtime's to make
+
+
+def test_a_limit_the_driver_does_not_set_refuses_the_start_naming_pod_container_and_card(
+    runtime: tuple[str, Sandboxes], tmp_path: Path
+) -> None:
+    address, sandboxes = runtime
+    start, _ = starting(address, sandboxes, tmp_path, refuse_on=A1.uuid)
+    with pytest.raises(grpc.RpcError) as raised:
+        start_through_shim(tmp_path, address, start, WORKER_ID)
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = raised.value.details()
+    assert details.startswith(f"pod default/train container worker: card 1 ({A1.uuid}): the driver did not set")
+    assert "NVML_ERROR_UNKNOWN" in details
+    assert ("start", WORKER_ID) not in sandboxes.calls
+
+
+@pytest.mark.parametrize("how", ["restarting", "no-socket"])
+def test_a_runtime_that_does_not_say_what_the_container_is_refuses_its_start(
+    runtime: tuple[str, Sandboxes], tmp_path: Path, how: str
+) -> None:
+    address, sandboxes = runtime
+    start, driver = starting(address, sandboxes, tmp_path)
+    if how == "restarting":
+        sandboxes.status_fails = grpc.StatusCode.UNAVAILABLE
+    else:
+        start.close()
+        start = ContainerStart(f"unix://{tmp_path}/gone.sock", start.enforcer)
+    request = cri_pb2.StartContainerRequest(container_id=WORKER_ID).SerializeToString()
+    try:
+        verdict = start(request)
+    finally:
+        start.close()
+    assert isinstance(verdict, Refuse) and verdict.code == grpc.StatusCode.UNAVAILABLE
+    assert verdict.message.startswith(f"container {WORKER_ID} not started: its GPU memory limits can't be set")
+    assert driver.set == []
+
+
+def test_a_container_the_runtime_does_not_know_is_forwarded_for_its_own_answer(
+    runtime: tuple[str, Sandboxes], tmp_path: Path
+) -> None:
+    address, sandboxes = runtime
+    start, driver = starting(address, sandboxes, tmp_path)
+    request = cri_pb2.StartContainerRequest(container_id="ctr-gone").SerializeToString()
+    try:
+        assert start(request) == Forward(request)
+    finally:
+        start.close()
+    assert driver.set == []
+
+
+def test_running_gpu_containers_get_their_own_limits_when_the_shim_starts(
+    runtime: tuple[str, Sandboxes], tmp_path: Path
+) -> None:
+    address, sandboxes = runtime
+    starting(address, sandboxes, tmp_path)[0].close()
+    for id_ in (WORKER_ID, SIDECAR_ID):
+        uid, config, _ = sandboxes.containers[id_]
+        sandboxes.containers[id_] = (uid, config, cri_pb2.CONTAINER_RUNNING)
+    sandboxes.add_container("ctr-old", POD, plugin_config(POD, list(WORKER_SLICES)), cri_pb2.CONTAINER_EXITED)
+    pod = tmp_path / "kubepods" / "burstable" / f"pod{POD.uid}"
+    for id_ in (WORKER_ID, SIDECAR_ID):
+        (pod / id_).mkdir()  # running: the runtime made them
+    driver = Driver()
+    limiter = PodLimiter(driver, CgroupLayout(CGROUP_V2, tmp_path), GIB)
+    done = reconcile_limits(address, Resolver(GIB, None), limiter, lambda: ENFORCING)
+    assert (done.pods, done.pods_failed, done.containers, done.containers_failed) == (1, 0, 1, 0)
+    worker = pod / WORKER_ID
+    assert driver.set == [
+        (A0.uuid, pod, 8 << 30, 8 << 30),
+        (A1.uuid, pod, 20 << 30, 20 << 30),
+        (A0.uuid, worker, 0, 8 << 30),
+        (A1.uuid, worker, 0, 20 << 30),
+    ]
+
+
+def test_a_running_containers_limit_the_driver_does_not_set_is_logged_naming_pod_container_and_card(
+    runtime: tuple[str, Sandboxes], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    address, sandboxes = runtime
+    starting(address, sandboxes, tmp_path)[0].close()
+    uid, config, _ = sandboxes.containers[WORKER_ID]
+    sandboxes.containers[WORKER_ID] = (uid, config, cri_pb2.CONTAINER_RUNNING)
+    driver = OrderedDriver([], refuse_on=A1.uuid)
+    limiter = PodLimiter(driver, CgroupLayout(CGROUP_V2, tmp_path), GIB)
+    with caplog.at_level(logging.ERROR, logger="gpushare.crishim.reconcile"):
+        done = reconcile_limits(address, Resolver(GIB, None), limiter, lambda: ENFORCING)
+    assert (done.pods_failed, done.containers, done.containers_failed) == (1, 0, 1)
+    container_errors = [r.getMessage() for r in caplog.records if "running container's" in r.getMessage()]
+    assert len(container_errors) == 1
+    assert container_errors[0].startswith(
+        f"running container's memory limits not set: pod default/train container worker: card 1 ({A1.uuid}): "
+        "the driver did not set the container's memory limit"
+    )
+
+
+# --- the start-up sweep of pods that ended while the shim was away ---------------------------------------------
+
+RUNNING = Target("default", "running", "0a0a0a0a-1111-4111-8111-000000000001", "")
+ENDED_UID = "0a0a0a0a-1111-4111-8111-000000000002"
+BUSY_UID = "0a0a0a0a-1111-4111-8111-000000000003"
+
+
+def cgroup_with(path: Path, populated: bool) -> Path:
+    """A cgroup directory as the kernel shows it: whether a process runs in it or below it."""
+    path.mkdir(parents=True)
+    (path / "cgroup.events").write_text(f"populated {int(populated)}\nfrozen 0\n")
+    return path
+
+
+def test_the_sweep_clears_an_ended_pods_cgroup_and_its_childrens_and_leaves_one_a_process_runs_in(
+    runtime: tuple[str, Sandboxes], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The runtime no longer knows the ended pod's sandboxes: its cgroup is found beside the running pod's."""
+    address, sandboxes = runtime
+    sandboxes.pods = (RUNNING,)
+    kubepods = tmp_path / "kubepods"
+    running = cgroup_with(kubepods / "burstable" / f"pod{RUNNING.uid}", populated=True)
+    ended = cgroup_with(kubepods / "burstable" / f"pod{ENDED_UID}", populated=False)
+    ended_container = cgroup_with(ended / "ctr-left", populated=False)
+    busy = cgroup_with(kubepods / "besteffort" / f"pod{BUSY_UID}", populated=True)
+    driver = Driver()
+    limiter = PodLimiter(driver, CgroupLayout(CGROUP_V2, tmp_path), GIB)
+    with caplog.at_level(logging.INFO, logger="gpushare.crishim.reconcile"):
+        done = reconcile_limits(address, Resolver(GIB, None), limiter, lambda: ENFORCING)
+    assert done.swept == 1
+    cleared = [(uuid, cgroup) for uuid, cgroup, soft, hard in driver.set if (soft, hard) == (0, NO_HARD_LIMIT)]
+    assert cleared == [(A0.uuid, ended_container), (A1.uuid, ended_container), (A0.uuid, ended), (A1.uuid, ended)]
+    assert not any(cgroup in (running, busy) for _, cgroup, *_ in driver.set)
+    assert "memory limits cleared on 1 stale pod cgroup(s)" in caplog.text
+
+
+# --- through a real containerd --------------------------------------------------------------------------------
+
+needs_containerd = pytest.mark.skipif(containerd_available() is not None, reason=str(containerd_available()))
+TRAIN_UID = "0a0a0a0a-1111-4111-8111-0000000000aa"
+
+
+@pytest.fixture(scope="module")
+def containerd() -> Iterator[Containerd]:
+    with running_containerd(Path(tempfile.mkdtemp(prefix="gs-ctrd-"))) as daemon:
+        yield daemon
+
+
+class StateNotingDriver(Driver):
+    """Notes, with each limit, the state the runtime gives the container then (None: not created yet)."""
+
+    def __init__(self, runtime: cri_pb2_grpc.RuntimeServiceStub, container: list[str]) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.container = container
+        self.states: list[int | None] = []
+
+    def __call__(self, uuid: str, cgroup: Path, soft: int, hard: int) -> None:
+        state = None
+        if self.container:
+            request = cri_pb2.ContainerStatusRequest(container_id=self.container[0])
+            state = self.runtime.ContainerStatus(request, timeout=10).status.state
+        self.states.append(state)
+        super().__call__(uuid, cgroup, soft, hard)
+
+
+@needs_containerd
+def test_containerds_start_of_a_gpu_container_through_the_shim_waits_for_its_limits(
+    containerd: Containerd, tmp_path: Path
+) -> None:
+    """The cgroup the shim limits is the one containerd's runtime spec names, and the limits are set
+    while the container is still only created; then containerd starts it."""
+    target = Target("default", "train", TRAIN_UID, "worker")
+    sandbox = cri_pb2.PodSandboxConfig(
+        metadata=cri_pb2.PodSandboxMetadata(name=target.pod, namespace=target.namespace, uid=target.uid),
+        annotations=allocation_of(worker=WORKER_SLICES),
+        linux=cri_pb2.LinuxPodSandboxConfig(
+            cgroup_parent=pod_cgroup(TRAIN_UID),
+            security_context=cri_pb2.LinuxSandboxSecurityContext(
+                namespace_options=cri_pb2.NamespaceOption(network=cri_pb2.NODE)
+            ),
+        ),
+    )
+    config = plugin_config(target, list(WORKER_SLICES))
+    del config.devices[:], config.CDI_devices[:]  # no such nodes here
+    config.image.image = TEST_IMAGE
+    config.command[:] = ["sleep", "3600"]
+    (tmp_path / pod_cgroup(TRAIN_UID).lstrip("/")).mkdir(parents=True)  # kubelet's, before the sandbox
+    direct = grpc.insecure_channel(containerd.address)
+    runtime = cri_pb2_grpc.RuntimeServiceStub(direct)
+    created: list[str] = []
+    driver = StateNotingDriver(runtime, created)
+    limiter = PodLimiter(driver, CgroupLayout(CGROUP_V2, tmp_path), GIB)
+    enforcer = CreateContainerGuard(Resolver(GIB, None), lambda: ENFORCING, GIB, RewriteOptions(), None, limiter)
+    start = ContainerStart(containerd.address, enforcer)
+    shim = CriShim(f"unix://{tmp_path}/shim.sock", containerd.address, enforcer, None, start)
+    shim.start()
+    sandbox_id = ""
+    try:
+        with grpc.insecure_channel(shim.address) as channel:
+            kubelet = cri_pb2_grpc.RuntimeServiceStub(channel)
+            sandbox_id = kubelet.RunPodSandbox(cri_pb2.RunPodSandboxRequest(config=sandbox), timeout=60).pod_sandbox_id
+            create = cri_pb2.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=sandbox)
+            created.append(kubelet.CreateContainer(create, timeout=60).container_id)
+            pod_limits = len(driver.set)
+            assert pod_limits == 2  # CreateContainer set the pod's, one per enforcing card
+            kubelet.StartContainer(cri_pb2.StartContainerRequest(container_id=created[0]), timeout=60)
+        status_request = cri_pb2.ContainerStatusRequest(container_id=created[0], verbose=True)
+        status = runtime.ContainerStatus(status_request, timeout=10)
+        cgroups_path = json.loads(status.info["info"])["runtimeSpec"]["linux"]["cgroupsPath"]
+        cgroup = tmp_path / cgroups_path.lstrip("/")
+        assert cgroup.parent == tmp_path / pod_cgroup(TRAIN_UID).lstrip("/") and cgroup.is_dir()
+        assert driver.set[pod_limits:] == [(A0.uuid, cgroup, 0, 8 << 30), (A1.uuid, cgroup, 0, 20 << 30)]
+        assert driver.states[pod_limits:] == [cri_pb2.CONTAINER_CREATED] * 2
+        assert status.status.state == cri_pb2.CONTAINER_RUNNING
+    finally:
+        shim.stop()
+        start.close()
+        if sandbox_id:
+            runtime.StopPodSandbox(cri_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60)
+            runtime.RemovePodSandbox(cri_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60)
+        direct.close()

@@ -329,6 +329,23 @@ def test_the_dra_steering_value_is_the_extenders_flag_and_off_by_default() -> No
     assert "--dra-steering" not in plain["args"] and "--dra-steering" in steering["args"]
 
 
+def test_the_dra_order_value_is_the_node_agents_flag_and_best_fit_lets_it_watch_claims() -> None:
+    def claim_verbs(objects: list[dict[str, Any]]) -> list[str]:
+        rules = one(objects, "ClusterRole", "gpushare-node-agent")["rules"]
+        (verbs,) = [r["verbs"] for r in rules if r["resources"] == ["resourceclaims"]]
+        return verbs
+
+    plain = render("dra.enabled=true")
+    assert "--dra-order=index" in args_of(plain, "DaemonSet", "gpushare-node-agent")
+    assert claim_verbs(plain) == ["get"]
+    best_fit = render("dra.enabled=true", "dra.order=best-fit")
+    assert "--dra-order=best-fit" in args_of(best_fit, "DaemonSet", "gpushare-node-agent")
+    assert claim_verbs(best_fit) == ["get", "list", "watch"]
+    assert claim_verbs(render("dra.order=best-fit")) == ["get"]  # no DRA, no slice to order
+    done = helm("template", "gpushare", str(CHART), *TARGET, "--set=dra.enabled=true", "--set=dra.order=tightest")
+    assert done.returncode != 0 and 'dra.order: "tightest" is not one of index, best-fit' in done.stderr
+
+
 # --- certificates made outside the chart, for GitOps ------------------------------------------------------
 
 #: values that name the operator's own Secrets (certificates.source secrets), webhook included

@@ -63,6 +63,11 @@ def test_answer_carries_the_cards_env_and_the_annotations_for_the_cri_shim() -> 
         ENV_MEM_POD: "8",
         ENV_MEM_CONTAINER: "6",
         ENV_MEM_DEV: "80",
+        # NVIDIA's toolkit hook, where installed, sets the same 6 GiB cap and no guarantee
+        "NVIDIA_GPU_MEMORY_LIMITS": "6144",
+        "NVIDIA_GPU_MEMORY_LIMIT": "6144",
+        "NVIDIA_GPU_MEMORY_REQUESTS": "0",
+        "NVIDIA_GPU_MEMORY_REQUEST": "0",
     }
     assert decision.annotations == {
         CTR_ANN_POD_UID: "u-1",

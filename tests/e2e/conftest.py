@@ -28,10 +28,10 @@ from support.waiting import wait_until
 
 from gpushare.contract.allocation import CardSlice
 from gpushare.contract.names import ANN_MEM_IDX, RESOURCE_MEM
+from gpushare.holdings.pod import pod_allocation
 from gpushare.kube.objects import get_pod
 from gpushare.kube.transport import load_api
 from gpushare.sandbox.realcluster import RealCluster, as_sandbox_pod, realcluster_available
-from gpushare.usage import pod_allocation
 
 E2E_DIR = Path(__file__).parent
 UNAVAILABLE = realcluster_available()

@@ -21,7 +21,7 @@ from gpushare.contract.names import (
     RESOURCE_COUNT,
     RESOURCE_MEM,
 )
-from gpushare.usage import holds_resources
+from gpushare.holdings.pod import holds_resources
 
 from .conftest import API_POLL, SECOND_SCHEDULER, Pods, assert_sees_assigned_cards, pod_manifest
 

@@ -36,9 +36,10 @@ from gpushare.contract.pending import PendingBind, format_pending_binds, parse_p
 from gpushare.contract.request import parse_pod_request
 from gpushare.contract.units import GIB
 from gpushare.gpus.simulated import SimulatedBackend
+from gpushare.holdings.node import node_usage
+from gpushare.holdings.pod import held_units, pod_allocation
 from gpushare.kube.objects import get_pod, list_nodes
 from gpushare.sandbox import apiserver as standin
-from gpushare.usage import held_units, node_usage, pod_allocation
 
 
 def test_filter_node_names_mode_with_reasons(cluster: Cluster) -> None:

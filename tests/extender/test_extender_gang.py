@@ -137,7 +137,12 @@ def test_members_go_only_to_nodes_whose_taints_they_tolerate(cluster: Cluster) -
     cluster.core.patch_node("n1", {"spec": {"taints": [{"key": "team", "value": "vision", "effect": "NoSchedule"}]}})
     tolerates = {"tolerations": [{"key": "team", "value": "vision", "effect": "NoSchedule"}]}
     pods = seen(cluster, [member(cluster, f"w{i}", "duo", 2, gib=10) for i in range(2)])
-    wait_until(lambda: cluster.extender.cache.nodes.get("n1")["spec"].get("taints"), what="the taint in the cache")
+
+    def tainted() -> object:
+        """n1's taints as the cache has them: it holds n1 without a spec until the watch brings the patch."""
+        return ((cluster.extender.cache.nodes.get("n1") or {}).get("spec") or {}).get("taints")
+
+    wait_until(tainted, what="the taint in the cache")
     # 10 GiB each: the A10 on n2 takes two, and the tainted n1 is left alone
     assert cluster.filter(pods[0])["NodeNames"] == ["n2"]
     assert holds(cluster, "n1") == {} and len(holds(cluster, "n2")) == 2

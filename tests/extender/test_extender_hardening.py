@@ -15,9 +15,9 @@ from support.extender import Cluster
 from gpushare.contract.aliyun import parse_assume_time
 from gpushare.contract.errors import ContractError
 from gpushare.contract.names import ANN_ALLOCATION, ENV_MEM_PREFIX, RESOURCE_MEM
+from gpushare.holdings.pod import pod_allocation
 from gpushare.kube import transport
 from gpushare.sandbox import apiserver as standin
-from gpushare.usage import pod_allocation
 
 
 def annotations(cluster: Cluster, name: str) -> dict[str, str]:

@@ -1,10 +1,12 @@
-"""What the machine's NVIDIA driver says, read without gpushare: ``nvidia-smi``, ``/proc/driver/nvidia``
-and sysfs. Also the environment in which a child process loads the real driver library and never the
-fake one (``gpushare/sandbox/fakenvml``), and the test-owned cgroups the limit checks run in."""
+"""What the machine's NVIDIA driver says, read without gpushare: ``nvidia-smi``, ``/proc/driver/nvidia``,
+sysfs and the cgroup files. Also the environment in which a child process loads the real driver library
+and never the fake one (``gpushare/sandbox/fakenvml``), the test-owned cgroups the limit checks run in,
+and the figures a run reports (:data:`FIGURES`, printed at its end by ``conftest.py``)."""
 
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import re
@@ -13,9 +15,10 @@ import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpushare.memlimits.enforcer import NO_HARD_LIMIT
 from gpushare.sandbox import fakenvml
 
 HERE = Path(__file__).parent
@@ -23,6 +26,14 @@ DRIVER_VERSION_FILE = Path("/proc/driver/nvidia/version")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: the first driver release with per-cgroup memory limits (nvmlDeviceSetMemoryLimits_v1)
 LIMITS_RELEASE = 615
+
+#: what the checks measured, one line each, for whoever reports on the machine
+FIGURES: list[str] = []
+
+
+def figure(line: str) -> None:
+    if line not in FIGURES:
+        FIGURES.append(line)
 
 
 def real_env() -> dict[str, str]:
@@ -40,7 +51,10 @@ _FAKE_MARK = b"fake NVML:"
 
 
 def _holds_fake(directory: Path) -> bool:
-    library = directory / fakenvml.LIBRARY
+    return _is_fake(directory / fakenvml.LIBRARY)
+
+
+def _is_fake(library: Path) -> bool:
     try:
         return _FAKE_MARK in library.read_bytes()
     except OSError:
@@ -85,7 +99,7 @@ def no_driver() -> str | None:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return f"no NVIDIA driver: libnvidia-ml.so.1 can't be used: {last}"
     version, *library = done.stdout.split()
-    if library and _FAKE_MARK in Path(library[0]).read_bytes():
+    if library and _is_fake(Path(library[0])):
         return f"no NVIDIA driver: the libnvidia-ml.so.1 found ({library[0]}) is gpushare's fake"
     if DRIVER_VERSION_FILE.exists() and version not in DRIVER_VERSION_FILE.read_text():
         return f"no NVIDIA driver: libnvidia-ml.so.1 is driver {version}, the kernel module is not"
@@ -98,7 +112,7 @@ class SmiCard:
     uuid: str
     name: str
     memory_mib: int
-    reserved_mib: int
+    reserved_mib: int | None  # None where nvidia-smi says [N/A]
     bus_id: str  # sysfs form: 0000:18:00.0
     mig: bool
 
@@ -111,9 +125,9 @@ def smi_cards() -> list[SmiCard]:
     out = run(["nvidia-smi", f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"])
     cards = []
     for row in csv.reader(line for line in out.splitlines() if line.strip()):
-        index, uuid, name, total, reserved, bus, mig = (field.strip() for field in row)
+        index, uuid, name, total, reserved, bus, mig = (cell.strip() for cell in row)
         cards.append(
-            SmiCard(int(index), uuid, name, int(total), int(reserved) if reserved.isdigit() else 0, sysfs_bus(bus),
+            SmiCard(int(index), uuid, name, int(total), int(reserved) if reserved.isdigit() else None, sysfs_bus(bus),
                     mig == "Enabled")
         )  # fmt: skip
     return cards
@@ -167,10 +181,21 @@ def nvlink_pairs(count: int) -> set[frozenset[int]]:
     return pairs
 
 
+def driver_version() -> str:
+    """The driver's version (580.95.05), as nvidia-smi reports it."""
+    return run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).split()[0]
+
+
 def driver_release() -> int:
-    """The driver's major release (580 for 580.95.05), as nvidia-smi reports it."""
-    out = run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-    return int(out.split()[0].split(".")[0])
+    """The driver's major release (580 for 580.95.05)."""
+    return int(driver_version().split(".")[0])
+
+
+def binding_has_limits() -> bool:
+    """Whether the installed NVML binding (nvidia-ml-py) has the per-cgroup memory-limit calls."""
+    import pynvml
+
+    return hasattr(pynvml, "nvmlDeviceGetMemoryLimits_v1")
 
 
 def cgroup_fs() -> str:
@@ -186,6 +211,45 @@ def sandboxed() -> str | None:
     """What says this machine is a sandboxed runtime (gVisor), or None."""
     version = Path("/proc/version").read_text().strip()
     return f"gVisor (/proc/version: {version!r})" if version.startswith(_GVISOR_VERSION) else None
+
+
+def dmem_capacity() -> list[str] | None:
+    """The nvidia lines of ``/sys/fs/cgroup/dmem.capacity`` (one per card, ``nvidia/<pci>/vidmem SIZE``,
+    where the driver chose the kernel's dmem controller as its backend), or None where the kernel has no
+    such file (no dmem controller: the driver's own ``misc`` backend, if any)."""
+    try:
+        text = (CGROUP_ROOT / "dmem.capacity").read_text()
+    except OSError:
+        return None
+    return [line.strip() for line in text.splitlines() if line.startswith("nvidia")]
+
+
+def dmem_files(cgroup: Path) -> str:
+    """What the kernel's dmem controller holds for ``cgroup`` on NVIDIA's regions (its dmem.min and
+    dmem.max, which the driver writes under that backend), or that it has no such files."""
+    said = []
+    for name in ("dmem.min", "dmem.max"):
+        try:
+            lines = [line.strip() for line in (cgroup / name).read_text().splitlines() if line.startswith("nvidia")]
+        except OSError:
+            continue
+        said.append(f"{name} {'; '.join(lines) or 'no nvidia line'}")
+    return ", ".join(said) or "no dmem files"
+
+
+def delegate_dmem(cgroup: Path) -> str:
+    """Enable the dmem controller for ``cgroup``'s children where it offers it, as runc does on every
+    cgroup above a container's when it makes the container's (opencontainers/cgroups, fs2/create.go,
+    CreateCgroupPath: every available controller); what it found."""
+    try:
+        if "dmem" not in (cgroup / "cgroup.controllers").read_text().split():
+            return "not offered (the kernel has no dmem controller there)"
+        if "dmem" in (cgroup / "cgroup.subtree_control").read_text().split():
+            return "enabled already"
+        (cgroup / "cgroup.subtree_control").write_text("+dmem")
+    except OSError as exc:
+        return f"not enabled: {exc}"
+    return "enabled by the test"
 
 
 def gpushare(command: str, *args: str) -> str:
@@ -217,14 +281,60 @@ def cuda(uuid: str, cap: int, cgroup: Path | None = None) -> dict:
     return json.loads(out)
 
 
+@functools.cache
+def _delegate_root_dmem() -> None:
+    """Once a run: dmem for the root's children, and what was found."""
+    figure(f"dmem for the children of {CGROUP_ROOT}: {delegate_dmem(CGROUP_ROOT)}")
+
+
+@dataclass(slots=True)
+class CgroupTree:
+    """Cgroups a check makes under ``top``, and those it limited on card ``uuid``."""
+
+    top: Path
+    uuid: str
+    limited: set[Path] = field(default_factory=set)
+
+    def make(self, relative: str) -> Path:
+        path = self.top / relative
+        delegate_dmem(path.parent)
+        path.mkdir()
+        return path
+
+    def limit(self, cgroup: Path, soft: int, hard: int) -> None:
+        """Set ``cgroup``'s limits (bytes) on the card through the node agent's NVML backend."""
+        self.limited.add(cgroup)
+        gpushare("set", self.uuid, str(cgroup), str(soft), str(hard))
+
+    def clear(self, cgroup: Path) -> None:
+        """Take ``cgroup``'s limits off the card as gpushare does when a sandbox ends: soft 0 and hard
+        NVML_DEVICE_MEMORY_LIMIT_MAX, in one call."""
+        gpushare("set", self.uuid, str(cgroup), "0", str(NO_HARD_LIMIT))
+        self.limited.discard(cgroup)
+
+
 @contextmanager
-def owned_cgroup(name: str) -> Iterator[Path]:
-    """A cgroup directory made for the test under /sys/fs/cgroup, removed afterwards (children first)."""
-    top = CGROUP_ROOT / name
-    top.mkdir()
+def cgroup_tree(name: str, uuid: str) -> Iterator[CgroupTree]:
+    """A cgroup ``/sys/fs/cgroup/<name>`` made for a check, and on every way out: the limits still set
+    below it cleared (soft 0 before removal, which NVIDIA advises so that the reservations the driver made
+    for a cgroup on its ancestors are given back: MPS v3 Memory Partitioning,
+    https://docs.nvidia.com/deploy/mps/latest/mpsv3-memory-partitioning.html), then every cgroup below
+    it and itself removed, children first."""
+    _delegate_root_dmem()
+    tree = CgroupTree(CGROUP_ROOT / name, uuid)
+    tree.top.mkdir()
     try:
-        yield top
+        yield tree
     finally:
-        for directory in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-            directory.rmdir()
-        top.rmdir()
+        try:
+            for cgroup in sorted(tree.limited, key=_deepest_first):
+                if cgroup.is_dir():
+                    tree.clear(cgroup)
+        finally:
+            for directory in sorted((p for p in tree.top.rglob("*") if p.is_dir()), key=_deepest_first):
+                directory.rmdir()
+            tree.top.rmdir()
+
+
+def _deepest_first(path: Path) -> int:
+    return -len(path.parts)

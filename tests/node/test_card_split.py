@@ -77,3 +77,9 @@ def test_a_card_the_node_does_not_have_is_refused_with_the_cards_it_has() -> Non
 def test_dra_cards_without_dra_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["node", "--node-name", "n1", "--gpus", f"sim:{SPEC}", "--dra-cards", "1", "--metrics-port", "0"]) != 0
     assert "--dra-cards picks the cards the DRA driver offers: it needs --dra" in capsys.readouterr().err
+
+
+def test_dra_order_without_dra_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["node", "--node-name", "n1", "--gpus", f"sim:{SPEC}", "--dra-order", "best-fit", "--metrics-port", "0"]
+    assert main(args) != 0
+    assert "--dra-order orders the DRA driver's ResourceSlice: it needs --dra" in capsys.readouterr().err

@@ -1,7 +1,10 @@
 """Per-container GPU memory limits on the fake libnvidia-ml (NVML's nvmlDeviceSetMemoryLimits_v1 and
 nvmlDeviceGetMemoryLimits_v1, driver 615+), driven through the real pynvml binding in a child process as a
 node agent would drive the driver: what is set reads back and is recorded, bad requests get NVML's codes,
-a removed cgroup loses its limit, and a driver older than 615 has no such calls."""
+a removed cgroup loses its limit, and a driver older than 615 has no such calls. On real cgroups it models
+what NVIDIA documents (https://docs.nvidia.com/deploy/mps/latest/mpsv3-memory-partitioning.html): a process
+in a limited cgroup is told the hard cap (under dmem its ancestors' too, under misc its own only), a soft
+limit is reserved on every ancestor and drifts there when its cgroup goes before it is cleared."""
 
 from __future__ import annotations
 
@@ -9,19 +12,27 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 from support.nvml import described_cards, fake_machine
 
+from gpushare.memlimits.cgroups import cgroup_mounts
 from gpushare.sandbox import fakenvml
+from gpushare.sandbox.launch import ClusterError
+from gpushare.sandbox.nvmllimits import memory_info
 
 MAX = 0xFFFFFFFFFFFFFFFF  # NVML_DEVICE_MEMORY_LIMIT_MAX: no hard limit
 GIB = 1 << 30
+MIB = 1 << 20
 
 #: the operations a child runs, each answered with (JSON) an NVML error's class name, [soft, hard,
-#: currentUsed] for a get, the record file's text, else "ok"
+#: currentUsed] for a get, [total, free, used, reserved (None from v1)] for memory, the record file's text,
+#: else "ok"
 OPERATIONS = r"""
 import json, os, sys
 import pynvml as nvml
@@ -40,6 +51,9 @@ def run(op, *args):
     elif op == "cards":
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
         return [nvml.nvmlSystemGetDriverVersion(), *(nvml.nvmlDeviceGetUUID(h) for h in handles)]
+    elif op == "memory":
+        memory = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByUUID(args[0].encode()), version=args[1])
+        return [memory.total, memory.free, memory.used, getattr(memory, "reserved", None)]
     else:
         handle = nvml.nvmlDeviceGetHandleByUUID(args[0].encode())
         path = None if args[1] is None else args[1].encode()
@@ -142,8 +156,8 @@ def test_a_limit_set_reads_back_and_is_recorded(mixed: fakenvml.FakeNvml, tmp_pa
     ]
     assert mixed.limits() == {(a0, first): (1 * GIB, 3 * GIB), (a1, second): (0, 40 * GIB)}
     assert mixed.limits_record.read_text().splitlines() == [
-        f"{a0} {1 * GIB} {3 * GIB} {first}",  # in the order first set
-        f"{a1} 0 {40 * GIB} {second}",
+        f"{a0} {1 * GIB} {3 * GIB} 0 {first}",  # in the order first set; plain directories hold nothing
+        f"{a1} 0 {40 * GIB} 0 {second}",
     ]
 
 
@@ -256,7 +270,7 @@ def test_removing_the_cgroup_drops_its_limit(mixed: fakenvml.FakeNvml, tmp_path:
         ["get", a1, removed],
     )
     assert answers[4] == ["550.54.15", *uuids("mixed")]  # the default driver version
-    assert answers[5] == f"{a0} {GIB} {2 * GIB} {kept}\n"
+    assert answers[5] == f"{a0} {GIB} {2 * GIB} 0 {kept}\n"
     assert answers[6:] == ["NVMLError_NotFound", "ok", [0, MAX, 0], [0, MAX, 0]]
     assert mixed.limits() == {(a0, kept): (GIB, 2 * GIB)}
 
@@ -346,3 +360,188 @@ def test_a_library_with_the_calls_refuses_an_old_driver_machine(mixed: fakenvml.
     assert done.returncode != 0
     assert "the machine says memory-limits absent but this library exports them" in done.stderr
     assert "NVMLError_Unknown" in done.stderr
+
+
+def test_a_description_with_a_bad_backend_or_reservation_is_refused(tmp_path: Path) -> None:
+    card = {key: value for key, value in described_cards("mixed")[0].items() if key != "reserved-mib"}
+    for bad in ("memory-limits-backend cgroup-v1", f"reserved-mib {int(card['memory-mib']) + 1}"):
+        machine = tmp_path / "bad.txt"
+        machine.write_text("driver loaded\ngpu\n" + "".join(f"{k} {v}\n" for k, v in card.items()) + bad + "\n")
+        done = subprocess.run(
+            [sys.executable, "-c", "import pynvml; pynvml.nvmlInit()"],
+            env=fake_machine(str(machine), tmp_path).env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode != 0 and f"line {len(card) + 3} is not understood" in done.stderr, bad
+
+
+# --- memory info, and limits on real cgroups ------------------------------------------------------------
+
+
+def whole_card(card: dict[str, str]) -> tuple[int, int]:
+    """(total, free) that NVML reports of a described card outside any limit: the card less what the
+    driver reserves."""
+    return int(card["memory-mib"]) * MIB, (int(card["memory-mib"]) - int(card.get("reserved-mib", 0))) * MIB
+
+
+def test_outside_a_limit_memory_info_is_the_card_less_what_the_driver_reserves(tmp_path: Path) -> None:
+    """v2 says what is reserved; v1 has no field for it and counts it as used. A card described without a
+    reservation reserves nothing."""
+    dgx = fake_machine("dgx-a100", tmp_path)
+    card = described_cards("dgx-a100")[0]
+    total, free = whole_card(card)
+    reserved = int(card["reserved-mib"]) * MIB
+    assert reserved > 0
+    v1, v2, wrong_version = nvml_calls(
+        dgx,
+        ["memory", card["uuid"], None],
+        ["memory", card["uuid"], pynvml.nvmlMemory_v2],
+        ["memory", card["uuid"], pynvml.nvmlMemory_v2 ^ (3 << 24)],  # version 1 of a struct that has none
+    )
+    assert v1 == [total, free, reserved, None]
+    assert v2 == [total, free, 0, reserved]
+    assert wrong_version == "NVMLError_ArgumentVersionMismatch"
+
+    plain = {key: value for key, value in described_cards("mixed")[0].items() if key != "reserved-mib"}
+    machine = tmp_path / "unreserved.txt"
+    machine.write_text("driver loaded\ngpu\n" + "".join(f"{k} {v}\n" for k, v in plain.items()))
+    memory = int(plain["memory-mib"]) * MIB
+    assert nvml_calls(fake_machine(str(machine), tmp_path), ["memory", plain["uuid"], pynvml.nvmlMemory_v2]) == [
+        [memory, memory, 0, 0]
+    ]
+
+
+def test_plain_directories_hold_nothing_for_their_subdirectories(mixed: fakenvml.FakeNvml, tmp_path: Path) -> None:
+    """A scratch folder's directories are no cgroups: a soft limit reserves nothing above them."""
+    a0 = uuids("mixed")[0]
+    parent, child = cgroups(tmp_path, "parent", "parent/child")
+    assert nvml_calls(mixed, ["set", a0, child, GIB, 2 * GIB], ["get", a0, parent]) == ["ok", [0, MAX, 0]]
+    assert mixed.held() == {}
+
+
+def test_memory_info_needs_a_cgroup_to_move_its_process_into(mixed: fakenvml.FakeNvml, tmp_path: Path) -> None:
+    with pytest.raises(ClusterError, match="can't move a process into"):
+        memory_info(tmp_path, mixed.env())
+
+
+@pytest.fixture
+def cgroup_scratch() -> Iterator[Path]:
+    """A cgroup of its own under the cgroup2 mount; it and every cgroup made under it are removed after."""
+    if os.geteuid() != 0:
+        pytest.skip("making cgroups and moving processes into them takes root")
+    cgroup2 = [
+        where for fstype, where in cgroup_mounts(Path("/proc/self/mountinfo").read_text()) if fstype == "cgroup2"
+    ]
+    if not cgroup2:
+        pytest.skip("no cgroup2 mount in /proc/self/mountinfo")
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix="gpushare-test-", dir=cgroup2[0]))
+    except OSError as error:
+        pytest.skip(f"can't make a cgroup under {cgroup2[0]}: {error}")
+    try:
+        yield scratch
+    finally:
+        for directory, _, _ in os.walk(scratch, topdown=False):  # children first
+            os.rmdir(directory)
+
+
+def misc_dgx(tmp_path: Path) -> fakenvml.FakeNvml:
+    """The dgx-a100 machine with its limits enforced by the driver's own misc backend."""
+    machine = tmp_path / "dgx-misc.txt"
+    machine.write_text("memory-limits-backend misc\n" + fakenvml.machine_file("dgx-a100").read_text())
+    return fake_machine(str(machine), tmp_path)
+
+
+@pytest.mark.parametrize("backend", ["dmem", "misc"])
+def test_a_process_is_told_the_hard_cap_on_its_cgroup(backend: str, cgroup_scratch: Path, tmp_path: Path) -> None:
+    """Under dmem a container's process is held by the smallest hard limit of its cgroup and the pod's; under
+    misc by its own cgroup's only. Cards without a limit report the card less what the driver reserves."""
+    fake = fake_machine("dgx-a100", tmp_path) if backend == "dmem" else misc_dgx(tmp_path)
+    cards = described_cards("dgx-a100")
+    a0, a1, a2, a3 = (card["uuid"] for card in cards[:4])
+    pod, container = cgroups(cgroup_scratch, "pod", "pod/container")
+    assert (
+        nvml_calls(
+            fake,
+            ["set", a0, pod, 0, 8 * GIB],
+            ["set", a0, container, 0, 20 * GIB],  # more than the pod may have
+            ["set", a1, container, 0, 4 * GIB],
+            ["set", a2, pod, 0, 6 * GIB],  # the pod only
+        )
+        == ["ok"] * 4
+    )
+    seen = memory_info(Path(container), fake.env())
+    pod_capped = {"dmem": (6 * GIB, 6 * GIB), "misc": whole_card(cards[2])}[backend]
+    assert [seen[uuid] for uuid in (a0, a1, a2, a3)] == [
+        {"dmem": (8 * GIB, 8 * GIB), "misc": (20 * GIB, 20 * GIB)}[backend],
+        (4 * GIB, 4 * GIB),
+        pod_capped,
+        whole_card(cards[3]),
+    ]
+    assert seen.keys() == {card["uuid"] for card in cards}
+    in_pod = memory_info(Path(pod), fake.env())
+    assert [in_pod[uuid] for uuid in (a0, a1, a2)] == [(8 * GIB, 8 * GIB), whole_card(cards[1]), (6 * GIB, 6 * GIB)]
+    # a limit is matched by the cgroup, however its path is spelled
+    assert nvml_calls(fake, ["set", a1, f"{pod}//container/../container/", 0, MAX]) == ["ok"]
+    assert memory_info(Path(container), fake.env())[a1] == whole_card(cards[1])
+
+
+def test_a_soft_limit_is_reserved_on_every_ancestor_until_it_is_cleared(
+    cgroup_scratch: Path, mixed: fakenvml.FakeNvml
+) -> None:
+    a0, a1, *_ = uuids("mixed")
+    scratch = str(cgroup_scratch)
+    pod, container = cgroups(cgroup_scratch, "pod", "pod/container")
+    answers = nvml_calls(
+        mixed,
+        ["set", a0, pod, GIB, 8 * GIB],
+        ["set", a0, container, 2 * GIB, 4 * GIB],
+        ["get", a0, container],
+        ["get", a0, pod],  # its own soft limit and what it holds for the container
+        ["get", a0, scratch],
+        ["get", a1, pod],  # per card
+    )
+    assert answers == ["ok", "ok", [2 * GIB, 4 * GIB, 0], [3 * GIB, 8 * GIB, 0], [3 * GIB, MAX, 0], [0, MAX, 0]]
+    assert mixed.held() == {(a0, pod): 2 * GIB, (a0, scratch): 3 * GIB}
+    assert mixed.limits() == {(a0, pod): (GIB, 8 * GIB), (a0, container): (2 * GIB, 4 * GIB)}
+
+    answers = nvml_calls(
+        mixed,
+        ["set", a0, container, 3 * GIB, 4 * GIB],  # the change is added, not the whole
+        ["get", a0, pod],
+        ["set", a0, container, 0, MAX],
+        ["get", a0, pod],
+        ["get", a0, scratch],
+        ["set", a0, pod, 0, MAX],
+        ["get", a0, scratch],
+    )
+    assert answers == ["ok", [4 * GIB, 8 * GIB, 0], "ok", [GIB, 8 * GIB, 0], [GIB, MAX, 0], "ok", [0, MAX, 0]]
+    assert mixed.held() == {} and mixed.limits() == {} and mixed.leaks() == []
+
+
+def test_a_cgroup_removed_with_its_soft_limit_set_leaves_it_on_its_ancestors(
+    cgroup_scratch: Path, mixed: fakenvml.FakeNvml
+) -> None:
+    """The drift NVIDIA warns of: the reservation is never given back, and a new cgroup of the same name
+    that sets it again reserves it twice."""
+    a0 = uuids("mixed")[0]
+    scratch = str(cgroup_scratch)
+    pod, container = cgroups(cgroup_scratch, "pod", "pod/container")
+    answers = nvml_calls(
+        mixed,
+        ["set", a0, container, 2 * GIB, 4 * GIB],
+        ["rmdir", container],
+        ["get", a0, pod],
+        ["mkdir", container],
+        ["get", a0, container],
+        ["set", a0, container, 2 * GIB, 4 * GIB],
+        ["set", a0, container, 0, MAX],  # gives back only what this one set
+        ["get", a0, pod],
+    )
+    assert answers == ["ok", "ok", [2 * GIB, MAX, 0], "ok", [0, MAX, 0], "ok", "ok", [2 * GIB, MAX, 0]]
+    assert mixed.leaks() == [(a0, 2 * GIB, container)]
+    assert mixed.held() == {(a0, pod): 2 * GIB, (a0, scratch): 2 * GIB}
+    assert mixed.limits() == {}

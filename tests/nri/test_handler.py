@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from gpushare.nriplugin.handler import EVENT_EVICTED, EVENTS, Handler
+from gpushare.nriplugin.handler import EVENT_EVICTED, EVENTS, LIMIT_EVENTS, Handler
 from gpushare.nriplugin.session import ContainerRefused
 from support.cri import plain_config, plugin_config
 from support.crishim import A0, A1, CARDS, POD, FakePods, allocation_of, slice_of
@@ -77,13 +77,48 @@ class Node:
         return run(self.handler.create_container(nri_pb2.CreateContainerRequest(pod=pod, container=container)))
 
 
-def test_it_subscribes_to_container_creation_and_the_ends_of_sandboxes(tmp_path: Path) -> None:
+def test_it_subscribes_to_container_creation_and_starts_and_the_ends_of_sandboxes(tmp_path: Path) -> None:
     handler = Node(tmp_path).handler
     assert not handler.registered
-    assert set(run(handler.configure(nri_pb2.ConfigureRequest(), None))) == EVENTS  # type: ignore[arg-type]
+    assert set(run(handler.configure(nri_pb2.ConfigureRequest(), None))) == LIMIT_EVENTS  # type: ignore[arg-type]
+    assert nri_pb2.START_CONTAINER in LIMIT_EVENTS
     assert handler.registered
     run(handler.shutdown())
     assert not handler.registered
+    # where no card enforces limits, starts are not worth a round trip
+    unlimited = Handler(handler._enforcer, [].append, limiting=False)
+    assert set(run(unlimited.configure(nri_pb2.ConfigureRequest(), None))) == EVENTS  # type: ignore[arg-type]
+
+
+CONTAINER_CGROUP = f"{POD_CGROUP}/ctr-1"
+
+
+def start(node: Node, container: nri_pb2.Container) -> None:
+    pod = nri_pod(POD, allocation_of(worker=(slice_of(A0, 8),)), "sb", POD_CGROUP)
+    run(node.handler.start_container(pod, container))
+
+
+def test_a_gpu_containers_own_cgroup_is_capped_at_its_share_as_it_starts(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    (tmp_path / CONTAINER_CGROUP.lstrip("/")).mkdir()
+    start(node, nri_container(plugin_config(POD, [slice_of(A0, 8)]), cgroups_path=CONTAINER_CGROUP))
+    assert node.limits == [(A0.uuid, tmp_path / CONTAINER_CGROUP.lstrip("/"), 0, 8 << 30)]  # no guarantee there
+
+
+def test_a_container_start_the_driver_cannot_limit_is_refused_naming_pod_container_and_card(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    container = nri_container(plugin_config(POD, [slice_of(A0, 8)]), cgroups_path="")
+    with pytest.raises(ContainerRefused) as refused:
+        start(node, container)
+    assert f"pod {POD.pod_key} container worker" in str(refused.value) and A0.uuid in str(refused.value)
+    assert node.limits == []
+    assert node.events[-1][1] == "GPUAssignmentRefused"
+
+
+def test_a_container_without_a_gpu_starts_without_a_call_to_the_driver(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    start(node, nri_container(plain_config(("PATH", "/bin")), "side", cgroups_path=CONTAINER_CGROUP))
+    assert node.limits == [] and node.events == []
 
 
 def test_the_device_plugins_wrong_card_is_replaced_by_the_assigned_one(tmp_path: Path) -> None:

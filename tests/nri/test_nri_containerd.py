@@ -20,6 +20,7 @@ from gpushare.draplugin.cdi import write_spec
 from gpushare.nriplugin.session import HANDLED_EVENTS, ContainerRefused, Runtime, run_forever, run_session
 
 from gpushare.kube.retry import Backoff
+from gpushare.memlimits.cgroups import cgroup_dir, detect_layout
 from gpushare.pb import cri_pb2 as cri
 from gpushare.pb import nri_pb2
 from gpushare.sandbox import cri_kubelet
@@ -43,6 +44,8 @@ class Observer:
         self.decide: Decision = no_change
         #: never answer CreateContainer (the session's deadline answers instead)
         self.stall = False
+        #: refuse each StartContainer with this, when set
+        self.refuse_start = ""
         self.runtime: Runtime | None = None
 
     async def configure(self, request: nri_pb2.ConfigureRequest, runtime: Runtime) -> Collection[int]:
@@ -61,6 +64,11 @@ class Observer:
         if self.stall:
             await asyncio.Event().wait()
         return self.decide(request)
+
+    async def start_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container) -> None:
+        self.calls.put(("start", (container, _cgroup_exists(container.linux.cgroups_path))))
+        if self.refuse_start:
+            raise ContainerRefused(self.refuse_start)
 
     async def stop_pod_sandbox(self, pod: nri_pb2.PodSandbox) -> None:
         self.calls.put(("stop", pod))
@@ -186,6 +194,12 @@ def runtime_spec(runtime: cri_kubelet.CriRuntime, container_id: str) -> dict[str
 def state(runtime: cri_kubelet.CriRuntime, container_id: str) -> int:
     status = runtime.runtime.ContainerStatus(cri.ContainerStatusRequest(container_id=container_id), timeout=30)
     return status.status.state
+
+
+def _cgroup_exists(cgroups_path: str) -> bool | None:
+    """Whether the cgroup a runtime spec names exists in the cgroup v2 hierarchy (None: there is none)."""
+    unified = detect_layout(Path("/proc/self/mountinfo").read_text()).unified
+    return None if unified is None else cgroup_dir(unified, cgroups_path).is_dir()
 
 
 # --- the tests --------------------------------------------------------------------------------------------
@@ -333,7 +347,7 @@ def test_once_the_plugin_is_gone_containers_are_created_without_it(
     assert "GPUSHARE_NRI" not in crictl.process_env(create(crictl, pod("without"), "app"))
     calls = [session.observer.calls.get_nowait()[0] for _ in range(session.observer.calls.qsize())]
     # the handler heard of the session's end (it enforces nothing from then on), and of nothing after
-    assert calls == ["synchronize", "create", "shutdown"]
+    assert calls == ["synchronize", "create", "start", "shutdown"]
 
 
 def test_a_handler_that_cannot_decide_in_time_refuses_the_container_and_stays_connected(
@@ -369,3 +383,28 @@ def test_run_forever_comes_back_after_containerd_restarts(
     )
     assert crictl.process_env(create(crictl, pod("after-restart"), "app"))["GPUSHARE_NRI"] == "again"
     assert not session.session.done()
+
+
+def test_start_comes_when_the_containers_cgroup_exists_and_a_refusal_fails_the_start(
+    crictl: cri_kubelet.CriRuntime, plugin: Callable[..., PluginThread]
+) -> None:
+    """containerd 2.2 makes the task (runc create: the cgroup, with runc's init waiting in it), sends
+    StartContainer, then starts the task; NRI v0.11 hands a plugin's error back, which fails the start."""
+    observer = plugin().observer
+    started = create(crictl, pod("starts"), "first")
+    container, cgroup_there = observer.next("start")
+    assert container.id == started and container.linux.cgroups_path
+    assert cgroup_there is not False, f"cgroup {container.linux.cgroups_path} did not exist at StartContainer"
+    assert state(crictl, started) == cri.CONTAINER_RUNNING
+
+    observer.refuse_start = "second may not start unlimited"
+    with pytest.raises(grpc.RpcError) as refused:
+        create(crictl, pod("starts"), "second")
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "second may not start unlimited" in refused.value.details()
+    (second,) = [
+        c.id
+        for c in crictl.runtime.ListContainers(cri.ListContainersRequest(), timeout=30).containers
+        if c.metadata.name == "second"
+    ]
+    assert state(crictl, second) != cri.CONTAINER_RUNNING  # its process never ran

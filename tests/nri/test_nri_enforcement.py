@@ -4,7 +4,10 @@ env and annotations, and what a container gets is read back from its process."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -14,6 +17,7 @@ from support.cri import plugin_config
 from support.crishim import A0, A1, CARDS, allocation_of, slice_of
 from support.waiting import wait_until
 
+from gpushare.cards import ENFORCED
 from gpushare.contract.names import (
     ENV_MEM_IDX,
     ENV_VISIBLE_DEVICES,
@@ -25,6 +29,8 @@ from gpushare.contract.units import GIB
 from gpushare.enforcement.container import Target
 from gpushare.enforcement.decide import Enforcer
 from gpushare.enforcement.resolve import Resolver
+from gpushare.memlimits.cgroups import detect_layout, unified_path
+from gpushare.memlimits.enforcer import PodLimiter
 from gpushare.pb import cri_pb2 as cri
 from gpushare.sandbox import cri_kubelet
 from gpushare.sandbox.containerd import TEST_IMAGE, Containerd, containerd_available
@@ -33,11 +39,13 @@ from gpushare.settings import RewriteOptions
 pytestmark = pytest.mark.skipif(containerd_available() is not None, reason=str(containerd_available()))
 
 
-def start_plugin(containerd: Containerd) -> RunningPlugin:
+def start_plugin(containerd: Containerd, limiter: PodLimiter | None = None) -> RunningPlugin:
     """The plugin as the node agent runs it, trusting the sandbox's annotations alone (no API server)
-    and setting no memory limits (the simulated cards enforce none)."""
-    enforcer = Enforcer(Resolver(GIB, None), lambda: CARDS, GIB, RewriteOptions())
-    handler = Handler(enforcer, cri_evictor(containerd.address), limiting=False)
+    and setting no memory limits (the simulated cards enforce none), or, given a ``limiter``, on cards
+    that enforce them."""
+    cards = CARDS if limiter is None else [replace(c, memory_limits=ENFORCED) for c in CARDS]
+    enforcer = Enforcer(Resolver(GIB, None), lambda: cards, GIB, RewriteOptions(), None, limiter)
+    handler = Handler(enforcer, cri_evictor(containerd.address), limiting=limiter is not None)
     return RunningPlugin(handler, NriSettings(str(containerd.nri_socket), NRI_PLUGIN_NAME, NRI_PLUGIN_INDEX)).start()
 
 
@@ -68,12 +76,17 @@ def kubelets_config(who: Target, *slices: object, **env: str) -> cri.ContainerCo
 
 
 def create(
-    crictl: cri_kubelet.CriRuntime, pod: Target, annotations: dict[str, str], config: cri.ContainerConfig
+    crictl: cri_kubelet.CriRuntime,
+    pod: Target,
+    annotations: dict[str, str],
+    config: cri.ContainerConfig,
+    cgroup_parent: str = "",
 ) -> str:
     """Run ``pod``'s sandbox with ``annotations`` (the pod's), create and start the container; its id."""
     sandbox = cri_kubelet.sandbox_config(
         {"metadata": {"name": pod.pod, "namespace": pod.namespace, "uid": pod.uid, "annotations": annotations}}
     )
+    sandbox.linux.cgroup_parent = cgroup_parent
     sandbox_id = crictl.runtime.RunPodSandbox(cri.RunPodSandboxRequest(config=sandbox), timeout=60).pod_sandbox_id
     created = crictl.runtime.CreateContainer(
         cri.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config, sandbox_config=sandbox), timeout=60
@@ -136,3 +149,30 @@ def test_a_container_created_on_the_wrong_card_while_the_plugin_was_away_is_evic
         assert state(crictl, corrected) == cri.CONTAINER_RUNNING
     finally:
         running.stop()
+
+
+def test_with_limits_on_a_gpu_container_is_capped_on_its_own_cgroup_before_its_process_runs(
+    containerd: Containerd, crictl: cri_kubelet.CriRuntime
+) -> None:
+    """The pod's cgroup at CreateContainer, then, at StartContainer, the cgroup containerd's runtime spec
+    names for the container: the one its process then runs in."""
+    layout = detect_layout(Path("/proc/self/mountinfo").read_text())
+    if layout.unified is None:
+        pytest.skip("no cgroup v2 hierarchy on this machine: containers' cgroups can't be checked")
+    calls: list[tuple[str, Path, int, int]] = []
+    running = start_plugin(containerd, PodLimiter(lambda *call: calls.append(call), layout, GIB))
+    try:
+        wait_until(running.ready, 20, "the plugin registered with containerd")
+        capped = target("capped")
+        config = kubelets_config(capped, slice_of(A0, 8))
+        created = create(crictl, capped, allocation_of(worker=(slice_of(A0, 8),)), config, "/gpushare-nri-test/capped")
+        status = crictl.runtime.ContainerStatus(cri.ContainerStatusRequest(container_id=created, verbose=True))
+        pid = json.loads(status.info["info"])["pid"]
+        process_cgroup = unified_path(Path(f"/proc/{pid}/cgroup").read_text()) or ""
+    finally:
+        running.stop()
+    own = layout.unified / process_cgroup.lstrip("/")
+    assert calls == [
+        (A0.uuid, layout.unified / "gpushare-nri-test" / "capped", 8 << 30, 8 << 30),  # the pod's, at creation
+        (A0.uuid, own, 0, 8 << 30),  # the container's own, before its process ran
+    ]

@@ -51,6 +51,8 @@ class Recorder:
             self.adjust
         )
         self.fail_notifications = False
+        #: refuse StartContainer with this, when set
+        self.refuse_start = ""
 
     async def configure(self, request: nri_pb2.ConfigureRequest, runtime: Runtime) -> Collection[int]:
         self.runtime = runtime
@@ -70,6 +72,11 @@ class Recorder:
         return nri_pb2.CreateContainerResponse(
             adjust=nri_pb2.ContainerAdjustment(env=[nri_pb2.KeyValue(key="SEEN", value=request.container.name)])
         )
+
+    async def start_container(self, pod: nri_pb2.PodSandbox, container: nri_pb2.Container) -> None:
+        await self.notified.put(("start", container.name))
+        if self.refuse_start:
+            raise ContainerRefused(self.refuse_start)
 
     async def stop_pod_sandbox(self, pod: nri_pb2.PodSandbox) -> None:
         await self._notified("stop", pod)
@@ -103,7 +110,7 @@ def test_a_session_registers_configures_and_synchronises(socket_path: Path) -> N
                 plugin_name="gpushare", plugin_idx="10"
             )
             mask = await connection.configure()
-            assert mask == event_mask(HANDLED_EVENTS) == 0b1110
+            assert mask == event_mask(HANDLED_EVENTS) == 0b101110
             # the runtime splits the state over two requests; the handler sees it once, whole
             more = nri_pb2.SynchronizeRequest(
                 pods=[nri_pb2.PodSandbox(id="p1")], containers=[nri_pb2.Container(id="c1")], more=True
@@ -181,11 +188,24 @@ def test_pod_events_reach_the_handler_and_its_failures_are_not_the_runtimes(sock
                 change = nri_pb2.StateChangeEvent(event=event, pod=pod)
                 assert await connection.call("StateChange", change, nri_pb2.Empty) == nri_pb2.Empty()
             # an event the handler has no method for is answered without reaching it
-            start = nri_pb2.StateChangeEvent(event=nri_pb2.START_CONTAINER, pod=pod)
+            started = nri_pb2.StateChangeEvent(event=nri_pb2.POST_START_CONTAINER, pod=pod)
+            assert await connection.call("StateChange", started, nri_pb2.Empty) == nri_pb2.Empty()
+            # a container's start is the handler's to refuse: its refusal is the runtime's error
+            ctr = nri_pb2.Container(id="c1", name="app")
+            start = nri_pb2.StateChangeEvent(event=nri_pb2.START_CONTAINER, pod=pod, container=ctr)
             assert await connection.call("StateChange", start, nri_pb2.Empty) == nri_pb2.Empty()
+            handler.refuse_start = "app may not start unlimited"
+            with pytest.raises(RemoteError, match="app may not start unlimited"):
+                await connection.call("StateChange", start, nri_pb2.Empty)
             assert await connection.call("Shutdown", nri_pb2.Empty(), nri_pb2.Empty) == nri_pb2.Empty()
             seen = [handler.notified.get_nowait() for _ in range(handler.notified.qsize())]
-            assert seen == [("stop", "uid-1"), ("remove", "uid-1"), ("shutdown", "")]
+            assert seen == [
+                ("stop", "uid-1"),
+                ("remove", "uid-1"),
+                ("start", "app"),
+                ("start", "app"),
+                ("shutdown", ""),
+            ]
             await connection.close()
             await session
 
@@ -216,7 +236,7 @@ def test_the_handler_calls_the_runtime_through_the_session(socket_path: Path) ->
 @pytest.mark.parametrize(
     ("events", "why"),
     [
-        ({nri_pb2.CREATE_CONTAINER, nri_pb2.START_CONTAINER}, "events it has no method for: START_CONTAINER"),
+        ({nri_pb2.CREATE_CONTAINER, nri_pb2.POST_START_CONTAINER}, "events it has no method for: POST_START_CONTAINER"),
         (set(), "subscribed to nothing"),
     ],
 )

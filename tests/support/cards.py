@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpushare.contract.env import assigned_env
+from gpushare.contract.env import assigned_env, toolkit_memory_env
 from gpushare.contract.inventory import NodeInventory
 from gpushare.contract.request import parse_pod_request
-from gpushare.usage import pod_allocation
+from gpushare.holdings.pod import pod_allocation
 
 
 def assert_sees_assigned_cards(
@@ -24,6 +24,6 @@ def assert_sees_assigned_cards(
     pod_mem = parse_pod_request(pod).effective_mem
     for container, slices in allocation.items():
         env = env_of(container)
-        expected = assigned_env(slices, pod_mem, units)
+        expected = assigned_env(slices, pod_mem, units) | toolkit_memory_env(slices, inventory.unit.mib)
         seen = {k: env.get(k) for k in expected}
         assert seen == expected, f"pod {name} container {container}: env {seen} != assigned {expected}"

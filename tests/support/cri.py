@@ -10,7 +10,7 @@ from gpushare.crishim.edge import applied, container_of
 from gpushare.assignment import Refusal
 from gpushare.cards import Card
 from gpushare.contract.allocation import CardSlice
-from gpushare.contract.env import assigned_env
+from gpushare.contract.env import assigned_env, toolkit_memory_env
 from gpushare.contract.names import (
     CTR_ANN_CARDS,
     CTR_ANN_CONTAINER,
@@ -19,7 +19,7 @@ from gpushare.contract.names import (
     cdi_device_name,
     device_file,
 )
-from gpushare.contract.units import MemoryUnit
+from gpushare.contract.units import GIB, MemoryUnit
 from gpushare.enforcement.container import ContainerRequest, Target
 from gpushare.enforcement.resolve import Resolution
 from gpushare.enforcement.rewrite import rewrite
@@ -30,7 +30,7 @@ from support.crishim import CARDS, UNITS
 
 def plugin_config(target: Target, slices: Sequence[CardSlice], pod_mem: int = 20) -> cri_pb2.ContainerConfig:
     """A ContainerConfig as kubelet builds it from a device plugin answer meant for ``target``."""
-    env = assigned_env(tuple(slices), pod_mem, UNITS)
+    env = assigned_env(tuple(slices), pod_mem, UNITS) | toolkit_memory_env(tuple(slices), GIB.mib)
     return cri_pb2.ContainerConfig(
         metadata=cri_pb2.ContainerMetadata(name=target.container),
         image=cri_pb2.ImageSpec(image="busybox"),

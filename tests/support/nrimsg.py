@@ -30,6 +30,7 @@ def nri_container(
     sandbox: str = SANDBOX,
     state: int = nri_pb2.CONTAINER_RUNNING,
     *extra_env: str,
+    cgroups_path: str = "",
 ) -> nri_pb2.Container:
     """The container of ``config``: its env as the OCI spec has it (``KEY=value``, then ``extra_env``,
     which CDI specs or the image added), its annotations, its device nodes; no CDI names (containerd 2.2
@@ -41,7 +42,10 @@ def nri_container(
         state=state,
         annotations=dict(config.annotations),
         env=[*(f"{kv.key}={kv.value}" for kv in config.envs), *extra_env],
-        linux=nri_pb2.LinuxContainer(devices=[nri_pb2.LinuxDevice(path=d.host_path, type="c") for d in config.devices]),
+        linux=nri_pb2.LinuxContainer(
+            devices=[nri_pb2.LinuxDevice(path=d.host_path, type="c") for d in config.devices],
+            cgroups_path=cgroups_path,
+        ),
     )
 
 

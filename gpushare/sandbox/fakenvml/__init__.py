@@ -4,8 +4,13 @@ description from ``machines/`` and takes scripted faults (XIDs, a card falling o
 
 It keeps the per-container memory limits of NVML's ``nvmlDeviceSetMemoryLimits_v1`` (driver 615+) per card
 and cgroup directory, dropping those whose directory is gone, and records the live ones in a file that
-:meth:`FakeNvml.limits` reads. A machine whose description says ``memory-limits absent`` gets a variant of
-the library without those calls, as an older driver has, so that pynvml raises NVMLError_FunctionNotFound.
+:meth:`FakeNvml.limits` reads. As NVIDIA documents for MPS v3 memory partitioning
+(https://docs.nvidia.com/deploy/mps/latest/mpsv3-memory-partitioning.html), a soft limit is also reserved on
+the cgroup's ancestors (:meth:`FakeNvml.held`), and stays there when the cgroup goes before its soft limit is
+cleared; ``nvmlDeviceGetMemoryInfo(_v2)`` reports the hard cap to a process in a limited cgroup (hierarchical
+under the ``dmem`` backend, the cgroup's own under ``misc``) and the card less what the driver reserves
+(``reserved-mib``) to any other. A machine whose description says ``memory-limits absent`` gets a variant of
+the library without the limit calls, as an older driver has, so that pynvml raises NVMLError_FunctionNotFound.
 
 A process finds it first when ``LD_LIBRARY_PATH`` starts with :attr:`FakeNvml.library_dir`;
 :meth:`FakeNvml.env` gives that and the three variables the library reads at ``nvmlInit``.
@@ -22,6 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +38,11 @@ LIBRARY = "libnvidia-ml.so.1"
 ENV_MACHINE = "GPUSHARE_FAKE_NVML_MACHINE"
 #: the file whose appended lines script faults (see fakenvml.c)
 ENV_CONTROL = "GPUSHARE_FAKE_NVML_CONTROL"
-#: the file the library rewrites with the live memory limits, one ``<uuid> <soft> <hard> <cgroup path>`` a line
+#: the file the library rewrites with the live memory limits, one ``<uuid> <soft> <hard> <held> <cgroup path>`` a
+#: line: the cgroup's own limits and what it holds for its descendants' soft limits, in bytes (see fakenvml.c)
 ENV_LIMITS = "GPUSHARE_FAKE_NVML_LIMITS"
+#: NVML_DEVICE_MEMORY_LIMIT_MAX: no hard limit
+NO_HARD_LIMIT = 0xFFFFFFFFFFFFFFFF
 #: defined for a library without the memory-limit calls (a driver older than 615)
 NO_MEMORY_LIMITS = "-DFAKE_NVML_NO_MEMORY_LIMITS"
 _CFLAGS = ("-shared", "-fPIC", "-O2", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror")
@@ -149,13 +158,25 @@ class FakeNvml:
         env[ENV_LIMITS] = str(self.limits_record)
         return env
 
-    def limits(self) -> dict[tuple[str, str], tuple[int, int]]:
-        """The live memory limits as last recorded: (card UUID, cgroup path) -> (soft, hard) in bytes."""
-        table: dict[tuple[str, str], tuple[int, int]] = {}
+    def _record(self) -> Iterator[tuple[str, int, int, int, str]]:
+        """The record's lines: (card UUID, own soft, own hard, held for descendants, cgroup path)."""
         for line in self.limits_record.read_text().splitlines():
-            uuid, soft, hard, path = line.split(" ", 3)
-            table[uuid, path] = int(soft), int(hard)
-        return table
+            uuid, soft, hard, held, path = line.split(" ", 4)
+            yield uuid, int(soft), int(hard), int(held), path
+
+    def limits(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """The live memory limits as last recorded: (card UUID, cgroup path) -> the cgroup's own (soft, hard)
+        in bytes, for the cgroups that have one."""
+        return {
+            (uuid, path): (soft, hard)
+            for uuid, soft, hard, _, path in self._record()
+            if (soft, hard) != (0, NO_HARD_LIMIT)
+        }
+
+    def held(self) -> dict[tuple[str, str], int]:
+        """What each cgroup holds for its descendants' soft limits, as last recorded: (card UUID, cgroup path)
+        -> bytes, for the cgroups that hold any. It outlives a descendant removed with its soft limit set."""
+        return {(uuid, path): held for uuid, _, _, held, path in self._record() if held}
 
     @property
     def leaks_record(self) -> Path:

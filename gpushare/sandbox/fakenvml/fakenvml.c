@@ -15,8 +15,13 @@
  *                                       and nvmlDeviceGetMemoryLimits_v1. The library exports them unless
  *                                       compiled with -DFAKE_NVML_NO_MEMORY_LIMITS, and nvmlInit refuses
  *                                       (NVML_ERROR_UNKNOWN, said on stderr) a description that disagrees.
+ *     memory-limits-backend dmem | misc which of the driver's two backends enforces the hard limits (see
+ *                                       "Memory a process sees" below); absent: dmem
  *     gpu                               starts the next card, in NVML index order; then its keys:
  *       uuid, name, bus (NVML's 8-digit-domain PCI bus ID), memory-mib, minor
+ *       reserved-mib N                  what the driver keeps of the card for itself (nvmlMemory_v2_t.reserved,
+ *                                       "reserved for system use (driver or firmware)"); after memory-mib and
+ *                                       not above it; absent: 0
  *       numa N                          absent: the memory-affinity query answers NOT_SUPPORTED
  *       mig enabled | disabled          absent: MIG queries answer NOT_SUPPORTED
  *       nvlink BUSID|switch [COUNT]     COUNT active links to that GPU or to the NVSwitch fabric;
@@ -31,14 +36,42 @@
  *     restore <uuid>     the card answers again
  *
  * Per-container memory limits (nvmlDeviceSetMemoryLimits_v1 / nvmlDeviceGetMemoryLimits_v1, driver 615+)
- * are kept per card and cgroup directory (the nameSpace path as given, not resolved; no newline in it). As
- * the driver drops a cgroup's limits when the cgroup is removed, every call about a card (and every event
- * wait) first drops the limits whose directory no longer exists. Setting soft 0 / hard NVML_DEVICE_MEMORY_LIMIT_MAX clears a limit;
- * getting a cgroup without one answers exactly that, with currentUsed 0 (nothing runs on a fake card).
- * When $GPUSHARE_FAKE_NVML_LIMITS names a file, the live limits are recorded there after every change:
- * the file is rewritten (a temporary file renamed over it) with one line per limit, in the order the
- * limits were first set:
- *     <uuid> <softLimit> <hardLimit> <path>
+ * are kept per card and cgroup directory, as NVIDIA documents them
+ * (https://docs.nvidia.com/deploy/nvml-api/api/structnvmlSetMemoryLimits__v1__t.html and
+ * https://docs.nvidia.com/deploy/mps/latest/mpsv3-memory-partitioning.html). A limit is keyed by the nameSpace
+ * path as given (no newline in it); paths are matched as normalised absolute paths (".", ".." and repeated
+ * '/' taken out, a relative path joined to the working directory, symlinks not followed). As the driver
+ * drops a cgroup's limits when the cgroup is removed, every call about a card (and every event wait) first
+ * drops the limits whose directory no longer exists. Setting soft 0 / hard NVML_DEVICE_MEMORY_LIMIT_MAX
+ * clears a limit; getting a cgroup without one answers exactly that, with currentUsed 0 (nothing runs on a
+ * fake card).
+ *
+ * Reservations on the ancestors: a soft limit is a guarantee (dmem.min), which the driver backs by
+ * reserving it on every ancestor too. Setting cgroup C's soft limit adds the change to a "held for
+ * descendants" amount of every ancestor of C that is a cgroup (a directory holding cgroup.controllers)
+ * below the cgroup2 mount point (the root cgroup itself excluded); clearing C's soft limit takes it back.
+ * When C is removed with its soft limit still set, the ancestors keep holding it: the reservation drifts,
+ * as NVIDIA warns it does. nvmlDeviceGetMemoryLimits_v1 on a cgroup answers softLimit = its own soft limit
+ * + what it holds for its descendants, hardLimit = its own hard limit. Directories that are not cgroups
+ * below the cgroup2 mount (a scratch folder's) have no ancestors in this sense.
+ *
+ * Memory a process sees: nvmlDeviceGetMemoryInfo and nvmlDeviceGetMemoryInfo_v2 answer for the calling
+ * process's cgroup (the "0::" line of /proc/self/cgroup, under the cgroup2 mount point that
+ * /proc/self/mountinfo shows, read at the first nvmlInit). The hard cap on that cgroup is, under the dmem
+ * backend (the kernel's dmem controller, hierarchical), the smallest hard limit of the cgroup and its
+ * ancestors; under misc (the driver's own backend, not documented as hierarchical), the cgroup's own hard
+ * limit only. Under a cap: total = free = the cap, used = 0, v2 reserved = 0. Without one: total = memory-mib,
+ * v2 reserved = reserved-mib, free = total - reserved, used = 0 in v2; v1 has no reserved field and counts
+ * the reserved memory as used (nvmlMemory_t's used: "Sum of Reserved and Allocated device memory"), so v1
+ * answers used = reserved-mib and the same free.
+ *
+ * When $GPUSHARE_FAKE_NVML_LIMITS names a file, the table of limits is recorded there after every change:
+ * the file is rewritten (a temporary file renamed over it) with one line per card and cgroup that has a
+ * limit or holds a reservation for its descendants, in the order the lines were first made:
+ *     <uuid> <softLimit> <hardLimit> <held> <path>
+ * softLimit and hardLimit are the cgroup's own (0 and NVML_DEVICE_MEMORY_LIMIT_MAX when it has none), held
+ * what it holds for its descendants, all in bytes; path is as given to nvmlDeviceSetMemoryLimits_v1, or the
+ * normalised path of an ancestor that only holds a reservation.
  * As the driver's limits are one table for the whole machine, the file is that table: every call that
  * takes the lock reads it back under an exclusive flock(2) of <file>.lock, and a change is written before
  * that lock is released, so every process using the record sees (and changes) the same limits, and they
@@ -47,7 +80,7 @@
  * A limit dropped with its cgroup while its soft limit was still set (not cleared first) is appended,
  * under the same lock, to <file>.leaks as "<uuid> <softLimit> <path>": the soft limit is a guarantee
  * (dmem.min under the kernel's dmem controller), so a test can check that every one was released
- * before its cgroup went rather than left for the driver to drop.
+ * before its cgroup went rather than left for the driver to drop (and on its ancestors, to drift).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -77,6 +110,7 @@ enum {
     NVML_ERROR_TIMEOUT = 10,
     NVML_ERROR_GPU_IS_LOST = 15,
     NVML_ERROR_INSUFFICIENT_RESOURCES = 23,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
     NVML_ERROR_UNKNOWN = 999,
 };
 
@@ -104,6 +138,17 @@ typedef struct {
     unsigned long long free;
     unsigned long long used;
 } nvmlMemory_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned long long total;
+    unsigned long long reserved;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_v2_t;
+
+/* NVML_STRUCT_VERSION(Memory, 2): the struct's size and its version in the top byte (nvml.h) */
+#define nvmlMemory_v2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2 << 24)))
 
 typedef struct {
     nvmlDevice_t device;
@@ -136,6 +181,7 @@ struct fake_device {
     char name[96];
     char bus_id[32];
     unsigned long long memory_mib;
+    unsigned long long reserved_mib;
     unsigned int minor;
     int numa;           /* -1: the memory-affinity query is not supported */
     int mig;            /* -1: MIG not supported, else NVML_DEVICE_MIG_* */
@@ -163,6 +209,7 @@ static int init_count;
 static nvmlReturn_t init_error;
 static char driver_version[80];
 static int memory_limits; /* the description's memory-limits: 1 present, 0 absent */
+static int misc_backend;  /* the description's memory-limits-backend: 1 misc, 0 dmem */
 static struct fake_event_set *sets;
 static FILE *control;
 static char control_partial[256];
@@ -194,6 +241,7 @@ static int parse_machine(FILE *f, const char *name) {
     init_error = NVML_SUCCESS;
     copy_field(driver_version, sizeof driver_version, "550.54.15");
     memory_limits = 1;
+    misc_backend = 0;
     while (!bad && fgets(line, sizeof line, f)) {
         lineno++;
         char *s = trim(line);
@@ -212,6 +260,10 @@ static int parse_machine(FILE *f, const char *name) {
             if (!strcmp(value, "absent")) memory_limits = 0;
             else if (!strcmp(value, "present")) memory_limits = 1;
             else bad = lineno;
+        } else if (!strcmp(s, "memory-limits-backend")) {
+            if (!strcmp(value, "misc")) misc_backend = 1;
+            else if (!strcmp(value, "dmem")) misc_backend = 0;
+            else bad = lineno;
         } else if (!strcmp(s, "gpu")) {
             if (device_count == MAX_DEVICES) { bad = lineno; break; }
             d = &devices[device_count++];
@@ -229,6 +281,10 @@ static int parse_machine(FILE *f, const char *name) {
             copy_field(d->bus_id, sizeof d->bus_id, value);
         } else if (!strcmp(s, "memory-mib")) {
             d->memory_mib = strtoull(value, NULL, 10);
+        } else if (!strcmp(s, "reserved-mib")) {
+            d->reserved_mib = strtoull(value, NULL, 10);
+            if (!*value || strspn(value, "0123456789") != strlen(value) || d->reserved_mib > d->memory_mib)
+                bad = lineno;
         } else if (!strcmp(s, "minor")) {
             d->minor = (unsigned int)strtoul(value, NULL, 10);
         } else if (!strcmp(s, "numa")) {
@@ -348,10 +404,14 @@ static void poll_control(void) {
 #define HAS_MEMORY_LIMITS 1
 #define MAX_LIMITS 256
 
+#define PATH_SIZE 1024
+
 struct limit {
-    int device; /* index into devices */
-    unsigned long long soft, hard;
-    char path[1024];
+    int device;                    /* index into devices */
+    unsigned long long soft, hard; /* the cgroup's own */
+    unsigned long long held;       /* what it holds for its descendants' soft limits */
+    char path[PATH_SIZE];          /* as given, or an ancestor's normalised path */
+    char key[PATH_SIZE];           /* path, normalised: what cgroups are matched by */
 };
 
 /* The live limits, in the order first set, and a scratch table that a change is made in before it is
@@ -361,6 +421,37 @@ static int limit_count;
 static char record_path[1024];
 static int record_lock = -1; /* <record_path>.lock, open from the first nvmlInit to the last nvmlShutdown */
 static int record_held;      /* this call holds record_lock (and the table was read under it) */
+static char cgroup_root[PATH_SIZE]; /* the cgroup2 mount point, normalised; "" when there is none */
+
+/* path as an absolute path without ".", ".." or repeated '/' (a relative path joined to the working
+ * directory; symlinks are not followed), in out (size bytes). Returns 0, or -1 when it doesn't fit. */
+static int normalise(const char *path, char *out, size_t size) {
+    char joined[2 * PATH_SIZE + 2], *save = NULL;
+    size_t len = 0;
+    if (path[0] == '/') {
+        copy_field(joined, sizeof joined, path);
+    } else {
+        char cwd[PATH_SIZE];
+        if (!getcwd(cwd, sizeof cwd)) return -1;
+        snprintf(joined, sizeof joined, "%s/%s", cwd, path);
+    }
+    for (char *part = strtok_r(joined, "/", &save); part; part = strtok_r(NULL, "/", &save)) {
+        size_t n = strlen(part);
+        if (!strcmp(part, ".")) continue;
+        if (!strcmp(part, "..")) {
+            while (len && out[--len] != '/') {
+            }
+            continue;
+        }
+        if (len + 1 + n >= size) return -1;
+        out[len++] = '/';
+        memcpy(out + len, part, n);
+        len += n;
+    }
+    if (len == 0) out[len++] = '/';
+    out[len] = 0;
+    return 0;
+}
 
 static int is_directory(const char *path) {
     struct stat st;
@@ -376,8 +467,8 @@ static int write_record(const struct limit *table, int count) {
     FILE *f = fd < 0 ? NULL : fdopen(fd, "w");
     int ok = f != NULL && fchmod(fd, 0644) == 0;
     for (int i = 0; ok && i < count; i++)
-        ok = fprintf(f, "%s %llu %llu %s\n", devices[table[i].device].uuid, table[i].soft, table[i].hard,
-                     table[i].path) > 0;
+        ok = fprintf(f, "%s %llu %llu %llu %s\n", devices[table[i].device].uuid, table[i].soft, table[i].hard,
+                     table[i].held, table[i].path) > 0;
     if (f && fclose(f) != 0) ok = 0;
     else if (!f && fd >= 0) close(fd);
     if (ok && rename(partial, record_path) == 0) return 0;
@@ -448,15 +539,17 @@ static void read_record(void) {
     limit_count = 0;
     FILE *f = fopen(record_path, "r");
     if (!f) return;
-    char line[sizeof limits[0].path + 256], uuid[96];
+    char line[PATH_SIZE + 256], uuid[96];
     int offset;
     while (fgets(line, sizeof line, f)) {
         struct limit *l = &limits[limit_count];
         struct fake_device *d;
         char *s = trim(line);
         if (!*s) continue;
-        if (limit_count == MAX_LIMITS || sscanf(s, "%95s %llu %llu %n", uuid, &l->soft, &l->hard, &offset) != 3 ||
-            !(d = by_uuid(uuid)) || !s[offset] || strlen(s + offset) >= sizeof l->path) {
+        if (limit_count == MAX_LIMITS ||
+            sscanf(s, "%95s %llu %llu %llu %n", uuid, &l->soft, &l->hard, &l->held, &offset) != 4 ||
+            !(d = by_uuid(uuid)) || !s[offset] || strlen(s + offset) >= sizeof l->path ||
+            normalise(s + offset, l->key, sizeof l->key) != 0) {
             fprintf(stderr, "fake NVML: %s: memory limit ignored: %s\n", record_path, s);
             continue;
         }
@@ -483,10 +576,117 @@ static void release_record(void) {
     record_held = 0;
 }
 
-static int find_limit(nvmlDevice_t device, const char *path) {
-    for (int i = 0; i < limit_count; i++)
-        if (limits[i].device == device - devices && !strcmp(limits[i].path, path)) return i;
+/* The line of table (count lines) about the card and the cgroup whose normalised path is key, or -1. */
+static int find_limit(const struct limit *table, int count, int device, const char *key) {
+    for (int i = 0; i < count; i++)
+        if (table[i].device == device && !strcmp(table[i].key, key)) return i;
     return -1;
+}
+
+/* Adds the change of a cgroup's soft limit, from old_soft to new_soft, to what each of its ancestors (key:
+ * its normalised path) holds for it in next_limits (*count lines, a line made for an ancestor without one).
+ * Returns NVML_SUCCESS, or NVML_ERROR_INSUFFICIENT_RESOURCES when the table is full. */
+static nvmlReturn_t hold_on_ancestors(int device, const char *key, unsigned long long old_soft,
+                                      unsigned long long new_soft, int *count) {
+    size_t root = strlen(cgroup_root);
+    if (!root || strncmp(key, cgroup_root, root) || (key[root] != '/' && root > 1))
+        return NVML_SUCCESS; /* not below the cgroup2 mount point */
+    char ancestor[PATH_SIZE], controllers[PATH_SIZE + 32];
+    copy_field(ancestor, sizeof ancestor, key);
+    for (char *slash; (slash = strrchr(ancestor, '/')) && (size_t)(slash - ancestor) > root;) {
+        *slash = 0;
+        snprintf(controllers, sizeof controllers, "%s/cgroup.controllers", ancestor);
+        if (access(controllers, F_OK) != 0) continue; /* not a cgroup */
+        int at = find_limit(next_limits, *count, device, ancestor);
+        if (at < 0) {
+            if (*count == MAX_LIMITS) return NVML_ERROR_INSUFFICIENT_RESOURCES;
+            at = (*count)++;
+            struct limit *l = &next_limits[at];
+            l->device = device;
+            l->soft = l->held = 0;
+            l->hard = NVML_DEVICE_MEMORY_LIMIT_MAX;
+            copy_field(l->path, sizeof l->path, ancestor);
+            copy_field(l->key, sizeof l->key, ancestor);
+        }
+        unsigned long long *held = &next_limits[at].held;
+        if (new_soft >= old_soft) *held += new_soft - old_soft;
+        else *held -= old_soft - new_soft < *held ? old_soft - new_soft : *held;
+    }
+    return NVML_SUCCESS;
+}
+
+/* Drop the lines of next_limits (count lines) with neither a limit nor a reservation; returns how many are
+ * left. */
+static int drop_empty(int count) {
+    int kept = 0;
+    for (int i = 0; i < count; i++)
+        if (next_limits[i].soft || next_limits[i].hard != NVML_DEVICE_MEMORY_LIMIT_MAX || next_limits[i].held)
+            next_limits[kept++] = next_limits[i];
+    return kept;
+}
+
+/* The hard cap on a process in the cgroup whose normalised path is key, on the card (see the header). */
+static unsigned long long hard_cap(int device, const char *key) {
+    unsigned long long cap = NVML_DEVICE_MEMORY_LIMIT_MAX;
+    char cgroup[PATH_SIZE];
+    copy_field(cgroup, sizeof cgroup, key);
+    size_t root = strlen(cgroup_root);
+    for (;;) {
+        int at = find_limit(limits, limit_count, device, cgroup);
+        if (at >= 0 && limits[at].hard < cap) cap = limits[at].hard;
+        char *slash = strrchr(cgroup, '/');
+        if (misc_backend || !slash || (size_t)(slash - cgroup) < root) return cap;
+        *slash = 0;
+    }
+}
+
+/* mountinfo's octal escapes (\040 for a space) taken out of s, in place. */
+static void unescape(char *s) {
+    char *out = s;
+    for (; *s; s++) {
+        unsigned int c;
+        if (*s == '\\' && sscanf(s + 1, "%3o", &c) == 1 && strspn(s + 1, "01234567") >= 3) {
+            *out++ = (char)c;
+            s += 3;
+        } else {
+            *out++ = *s;
+        }
+    }
+    *out = 0;
+}
+
+/* At the first nvmlInit: the first cgroup2 mount point in /proc/self/mountinfo, as gpushare finds it. */
+static void find_cgroup_root(void) {
+    cgroup_root[0] = 0;
+    FILE *f = fopen("/proc/self/mountinfo", "r");
+    if (!f) return;
+    char line[4 * PATH_SIZE], mount[PATH_SIZE];
+    while (!cgroup_root[0] && fgets(line, sizeof line, f)) {
+        /* ID PARENT MAJOR:MINOR ROOT MOUNT-POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER-OPTIONS */
+        const char *dash = strstr(line, " - ");
+        if (!dash || strncmp(dash + 3, "cgroup2 ", 8) || sscanf(line, "%*s %*s %*s %*s %1023s", mount) != 1)
+            continue;
+        unescape(mount);
+        if (normalise(mount, cgroup_root, sizeof cgroup_root) != 0) cgroup_root[0] = 0;
+    }
+    fclose(f);
+}
+
+/* The calling process's cgroup directory, normalised, in out (PATH_SIZE); 0, or -1 when it has none under
+ * the cgroup2 mount point. */
+static int own_cgroup(char *out) {
+    if (!cgroup_root[0]) return -1;
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    if (!f) return -1;
+    char line[PATH_SIZE], joined[2 * PATH_SIZE];
+    int found = -1;
+    while (found && fgets(line, sizeof line, f)) {
+        if (strncmp(line, "0::/", 4)) continue;
+        snprintf(joined, sizeof joined, "%s/%s", cgroup_root, trim(line + 4));
+        found = normalise(joined, out, PATH_SIZE);
+    }
+    fclose(f);
+    return found;
 }
 #endif
 
@@ -520,6 +720,9 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
             ret = NVML_ERROR_UNKNOWN;
 #endif
         } else {
+#if HAS_MEMORY_LIMITS
+            find_cgroup_root();
+#endif
             const char *path = getenv("GPUSHARE_FAKE_NVML_CONTROL");
             control = path ? fopen(path, "r") : NULL;
             if (control) fseek(control, 0, SEEK_END); /* only what is written from now on */
@@ -565,6 +768,7 @@ const char *nvmlErrorString(nvmlReturn_t result) {
     case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
     case NVML_ERROR_TIMEOUT: return "Timeout";
     case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
     default: return "Unknown Error";
     }
 }
@@ -674,13 +878,41 @@ nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor) 
     return leave(NVML_SUCCESS);
 }
 
+/* What the driver tells the calling process of the card's memory: the hard cap on its cgroup with nothing
+ * reserved, or without a cap the card and what the driver keeps of it (see the header). Called inside
+ * enter/leave. */
+static void memory_seen(nvmlDevice_t device, unsigned long long *total, unsigned long long *reserved) {
+    unsigned long long cap = NVML_DEVICE_MEMORY_LIMIT_MAX;
+#if HAS_MEMORY_LIMITS
+    char cgroup[PATH_SIZE];
+    if (own_cgroup(cgroup) == 0) cap = hard_cap((int)(device - devices), cgroup);
+#endif
+    int capped = cap != NVML_DEVICE_MEMORY_LIMIT_MAX;
+    *total = capped ? cap : device->memory_mib * 1024ULL * 1024ULL;
+    *reserved = capped ? 0 : device->reserved_mib * 1024ULL * 1024ULL;
+}
+
+/* v1 has no reserved field: it counts what the driver reserves as used ("Sum of Reserved and Allocated
+ * device memory", https://docs.nvidia.com/deploy/nvml-api/api/structnvmlMemory__t.html). */
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
     nvmlReturn_t ret = enter(device);
     if (ret != NVML_SUCCESS) return leave(ret);
     if (!memory) return leave(NVML_ERROR_INVALID_ARGUMENT);
-    memory->total = device->memory_mib * 1024ULL * 1024ULL;
+    memory_seen(device, &memory->total, &memory->used);
+    memory->free = memory->total - memory->used;
+    return leave(NVML_SUCCESS);
+}
+
+/* https://docs.nvidia.com/deploy/nvml-api/api/structnvmlMemory__v2__t.html: reserved is apart, used is only
+ * what is allocated (nothing, on a fake card); the R525 reference still said used included reserved. */
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    nvmlReturn_t ret = enter(device);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    if (!memory) return leave(NVML_ERROR_INVALID_ARGUMENT);
+    if (memory->version != nvmlMemory_v2) return leave(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    memory_seen(device, &memory->total, &memory->reserved);
+    memory->free = memory->total - memory->reserved;
     memory->used = 0;
-    memory->free = memory->total;
     return leave(NVML_SUCCESS);
 }
 
@@ -735,46 +967,51 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode
 }
 
 #if HAS_MEMORY_LIMITS
-/* What both memory-limit calls check of the card and the cgroup they name. Called inside enter/leave. */
-static nvmlReturn_t check_limit_target(nvmlDevice_t device, const void *request, const char *path) {
-    if (!request || !path || strlen(path) >= sizeof next_limits[0].path || strchr(path, '\n'))
+/* What both memory-limit calls check of the card and the cgroup they name, whose normalised path they get
+ * in key (PATH_SIZE). Called inside enter/leave. */
+static nvmlReturn_t check_limit_target(nvmlDevice_t device, const void *request, const char *path, char *key) {
+    if (!request || !path || strlen(path) >= PATH_SIZE || strchr(path, '\n') || normalise(path, key, PATH_SIZE))
         return NVML_ERROR_INVALID_ARGUMENT;
     if (device->mig == NVML_DEVICE_MIG_ENABLE) return NVML_ERROR_NOT_SUPPORTED;
     return is_directory(path) ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
 }
 
 nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, nvmlSetMemoryLimits_v1_t *limit) {
+    char key[PATH_SIZE];
     nvmlReturn_t ret = enter(device);
-    if (ret == NVML_SUCCESS) ret = check_limit_target(device, limit, limit ? limit->nameSpace : NULL);
+    if (ret == NVML_SUCCESS) ret = check_limit_target(device, limit, limit ? limit->nameSpace : NULL, key);
     if (ret != NVML_SUCCESS) return leave(ret);
     unsigned long long memory = device->memory_mib * 1024ULL * 1024ULL;
     int too_large = limit->hardLimit > memory && limit->hardLimit != NVML_DEVICE_MEMORY_LIMIT_MAX;
     if (limit->softLimit > limit->hardLimit || too_large) return leave(NVML_ERROR_INVALID_ARGUMENT);
     int clear = limit->softLimit == 0 && limit->hardLimit == NVML_DEVICE_MEMORY_LIMIT_MAX;
-    int at = find_limit(device, limit->nameSpace), count = limit_count;
+    int card = (int)(device - devices), count = limit_count, at = find_limit(limits, count, card, key);
     if (at < 0 && clear) return leave(NVML_SUCCESS);
     if (at < 0 && count == MAX_LIMITS) return leave(NVML_ERROR_INSUFFICIENT_RESOURCES);
     memcpy(next_limits, limits, (size_t)count * sizeof *limits);
-    if (clear) {
-        memmove(&next_limits[at], &next_limits[at + 1], (size_t)(--count - at) * sizeof *limits);
-    } else {
-        if (at < 0) {
-            at = count++;
-            next_limits[at].device = (int)(device - devices);
-            copy_field(next_limits[at].path, sizeof next_limits[at].path, limit->nameSpace);
-        }
-        next_limits[at].soft = limit->softLimit;
-        next_limits[at].hard = limit->hardLimit;
+    if (at < 0) {
+        struct limit *l = &next_limits[at = count++];
+        l->device = card;
+        l->soft = l->held = 0;
+        l->hard = NVML_DEVICE_MEMORY_LIMIT_MAX;
+        copy_field(l->path, sizeof l->path, limit->nameSpace);
+        copy_field(l->key, sizeof l->key, key);
     }
-    return leave(commit_limits(count) == 0 ? NVML_SUCCESS : NVML_ERROR_UNKNOWN);
+    unsigned long long old_soft = next_limits[at].soft;
+    next_limits[at].soft = limit->softLimit;
+    next_limits[at].hard = limit->hardLimit;
+    ret = hold_on_ancestors(card, key, old_soft, limit->softLimit, &count);
+    if (ret != NVML_SUCCESS) return leave(ret);
+    return leave(commit_limits(drop_empty(count)) == 0 ? NVML_SUCCESS : NVML_ERROR_UNKNOWN);
 }
 
 nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimits_v1_t *limit) {
+    char key[PATH_SIZE];
     nvmlReturn_t ret = enter(device);
-    if (ret == NVML_SUCCESS) ret = check_limit_target(device, limit, limit ? limit->nameSpace : NULL);
+    if (ret == NVML_SUCCESS) ret = check_limit_target(device, limit, limit ? limit->nameSpace : NULL, key);
     if (ret != NVML_SUCCESS) return leave(ret);
-    int at = find_limit(device, limit->nameSpace);
-    limit->softLimit = at < 0 ? 0 : limits[at].soft;
+    int at = find_limit(limits, limit_count, (int)(device - devices), key);
+    limit->softLimit = at < 0 ? 0 : limits[at].soft + limits[at].held;
     limit->hardLimit = at < 0 ? NVML_DEVICE_MEMORY_LIMIT_MAX : limits[at].hard;
     limit->currentUsed = 0;
     return leave(NVML_SUCCESS);

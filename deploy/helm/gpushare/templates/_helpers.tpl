@@ -22,6 +22,14 @@
 {{- .Values.nodeAgent.enforcement }}
 {{- end }}
 
+{{/* the order of the devices in each node's ResourceSlice: "index" or "best-fit" (values.yaml, dra.order) */}}
+{{- define "gpushare.draOrder" -}}
+{{- if not (has .Values.dra.order (list "index" "best-fit")) }}
+{{- fail (printf "dra.order: %q is not one of index, best-fit" .Values.dra.order) }}
+{{- end }}
+{{- .Values.dra.order }}
+{{- end }}
+
 {{/* the service accounts that alone may write gpushare's pod annotations, as CEL */}}
 {{- define "gpushare.notGpushare" -}}
 !(request.userInfo.username in [
