@@ -20,7 +20,6 @@ Run as root on a machine with containerd, runc, busybox-static, gcc and a cgroup
 from __future__ import annotations
 
 import argparse
-import contextlib
 import multiprocessing
 import os
 import statistics
@@ -43,6 +42,7 @@ from gpushare.pb import cri_pb2 as pb
 from gpushare.pb import cri_pb2_grpc as pb_grpc
 from gpushare.sandbox import cri_kubelet, fakenvml
 from gpushare.sandbox.containerd import TEST_IMAGE, containerd_available, running_containerd
+from gpushare.sandbox.nodecgroups import make_cgroup_root, remove_cgroup_root
 
 TARGET_ADDED_P50_MS = 0.3
 TARGET_THROUGHPUT_RATIO = 0.7
@@ -177,9 +177,10 @@ def start_latencies(base: Path, runtime: str, plain_shim: str, rounds: int, call
     cgroup2 = detect_layout(Path("/proc/self/mountinfo").read_text()).unified
     if cgroup2 is None:
         return "no cgroup2 mount to make the containers' cgroups in"
-    bench = cgroup2 / f"gpushare-bench-{os.getpid()}"
+    made = make_cgroup_root(f"gpushare-bench-{os.getpid()}")  # in every hierarchy, as runc makes its cgroups
+    bench = cgroup2 / made[0].name
     pod = bench / f"pod{START_UID}"
-    pod.mkdir(parents=True)  # kubelet's pod cgroup, there before its sandbox
+    pod.mkdir()  # kubelet's pod cgroup, there before its sandbox
     fake = fakenvml.prepare(FAKE_MACHINE, base)
     card = first_card(FAKE_MACHINE)
     gpus = ("--gpus", "nvml", "--cgroup-root", str(cgroup2))
@@ -210,10 +211,7 @@ def start_latencies(base: Path, runtime: str, plain_shim: str, rounds: int, call
         channel.close()
         limited.terminate()
         limited.wait(10)
-        made = [path for path in bench.rglob("*") if path.is_dir()]
-        for cgroup in [*sorted(made, key=lambda p: len(p.parts), reverse=True), bench]:
-            with contextlib.suppress(OSError):  # the runtime removed it already
-                cgroup.rmdir()
+        remove_cgroup_root(made)
     return samples
 
 

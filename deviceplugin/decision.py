@@ -2,7 +2,7 @@
 
 Pure: takes the pods on the node and the node's cards, returns what to tell kubelet and what to record
 on the pod, or raises :class:`~gpushare.assignment.Refusal`. Whoever wrote the annotations, nothing
-here trusts them: the container's cards pass :func:`gpushare.assignment.check_assignment` first.
+here trusts them: the container's cards pass :func:`gpushare.assignment.check_extender_decision` first.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from gpushare.deviceplugin.devices import card_of_device
 from gpushare.deviceplugin.matching import Skipped, fully_served, match_container
 
-from gpushare.assignment import Claim, Holdings, Refusal, check_assignment, describe
+from gpushare.assignment import Claim, Holdings, Refusal, check_extender_decision, describe
 from gpushare.cards import Card
 from gpushare.contract.aliyun import format_bool, parse_bool
 from gpushare.contract.allocation import CardSlice, format_assigned_containers, validate_allocation
@@ -98,7 +98,7 @@ def decide(
     meta = match.pod.get("metadata") or {}
     usage, counted, _ = node_usage(pods, NodeInventory(unit, tuple(cards)), ledger=ledger)
     claim = Claim(key, meta.get("uid", ""), name, slices, exclusive=match.container.exclusive, rule=rule)
-    refusal = check_assignment(claim, cards, unit, Holdings(usage, counted, ledger or {}))
+    refusal = check_extender_decision(claim, cards, unit, Holdings(usage, counted, ledger or {}))
     if refusal is not None:
         raise refusal.about(match.pod)
 

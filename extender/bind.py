@@ -40,9 +40,10 @@ from typing import Any
 
 from gpushare.extender import podfit
 from gpushare.extender.asks import PodAsk, read_ask
-from gpushare.extender.cache import ClusterCache, placement_cards
+from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.metrics import BIND_BATCH, BIND_FAILURES
+from gpushare.extender.nodeview import placement_cards
 
 from gpushare import placement
 from gpushare.contract.aliyun import format_assume_time, format_bool, format_framework_allocation

@@ -8,7 +8,10 @@ the fenced cards (:mod:`.fences`) and this replica's binds in flight (:mod:`.inf
 guards them all.
 
 Each node carries a generation that moves whenever its inventory or one of its pods changes, so
-per-node placement answers can be memoised until something on that node changes.
+per-node placement answers can be memoised until something on that node changes. Filter, prioritize
+and the gang planner read a node through its :class:`~gpushare.extender.nodeview.NodeView`, built from
+all of this once per generation; binds, which read the node afresh from the API server, take the few
+parts they need beside it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpushare.extender.agents import agent_refusal, agent_up, is_node_agent
@@ -28,24 +30,16 @@ from gpushare.extender.dra import DraView
 from gpushare.extender.fences import Fences
 from gpushare.extender.holds import NodeHolds
 from gpushare.extender.inflight import InFlight
+from gpushare.extender.nodeview import NodeView, ParsedNode, build_view, parse_node
 from gpushare.extender.workload import ObservedWorkload, PodShape
 
 from gpushare import placement
 from gpushare.contract.errors import ContractError
 from gpushare.contract.inventory import NodeInventory
-from gpushare.contract.names import (
-    FENCE_CONFIGMAP_NAMESPACE,
-    NODE_ANN_PENDING_BINDS,
-    PLACEMENT_ANNOTATIONS,
-    RESOURCE_CPU,
-    RESOURCE_MEMORY,
-    RESOURCE_PODS,
-)
-from gpushare.contract.nodeselection import NodeFacts, parse_node_facts
+from gpushare.contract.names import FENCE_CONFIGMAP_NAMESPACE, NODE_ANN_PENDING_BINDS, PLACEMENT_ANNOTATIONS
 from gpushare.contract.pending import Ledger, PendingBind
 from gpushare.contract.request import PodRequest, annotations_of
-from gpushare.contract.units import parse_host_quantity
-from gpushare.holdings.node import kubelet_refusal, node_inventory, node_ledger, node_usage
+from gpushare.holdings.node import node_ledger
 from gpushare.holdings.pod import holds_resources
 from gpushare.kube.watch import WatchCache
 
@@ -53,86 +47,6 @@ log = logging.getLogger(__name__)
 
 #: deleted pods whose uids are kept; a ledger entry of an older one costs a read of its pod
 GONE_KEPT = 100_000
-
-
-@dataclass(frozen=True, slots=True)
-class CachedNode:
-    """A node as the extender last saw it: its cards with what they hold, and the generation it was
-    built at."""
-
-    name: str
-    inventory: NodeInventory
-    cards: tuple[placement.CardCapacity, ...]
-    generation: int
-
-
-#: what a node or pod without a readable CPU or memory figure is taken to have: no limit
-UNLIMITED = 1 << 60
-
-
-def pods_allocatable(node: Mapping[str, Any]) -> int:
-    """How many pods the node takes (``status.allocatable.pods``); ``UNLIMITED`` when it doesn't say, or
-    gives a figure that can't be read or is beyond :data:`~gpushare.contract.units.HOST_LIMIT` (logged)."""
-    allocatable = (node.get("status") or {}).get("allocatable") or {}
-    if RESOURCE_PODS not in allocatable:
-        return UNLIMITED
-    where = f"node {(node.get('metadata') or {}).get('name', '?')} status.allocatable.{RESOURCE_PODS}"
-    try:
-        return parse_host_quantity(allocatable[RESOURCE_PODS], 1, "pods", where)
-    except ContractError as exc:
-        log.warning("%s; the node's pods are not counted", exc)
-        return UNLIMITED
-
-
-def host_allocatable(node: Mapping[str, Any]) -> tuple[int, int]:
-    """The node's allocatable (CPU milli, memory bytes); ``UNLIMITED`` for a figure the node doesn't give,
-    0 (logged) for one that can't be read or is beyond :data:`~gpushare.contract.units.HOST_LIMIT`:
-    no pod is weighed as fitting there by it."""
-    allocatable = (node.get("status") or {}).get("allocatable") or {}
-    where = f"node {(node.get('metadata') or {}).get('name', '?')} status.allocatable"
-    amounts = []
-    for name, scale, unit in ((RESOURCE_CPU, 1000, "millicores"), (RESOURCE_MEMORY, 1, "bytes")):
-        if name not in allocatable:
-            amounts.append(UNLIMITED)
-            continue
-        try:
-            amounts.append(parse_host_quantity(allocatable[name], scale, unit, f"{where}.{name}"))
-        except ContractError as exc:
-            log.warning("%s; taken as 0", exc)
-            amounts.append(0)
-    return amounts[0], amounts[1]
-
-
-def placement_cards(
-    inventory: NodeInventory,
-    pods: Iterable[Mapping[str, Any]],
-    extra: Iterable[Mapping[str, int]] = (),
-    fenced: frozenset[int] = frozenset(),
-    ledger: Ledger | None = None,
-    requests: Mapping[str, PodRequest | ContractError] | None = None,
-) -> tuple[placement.CardCapacity, ...]:
-    """The node's cards with the units held by ``pods`` (and ``extra``: units per card UUID of binds in
-    flight) marked used, by the one rule of :mod:`gpushare.holdings.node` over the node's ``ledger``. Cards whose
-    minor is in ``fenced`` (the original extender's unhealthy-GPU ConfigMap) take no new pods.
-    ``requests``: the pods' requests by pod key, as read already."""
-    used, _, bad = node_usage(pods, inventory, ledger=ledger, requests=requests)
-    for pod in bad:
-        if pod.counted:
-            log.warning("GPU annotations disagree with what the pod can hold: %s", pod.reason)
-        else:
-            log.warning("GPU annotations can't be read, their cards are not counted: %s", pod.reason)
-    for held in extra:
-        for uuid, units in held.items():
-            used[uuid] = used.get(uuid, 0) + units
-    return tuple(
-        placement.CardCapacity.of(
-            card,
-            inventory.units_of(card),
-            used.get(card.uuid, 0),
-            healthy=card.healthy and card.minor not in fenced,
-        )
-        for card in inventory.cards
-    )
 
 
 class ClusterCache:
@@ -147,7 +61,8 @@ class ClusterCache:
         self._lock = threading.RLock()
         self._counter = itertools.count(1)
         self._generation: dict[str, int] = {}
-        self._inventory: dict[str, NodeInventory | str] = {}
+        #: node -> what its object says, as last read
+        self._parsed: dict[str, ParsedNode] = {}
         #: node -> its ledger (see gpushare.contract.pending), as last read while it could be read
         self._ledgers: dict[str, Ledger] = {}
         #: node -> why its ledger can't be read now
@@ -160,18 +75,12 @@ class ClusterCache:
         self._fences = Fences()
         self._holds = NodeHolds()
         self._workload = ObservedWorkload()
-        self._views: dict[str, CachedNode] = {}
-        #: per node: allocatable (CPU milli, memory bytes); and the free amounts per node, until it changes
-        self._allocatable: dict[str, tuple[int, int]] = {}
-        #: per node: how many pods it takes
-        self._pods_allocatable: dict[str, int] = {}
-        #: per node: its name, labels and taints, which decide the pods it may take
-        self._facts: dict[str, NodeFacts] = {}
+        #: node -> its view, until something on it changes (see :meth:`_bump`)
+        self._views: dict[str, NodeView] = {}
         #: see :mod:`gpushare.extender.agents`: per node where the node agent ran as a pod of
         #: ``node_agent_namespace``, the keys of its agent pods that are up (none: no GPU pods there)
         self._agent_namespace = node_agent_namespace
         self._agents_up: dict[str, set[str]] = {}
-        self._host_free: dict[str, tuple[int, int]] = {}
         self._change_listeners: list[Callable[[str], None]] = []
         self._pod_listeners: list[Callable[[str, Mapping[str, Any], PodAsk], None]] = []
         #: uids of pods seen deleted (oldest first), so a ledger entry of one is dropped without a read
@@ -210,7 +119,6 @@ class ClusterCache:
     def _bump(self, node: str) -> None:
         self._generation[node] = next(self._counter)
         self._views.pop(node, None)
-        self._host_free.pop(node, None)
         for listener in self._change_listeners:
             listener(node)
 
@@ -230,20 +138,11 @@ class ClusterCache:
         name = (node.get("metadata") or {}).get("name", "")
         with self._lock:
             if kind == "DELETED":
-                self._inventory.pop(name, None)
+                self._parsed.pop(name, None)
                 self._ledgers.pop(name, None)
                 self._damaged.pop(name, None)
-                self._allocatable.pop(name, None)
-                self._facts.pop(name, None)
-                self._pods_allocatable.pop(name, None)
             else:
-                self._pods_allocatable[name] = pods_allocatable(node)
-                self._allocatable[name] = host_allocatable(node)
-                self._facts[name] = parse_node_facts(node)
-                try:
-                    self._inventory[name] = kubelet_refusal(node) or node_inventory(node)
-                except ContractError as exc:
-                    self._inventory[name] = str(exc)
+                self._parsed[name] = parse_node(node)
                 self._note_ledger(name, node)
             self._holds.note(name, self._ledgers.get(name, {}))
             self._bump(name)
@@ -348,7 +247,7 @@ class ClusterCache:
 
     def node_names(self) -> list[str]:
         with self._lock:
-            return sorted(self._inventory)
+            return sorted(self._parsed)
 
     def agent_problem(self, node: str) -> str | None:
         """Why ``node`` takes no GPU pods while its node agent pod is not up, or None."""
@@ -359,40 +258,43 @@ class ClusterCache:
     def problem(self, node: str) -> str | None:
         """Why ``node`` can't take GPU pods at all (a sentence naming it), or None."""
         with self._lock:
-            inventory = self._inventory.get(node)
+            parsed = self._parsed.get(node)
             untrusted = self._damaged.get(node) if node not in self._ledgers else None
-        if inventory is None:
+        if parsed is None:
             return f"node {node} is not known to the gpushare extender"
-        if isinstance(inventory, str):
-            return inventory
+        if isinstance(parsed.inventory, str):
+            return parsed.inventory
         if untrusted:
             return f"node {node} takes no GPU pods until its ledger is repaired: {untrusted}"
         return self.agent_problem(node)
 
-    def view(self, node: str) -> CachedNode | None:
+    def view(self, node: str) -> NodeView | None:
+        """The node as filter, prioritize and the gang planner read it, built once after each change on
+        it; None while it can't take GPU pods (see :meth:`problem`)."""
         with self._lock:
             cached = self._views.get(node)
             if cached is not None:
                 return cached
-            inventory = self._inventory.get(node)
-            if not isinstance(inventory, NodeInventory) or node not in self._ledgers or self.agent_problem(node):
+            parsed = self._parsed.get(node)
+            if parsed is None or not isinstance(parsed.inventory, NodeInventory):
                 return None
-            pods = list(self._pods_by_node.get(node, {}).values())
-            extra = [held for _, held in self._in_flight.on(node)]
+            if node not in self._ledgers or self.agent_problem(node):
+                return None
             holds = self._holds.counted(node, time.time(), self._waiting)
-            extra += [entry.held for entry in holds.values()]
             self._holds.expire_at(node, holds.values())
-            cards = placement_cards(
-                inventory, pods, extra, self._fences.of(node), self.ledger(node), self.requests_on(node)
+            view = build_view(
+                node,
+                parsed.inventory,
+                parsed,
+                self._generation.get(node, 0),
+                self._ledgers[node],
+                self._fences.of(node),
+                [self._pods[key] for key in self._pods_by_node.get(node, {})],
+                self._in_flight.on(node),
+                holds,
             )
-            view = CachedNode(node, inventory, cards, self._generation.get(node, 0))
             self._views[node] = view
             return view
-
-    def node_facts(self, node: str) -> NodeFacts | None:
-        """The node's name, labels and taints as last seen, or None for a node not seen."""
-        with self._lock:
-            return self._facts.get(node)
 
     def ledger(self, node: str) -> Ledger:
         """The node's ledger as last seen."""
@@ -422,29 +324,6 @@ class ClusterCache:
         """Every pod's (GPU shape, CPU milli, memory bytes, card rule), one entry per GPU container."""
         with self._lock:
             return self._workload.pod_shapes()
-
-    def host_free(self, node: str) -> tuple[int, int]:
-        """The node's allocatable (CPU milli, memory bytes) less the requests of the pods that hold
-        resources on it (``UNLIMITED`` where the node gives no figure)."""
-        with self._lock:
-            held = self._host_free.get(node)
-            if held is None:
-                cpu, memory = self._allocatable.get(node, (UNLIMITED, UNLIMITED))
-                for key, pod in self._pods_by_node.get(node, {}).items():
-                    host = self._pods[key][1].host_read
-                    if holds_resources(pod) and not isinstance(host, ContractError):  # see _on_pod
-                        cpu, memory = cpu - host[0], memory - host[1]
-                # however many pods the node lists, the figures stay within what the node matrix holds
-                held = self._host_free[node] = (max(cpu, -UNLIMITED), max(memory, -UNLIMITED))
-            return held
-
-    def pod_room(self, node: str) -> int:
-        """How many more pods the node takes: its allocatable pods less the pods holding resources on it
-        and the gang holds that count there."""
-        with self._lock:
-            taken = sum(1 for pod in self._pods_by_node.get(node, {}).values() if holds_resources(pod))
-            holds = len(self._holds.counted(node, time.time(), self._waiting))
-            return self._pods_allocatable.get(node, UNLIMITED) - taken - holds
 
     # --- gang holds -----------------------------------------------------------------------------------
 

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 from gpushare.extender import podfit
 from gpushare.extender.asks import PodAsk
-from gpushare.extender.cache import CachedNode, ClusterCache
+from gpushare.extender.cache import ClusterCache
 from gpushare.extender.matrix import NodeMatrix
+from gpushare.extender.nodeview import NodeView
 from gpushare.extender.wire import NodeNames
 
 from gpushare import placement
@@ -118,7 +119,7 @@ class PlacementEngine:
                 self._fgd_rebuilding = False
 
     def fit(
-        self, view: CachedNode, order: podfit.InitOrder, rule: placement.CardRule = placement.ANY_CARD
+        self, view: NodeView, order: podfit.InitOrder, rule: placement.CardRule = placement.ANY_CARD
     ) -> placement.NoFit | None:
         """Why the pod's demands, in their ``order``, don't fit on the node's cards, or None."""
         if view.inventory.inferred is not None and (refusal := podfit.original_plugin_refusal(order.demands)):
@@ -139,7 +140,7 @@ class PlacementEngine:
 
     def cost(
         self,
-        view: CachedNode,
+        view: NodeView,
         order: podfit.InitOrder,
         policy: placement.Policy,
         rule: placement.CardRule = placement.ANY_CARD,

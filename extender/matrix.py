@@ -159,10 +159,11 @@ class NodeMatrix:
             self._free[row] = 0
             self._model[row] = 0
             self._enforced[row] = False
-            self._cpu[row], self._memory[row] = self._cache.host_free(name)
             if view is None:
+                self._cpu[row] = self._memory[row] = 0
                 self._generation[row] = _UNUSABLE
                 continue
+            self._cpu[row], self._memory[row] = view.host_free
             if len(view.cards) > self._capacity.shape[1]:
                 self._widen(len(view.cards))
             for pos, card in enumerate(view.cards):

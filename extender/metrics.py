@@ -9,7 +9,8 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from gpushare.extender.cache import CachedNode, ClusterCache
+    from gpushare.extender.cache import ClusterCache
+    from gpushare.extender.nodeview import NodeView
 
 VERB_LATENCY = Histogram(
     "gpushare_extender_verb_seconds",
@@ -36,7 +37,7 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def _card_lines(view: CachedNode) -> tuple[bytes, bytes]:
+def _card_lines(view: NodeView) -> tuple[bytes, bytes]:
     """The node's samples of each gauge of CARD_GAUGES, in the text exposition format."""
     allocated, total = [], []
     for card in view.cards:

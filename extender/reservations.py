@@ -32,8 +32,9 @@ from typing import Any, NamedTuple
 
 from gpushare.extender.asks import PodAsk
 from gpushare.extender.bind import ATTEMPTS, Binder
-from gpushare.extender.cache import CachedNode, ClusterCache
+from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
+from gpushare.extender.nodeview import NodeView
 from gpushare.extender.roomwaiters import RoomWaiters, Waiter
 
 from gpushare import placement
@@ -273,13 +274,13 @@ class Gangs:
         """Whether the member may still go to the node it holds cards on: offered for it at its last
         filter, allowed by its constraints, and its held cards healthy there."""
         node, entry = hold
-        parsed, facts, view = _planned(member), self._cache.node_facts(node), self._cache.view(node)
+        parsed, view = _planned(member), self._cache.view(node)
         with self._lock:
             offered = self._offered.get(member.uid)
-        if isinstance(parsed, str) or facts is None or view is None or offered is None or node not in offered:
+        if isinstance(parsed, str) or view is None or offered is None or node not in offered:
             return False
         healthy = {c.uuid for c in view.cards if c.healthy}
-        return node_refusal(parsed.nodes, facts) is None and set(entry.held) <= healthy
+        return node_refusal(parsed.nodes, view.facts) is None and set(entry.held) <= healthy
 
     def _plan(
         self,
@@ -331,7 +332,7 @@ class Gangs:
         names: Sequence[str],
         held: Mapping[str, Hold],
         offered: Mapping[str, frozenset[str]],
-        views: Mapping[str, CachedNode | None],
+        views: Mapping[str, NodeView | None],
     ) -> tuple[GangPlan, list[str]]:
         rooms = []
         for name, view in views.items():
@@ -343,9 +344,9 @@ class Gangs:
                     for uuid, units in hold.held.items():
                         ours[uuid] = ours.get(uuid, 0) + units
             cards = tuple(replace(c, used=max(c.used - ours[c.uuid], 0)) if c.uuid in ours else c for c in view.cards)
-            pods = self._cache.pod_room(name) + sum(1 for node, _ in held.values() if node == name)
-            rooms.append(Room(name, cards, self._cache.host_free(name), view.inventory.unit.name, pods))
-        facts = [f for room in rooms if (f := self._cache.node_facts(room.name)) is not None]
+            pods = view.pod_room + sum(1 for node, _ in held.values() if node == name)
+            rooms.append(Room(name, cards, view.host_free, view.inventory.unit.name, pods))
+        facts = [view.facts for view in views.values() if view is not None]
         allowed_for: dict[PodNodes, tuple[frozenset[str], str]] = {}
         members, problems = [], []
         for member in waiting:

@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 from gpushare.extender import podfit
 from gpushare.extender.asks import PodAsk, read_ask
-from gpushare.extender.cache import CachedNode, ClusterCache, placement_cards
+from gpushare.extender.cache import ClusterCache
 from gpushare.extender.engine import PlacementEngine
 from gpushare.extender.filterway import Way, filter_way
+from gpushare.extender.nodeview import NodeView, placement_cards
 from gpushare.extender.reservations import Gangs
 from gpushare.extender.roomwaiters import RoomWaiters, Waiter
 from gpushare.extender.wire import NodeNames, Raw, candidate_names, check_victims, refused_nodes, request_pod
@@ -319,19 +320,15 @@ def _pdb_violations(body: Mapping[str, Any], name: str) -> int:
 
 
 def _needed_victims(
-    cache: ClusterCache, view: CachedNode, victims: list[str], order: podfit.InitOrder, rule: placement.CardRule
+    view: NodeView, victims: list[str], order: podfit.InitOrder, rule: placement.CardRule
 ) -> list[str] | None:
     """The fewest of ``victims`` whose eviction lets the preemptor fit on the node (the later victims
     are tried for removal first), or None when evicting them all is not enough."""
-    pods = cache.pods_on(view.name)
-    requests = cache.requests_on(view.name)
-    extra = [held for _, held in cache.assumed_on(view.name)]
-    fenced = cache.fenced(view.name)
-    ledger = cache.ledger(view.name)
+    extra = [held for _, held in view.assumed]
 
     def fits_without(evicted: set[str]) -> bool:
-        remaining = [p for p in pods if (p.get("metadata") or {}).get("uid") not in evicted]
-        cards = placement_cards(view.inventory, remaining, extra, fenced, ledger, requests)
+        remaining = [p for p in view.pods if (p.get("metadata") or {}).get("uid") not in evicted]
+        cards = placement_cards(view.inventory, remaining, extra, view.fenced, view.ledger, view.requests)
         return not order.demands or order.fit(cards, view.inventory.unit.name, rule) is None
 
     needed = set(victims)
@@ -359,7 +356,7 @@ def preempt_result(engine: PlacementEngine, body: Any) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for name in names:
         view = engine.cache.view(name)
-        needed = None if view is None else _needed_victims(engine.cache, view, _victim_uids(body, name), order, rule)
+        needed = None if view is None else _needed_victims(view, _victim_uids(body, name), order, rule)
         if needed is not None:
             result[name] = {"Pods": [{"UID": uid} for uid in needed], "NumPDBViolations": _pdb_violations(body, name)}
     return {"NodeNameToMetaVictims": result}

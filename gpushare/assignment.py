@@ -1,12 +1,18 @@
-"""Whether a container's card assignment can be honoured on this node: the one check the device plugin
-(in Allocate) and the CRI shim (in CreateContainer) both apply, and the one way either refuses.
+"""Who decides a container's cards, and who only checks them.
+
+**The extender decides** (:mod:`gpushare.placement`, in filter and bind) and records the decision on
+the pod (``gpushare.io/allocation``) and in the node's ledger. Nothing on the node decides again:
+kubelet's device plugin API makes **Allocate** answer with some device IDs, and **CreateContainer**
+(the NRI plugin or the CRI shim) sees the container that answer made; both only check the extender's
+decision against the node with :func:`check_extender_decision`, and refuse, or put the decided cards
+back in place of what kubelet handed out. That is the one check both apply, and the one way either
+refuses.
 
 Whoever wrote the assignment, nothing here trusts it: every assigned card must be on this node under
 the index the assignment gives and within what the extender recorded for the pod in the node's ledger
 (when it has an entry), and the units the node's live pods hold on it must fit its capacity.
 Pure: plain values in, a :class:`Refusal` or None out.
 """
-
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -89,7 +95,7 @@ def describe(slices: Sequence[CardSlice]) -> str:
     return ", ".join(f"card {s.index} ({s.uuid})" for s in slices)
 
 
-def check_assignment(
+def check_extender_decision(
     claim: Claim,
     cards: Sequence[Card],
     unit: MemoryUnit,

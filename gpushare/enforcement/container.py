@@ -30,7 +30,7 @@ class Target:
 
     def claim(self, slices: tuple[CardSlice, ...], rule: CardRule = ANY_CARD) -> Claim:
         """This container's claim on ``slices`` under the pod's card ``rule``, for
-        :func:`gpushare.assignment.check_assignment`."""
+        :func:`gpushare.assignment.check_extender_decision`."""
         return Claim(self.pod_key, self.uid, self.container, slices, rule=rule)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from gpushare.assignment import Claim, Holdings, Refusal, check_assignment
+from gpushare.assignment import Claim, Holdings, Refusal, check_extender_decision
 from gpushare.cards import Card
 from gpushare.contract.aliyun import parse_card_index
 from gpushare.contract.allocation import CardSlice, parse_allocation
@@ -414,7 +414,7 @@ class Resolver:
         ledger = self._pods.ledger()
         used, counted, _ = node_usage(pods, NodeInventory(self._unit, tuple(cards)), ledger=ledger)
         holdings = Holdings(used, counted, ledger)
-        refusal = check_assignment(found.claim, cards, self._unit, holdings, require_healthy=False)
+        refusal = check_extender_decision(found.claim, cards, self._unit, holdings, require_healthy=False)
         return replace(found, refusal=refusal, pod_held=holdings.held_by(found.claim))
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from gpushare.assignment import Refusal, check_assignment, describe
+from gpushare.assignment import Refusal, check_extender_decision, describe
 from gpushare.cards import Card
 from gpushare.contract.env import assigned_env, toolkit_memory_env
 from gpushare.contract.names import (
@@ -95,7 +95,7 @@ def rewrite(
     if not resolution.wants_gpu:
         return _no_gpu(request, resolution, options)
     target, slices = resolution.target, resolution.slices
-    refusal = check_assignment(resolution.claim, cards, unit, None, require_healthy=False)
+    refusal = check_extender_decision(resolution.claim, cards, unit, None, require_healthy=False)
     if refusal is not None:  # the resolver checked against the node's pods; this guards the lookups below
         return Decision(refusal=refusal)
 

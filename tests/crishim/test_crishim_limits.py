@@ -46,6 +46,7 @@ from gpushare.memlimits.cgroups import CgroupLayout
 from gpushare.memlimits.enforcer import NO_HARD_LIMIT, MemoryLimitError, PodLimiter
 from gpushare.pb import cri_pb2, cri_pb2_grpc
 from gpushare.sandbox.containerd import TEST_IMAGE, Containerd, containerd_available, running_containerd
+from gpushare.sandbox.nodecgroups import make_cgroup_root, remove_cgroup_root
 from gpushare.settings import RewriteOptions
 
 ROOT = Path("/sys/fs/cgroup")
@@ -718,6 +719,8 @@ def test_the_sweep_clears_an_ended_pods_cgroup_and_its_childrens_and_leaves_one_
 
 needs_containerd = pytest.mark.skipif(containerd_available() is not None, reason=str(containerd_available()))
 TRAIN_UID = "0a0a0a0a-1111-4111-8111-0000000000aa"
+#: the pod's cgroup, as kubelet would name it but under a root of the test's own in the machine's hierarchies
+TRAIN_CGROUP = f"/gpushare-crishim-test{pod_cgroup(TRAIN_UID)}"
 
 
 @pytest.fixture(scope="module")
@@ -755,7 +758,7 @@ def test_containerds_start_of_a_gpu_container_through_the_shim_waits_for_its_lim
         metadata=cri_pb2.PodSandboxMetadata(name=target.pod, namespace=target.namespace, uid=target.uid),
         annotations=allocation_of(worker=WORKER_SLICES),
         linux=cri_pb2.LinuxPodSandboxConfig(
-            cgroup_parent=pod_cgroup(TRAIN_UID),
+            cgroup_parent=TRAIN_CGROUP,
             security_context=cri_pb2.LinuxSandboxSecurityContext(
                 namespace_options=cri_pb2.NamespaceOption(network=cri_pb2.NODE)
             ),
@@ -765,7 +768,7 @@ def test_containerds_start_of_a_gpu_container_through_the_shim_waits_for_its_lim
     del config.devices[:], config.CDI_devices[:]  # no such nodes here
     config.image.image = TEST_IMAGE
     config.command[:] = ["sleep", "3600"]
-    (tmp_path / pod_cgroup(TRAIN_UID).lstrip("/")).mkdir(parents=True)  # kubelet's, before the sandbox
+    (tmp_path / TRAIN_CGROUP.lstrip("/")).mkdir(parents=True)  # kubelet's, before the sandbox
     direct = grpc.insecure_channel(containerd.address)
     runtime = cri_pb2_grpc.RuntimeServiceStub(direct)
     created: list[str] = []
@@ -776,6 +779,7 @@ def test_containerds_start_of_a_gpu_container_through_the_shim_waits_for_its_lim
     shim = CriShim(f"unix://{tmp_path}/shim.sock", containerd.address, enforcer, None, start)
     shim.start()
     sandbox_id = ""
+    made = make_cgroup_root(TRAIN_CGROUP.split("/")[1])
     try:
         with grpc.insecure_channel(shim.address) as channel:
             kubelet = cri_pb2_grpc.RuntimeServiceStub(channel)
@@ -789,7 +793,7 @@ def test_containerds_start_of_a_gpu_container_through_the_shim_waits_for_its_lim
         status = runtime.ContainerStatus(status_request, timeout=10)
         cgroups_path = json.loads(status.info["info"])["runtimeSpec"]["linux"]["cgroupsPath"]
         cgroup = tmp_path / cgroups_path.lstrip("/")
-        assert cgroup.parent == tmp_path / pod_cgroup(TRAIN_UID).lstrip("/") and cgroup.is_dir()
+        assert cgroup.parent == tmp_path / TRAIN_CGROUP.lstrip("/") and cgroup.is_dir()
         assert driver.set[pod_limits:] == [(A0.uuid, cgroup, 0, 8 << 30), (A1.uuid, cgroup, 0, 20 << 30)]
         assert driver.states[pod_limits:] == [cri_pb2.CONTAINER_CREATED] * 2
         assert status.status.state == cri_pb2.CONTAINER_RUNNING
@@ -800,3 +804,4 @@ def test_containerds_start_of_a_gpu_container_through_the_shim_waits_for_its_lim
             runtime.StopPodSandbox(cri_pb2.StopPodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60)
             runtime.RemovePodSandbox(cri_pb2.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=60)
         direct.close()
+        remove_cgroup_root(made)  # and what containerd's runc made below it, in the machine's hierarchies

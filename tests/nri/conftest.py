@@ -1,5 +1,6 @@
 """A real containerd 2.2.9 with NRI on for the tests of tests/nri that need one, and a CRI client on it as
-kubelet holds one (its pods removed after each test)."""
+kubelet holds one (its pods, and the pod cgroups the tests gave them under :data:`TEST_CGROUPS`, removed
+after each test)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,22 @@ import pytest
 
 from gpushare.sandbox import cri_kubelet
 from gpushare.sandbox.containerd import Containerd, running_containerd
+from gpushare.sandbox.nodecgroups import make_cgroup_root, remove_cgroup_root
+
+#: where the tests' pods have their cgroups (kubelet's would be under /kubepods)
+TEST_CGROUPS = "/gpushare-nri-test"
 
 
 @pytest.fixture(scope="module")
 def containerd() -> Iterator[Containerd]:
-    with running_containerd(Path(tempfile.mkdtemp(prefix="gs-nri-"))) as daemon:
-        yield daemon
+    """The daemon, and the tests' pod cgroups (:data:`TEST_CGROUPS`) removed once it is gone, as kubelet
+    removes its pods' cgroups."""
+    made = make_cgroup_root(TEST_CGROUPS.lstrip("/"))
+    try:
+        with running_containerd(Path(tempfile.mkdtemp(prefix="gs-nri-"))) as daemon:
+            yield daemon
+    finally:
+        remove_cgroup_root(made)
 
 
 @pytest.fixture

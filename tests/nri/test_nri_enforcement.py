@@ -172,7 +172,8 @@ def test_with_limits_on_a_gpu_container_is_capped_on_its_own_cgroup_before_its_p
     finally:
         running.stop()
     own = layout.unified / process_cgroup.lstrip("/")
-    assert calls == [
+    mine = layout.unified / "gpushare-nri-test"  # the sweep at Synchronize may look at the machine's own pods
+    assert [call for call in calls if call[1].is_relative_to(mine)] == [
         (A0.uuid, layout.unified / "gpushare-nri-test" / "capped", 8 << 30, 8 << 30),  # the pod's, at creation
         (A0.uuid, own, 0, 8 << 30),  # the container's own, before its process ran
     ]

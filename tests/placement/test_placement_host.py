@@ -151,12 +151,12 @@ def test_a_pods_request_is_the_larger_of_its_containers_sum_and_its_largest_init
 
 def test_the_cache_counts_what_running_pods_request_on_each_node() -> None:
     cache = ClusterCache(None)
-    cache.nodes.apply(node("n1", "32", "64Gi"))
+    cache.nodes.apply(node("n1", "32", "64Gi", [Card(0, "GPU-n1-0", "T4", 16384, minor=0)]))
     cache.pods.apply(plain_pod("a", "n1", "4", "8Gi"))
     cache.pods.apply(plain_pod("done", "n1", "8", "8Gi", phase="Succeeded"))
-    assert cache.host_free("n1") == (28000, 56 * GiB)
+    assert cache.view("n1").host_free == (28000, 56 * GiB)
     cache.pods.apply(plain_pod("b", "n1", "2500m", "1Gi"))
-    assert cache.host_free("n1") == (25500, 55 * GiB)
+    assert cache.view("n1").host_free == (25500, 55 * GiB)
 
 
 def gpu_cluster() -> ClusterCache:
