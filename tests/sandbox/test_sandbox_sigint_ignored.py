@@ -12,7 +12,7 @@ from support.sandboxrun import SandboxRun, leftovers
 def test_sigint_stops_a_kept_running_standin_sandbox_that_inherited_it_ignored(directory: Path) -> None:
     run = SandboxRun(directory, "--standin", "--no-containers", "--keep-running", sigint_ignored=True)
     try:
-        run.out.wait_for("Ctrl-C", 240)
+        run.printed("Ctrl-C", 240)
         run.signal(signal.SIGINT)
         code = run.wait(60)
     finally:

@@ -50,7 +50,7 @@ def test_a_stop_signal_during_start_up_stops_everything(directory: Path, signum:
 def test_a_stop_signal_while_kept_running_stops_everything(directory: Path, signum: int) -> None:
     run = SandboxRun(directory, "--keep-running")
     try:
-        run.out.wait_for("Ctrl-C", 240)
+        run.printed("Ctrl-C", 240)
         workdir = run.workdir
         network = bridges_and_ports(bridges_of(workdir))
         run.signal(signum)

@@ -86,6 +86,15 @@ class SandboxRun:
         (found,) = self.root.glob("gpushare-sandbox-*")
         return found
 
+    def printed(self, piece: str, timeout: float) -> str:
+        """All it printed once ``piece`` is in it; a failure also says whether it exited and what it
+        wrote on stderr (where its progress and its errors go)."""
+        try:
+            return self.out.wait_for(piece, timeout)
+        except AssertionError as exc:
+            why = f"{exc}\nexit status: {self.proc.poll()}\nstderr:\n{self.err.text[-3000:]}"
+            raise AssertionError(why) from None
+
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)
 
@@ -150,7 +159,7 @@ def kept_running(*args: str) -> Iterator[SandboxRun]:
     root = Path(tempfile.mkdtemp(prefix="gs-t", dir="/tmp"))  # the sandbox's socket paths must stay short
     run = SandboxRun(root, "--keep-running", *args)
     try:
-        run.out.wait_for("Ctrl-C", 240)
+        run.printed("Ctrl-C", 240)
         yield run
     finally:
         run.signal(signal.SIGTERM)
