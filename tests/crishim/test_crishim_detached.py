@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -189,6 +190,7 @@ def node(containerd: Containerd) -> Iterator[Node]:
     finally:
         found.close()
         containerd.remove_all_pods()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def run_pod(socket: Path, name: str) -> dict[str, str]:

@@ -11,9 +11,11 @@ Every command is the guide's own (:mod:`support.guide`); this module runs every 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import yaml
+from gpushare.crishim.detached import escape_dirs
 from kubernetes import client
 from support.guide import guide_steps
 from support.install import (
@@ -30,6 +32,7 @@ from support.waiting import wait_until
 from gpushare.contract.names import DEFAULT_SCHEDULER_NAME, ENV_VISIBLE_DEVICES, RESOURCE_MEM, VISIBLE_DEVICES_VOID
 from gpushare.sandbox import image
 from gpushare.sandbox.examples import EXAMPLES
+from gpushare.sandbox.nodecgroups import remove_cgroup_root
 from gpushare.sandbox.shippedcluster import SCHEDULER_CONFIG, shipped_cluster_available
 
 UNAVAILABLE = shipped_cluster_available() or image.missing()
@@ -47,8 +50,23 @@ SHIM_ENDPOINT = "unix:///run/gpushare/cri.sock"
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     measurements = tmp_path_factory.mktemp("cri-shim-install") / "measurements.json"
-    with installing(VALUES, measurements) as state:
-        yield state
+    try:
+        with installing(VALUES, measurements) as state:
+            yield state
+    finally:
+        remove_escaped_cgroups()
+
+
+def remove_escaped_cgroups() -> None:
+    """Remove the cgroup the node agents' shims escaped to, at the roots of the machine's hierarchies,
+    once the shims, which end a moment after their cluster's containerd, have left it."""
+    escaped = [found for found in escape_dirs(Path("/sys/fs/cgroup")) if found.is_dir()]
+
+    def empty() -> bool:
+        return not any((found / "cgroup.procs").read_text().strip() for found in escaped if found.is_dir())
+
+    wait_until(empty, 60, "the detached shims to end", 0.2)
+    remove_cgroup_root(escaped)
 
 
 def kubelet_config(installed: Installed, node: str) -> dict[str, object]:
