@@ -42,8 +42,7 @@ CALL_TIMEOUT = 30.0
 def sandbox_cgroup(stub: cri_pb2_grpc.RuntimeServiceStub, sandbox: str) -> tuple[cri_pb2.PodSandboxMetadata, str]:
     """The sandbox's pod (its metadata) and the pod's cgroup, from the runtime's verbose status;
     grpc.RpcError when the runtime doesn't answer (NOT_FOUND: it no longer knows the sandbox)."""
-    request = cri_pb2.PodSandboxStatusRequest(pod_sandbox_id=sandbox, verbose=True)
-    status = stub.PodSandboxStatus(request, timeout=CALL_TIMEOUT)
+    status = _sandbox_status(stub, sandbox)
     return status.status.metadata, cgroup_parent(status.info.get("info", ""))
 
 

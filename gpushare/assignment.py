@@ -13,6 +13,7 @@ the index the assignment gives and within what the extender recorded for the pod
 (when it has an entry), and the units the node's live pods hold on it must fit its capacity.
 Pure: plain values in, a :class:`Refusal` or None out.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence

@@ -114,6 +114,7 @@ class PodLimiter:
         failures = []
         with self.lock:
             for cgroup in _deepest_first(directory):
+                failed_before = len(failures)
                 for card in enforcing:
                     try:
                         self.set_limit(card.uuid, cgroup, 0, NO_HARD_LIMIT)
@@ -121,7 +122,7 @@ class PodLimiter:
                         if cgroup.is_dir():  # a container's cgroup that went meanwhile took its limits along
                             where = f"card {card.index} ({card.uuid})"
                             failures.append(_failed(f"{who}: {where}: limits not cleared on cgroup {cgroup}: {exc}"))
-                if not failures:
+                if len(failures) == failed_before:
                     log.info("%s: memory limits cleared on cgroup %s", who, cgroup)
         return failures
 
